@@ -1,0 +1,31 @@
+"""The `tison` command. Each subcommand lives in its own module with a `register(subparsers)`."""
+
+import argparse
+import importlib
+import sys
+
+# Modules under services/cli that add a subcommand; each defines register(subparsers).
+SUBCOMMAND_MODULES = ["generate", "codec"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tison", description="Tison LLM inference engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"services.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"services.cli.{name}":
+                raise
+            continue  # subcommand not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Exceptions raised by the library. Each names the field, file or limit at fault."""
+
+
+class TisonError(Exception):
+    """Base class of every error Tison raises on purpose."""
+
+
+class ModelFolderError(TisonError):
+    """A model folder is missing a file, or a file in it is corrupt. Names the file."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+
+
+class UnsupportedArchitectureError(TisonError):
+    """`architectures[0]` of config.json has no model family registered."""
+
+    def __init__(self, architecture: str, supported: list[str]):
+        names = ", ".join(sorted(supported))
+        super().__init__(f"unsupported architecture {architecture!r}; supported: {names}")
+        self.architecture = architecture
+
+
+class InvalidRequestError(TisonError, ValueError):
+    """A request or sampling value is invalid. `field` names it (OpenAI's `param`)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt exceeds a hard limit: the model's context or what the KV pool can ever hold."""
+
+    def __init__(self, num_tokens: int, limit: int, limit_name: str):
+        super().__init__("prompt", f"{num_tokens} tokens exceed the {limit_name} of {limit} tokens")
+        self.num_tokens = num_tokens
+        self.limit = limit

@@ -1,0 +1,95 @@
+"""Per-request sampling parameters, validated at construction (OpenAI / vLLM semantics)."""
+
+from dataclasses import dataclass
+
+from shared.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. temperature == 0 means greedy."""
+
+    max_tokens: int = 16  # new tokens at most
+    min_tokens: int = 0  # stop tokens/strings are ignored until this many were generated
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0  # keep tokens with prob >= min_p * max prob
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI
+    repetition_penalty: float = 1.0  # > 0, HF/CTRL style, over prompt and output
+    seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
+    stop: tuple[str, ...] = ()  # stop strings, left out of the output text
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens, besides EOS
+    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    logprobs: int | None = None  # None: none; n >= 0: chosen token's logprob + top-n
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers; keep tuples so the object stays hashable/frozen.
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
+        object.__setattr__(
+            self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int)
+        )
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            "must be an integer >= 1",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be an integer in [0, max_tokens]",
+        )
+        _check(_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or >= 1"
+        )
+        _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
+        _check(
+            _num(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+        )
+        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, field_name: str, problem: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field_name, problem)
+
+
+def _as_tuple(value, field_name: str, kind: type) -> tuple:
+    if isinstance(value, kind):
+        value = (value,)
+    value = tuple(value or ())
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise InvalidRequestError(field_name, f"must be a list of {kind.__name__}")
+    return value
+
+
+__all__ = ["SamplingParams", "MAX_LOGPROBS"]

@@ -1,0 +1,116 @@
+"""Tiny model folders built in tests: a BPE tokenizer trained on a fixed corpus and a
+random-initialised Hugging Face model of each family, saved as safetensors. Fixed seeds."""
+
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Über naïve café — 東京 and ünïcödé ✓ 🙂.",
+    "import os\nimport sys\nfor i in range(10):\n    print(i, os.path.join('a', 'b'))\n",
+    "Once upon a time there was a tiny language model that served tokens all day long.",
+] * 20
+VOCAB_SIZE = 384
+
+FAMILIES = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "llama3": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+        rope_theta=500000.0,
+    ),
+    "llama_tied": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True
+    ),
+    "mistral": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None
+    ),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16),
+}
+
+
+def build_tokenizer(out: Path) -> None:
+    """Byte-level BPE tokenizer + tokenizer_config.json with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 256,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def hf_config(family: str, **overrides) -> dict:
+    cfg = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.5,  # peaked logits: greedy parity must not hinge on near-ties
+        torch_dtype="float32",
+    )
+    cfg.update(FAMILIES[family])
+    cfg.update(overrides)
+    return cfg
+
+
+def build_model(out: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random-initialised HF model of `family` plus tokenizer into `out`."""
+    import transformers
+
+    out = Path(out)
+    cfg_dict = hf_config(family, **overrides)
+    config_cls = transformers.AutoConfig.for_model(cfg_dict.pop("model_type")).__class__
+    config = config_cls(**cfg_dict)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    model.generation_config.save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
+def load_hf(model_dir: Path, dtype=torch.float32):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.eval()
