@@ -37,3 +37,15 @@ class PromptTooLongError(InvalidRequestError):
         super().__init__("prompt", f"{num_tokens} tokens exceed the {limit_name} of {limit} tokens")
         self.num_tokens = num_tokens
         self.limit = limit
+
+
+class ProtocolError(TisonError):
+    """A NATS message is malformed: not msgpack, wrong schema version or kind, bad field."""
+
+    def __init__(self, kind: str, problem: str):
+        super().__init__(f"{kind} message: {problem}")
+        self.kind = kind
+
+
+class ProcessStartError(TisonError):
+    """A helper process (the nats-server binary, a service) is missing or did not start."""

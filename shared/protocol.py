@@ -1,0 +1,283 @@
+"""The wire contract: every NATS payload as a frozen dataclass, msgpack-encoded here and only here.
+
+Each body is a msgpack map carrying `v` (SCHEMA_VERSION) and `t` (the message's KIND) besides
+its fields. `decode` checks both plus every field's type and raises ProtocolError otherwise, so
+a service can log and drop a bad message instead of crashing. Unknown extra keys are ignored
+(a newer peer may add optional fields). Messages carry ids, counts and page numbers, never tensors.
+"""
+
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from functools import cache
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from shared.errors import InvalidRequestError, ProtocolError
+from shared.sampling.params import SamplingParams
+
+SCHEMA_VERSION = 1
+
+# Submit reply statuses (SubmitReplyMsg.status); the gateway maps them to HTTP codes.
+ACCEPTED = "accepted"  # 200: the request runs on prefill_worker / decode_worker
+QUEUE_FULL = "queue_full"  # 429 + Retry-After
+NO_WORKERS = "no_workers"  # 503
+TOO_LONG = "too_long"  # 400: no decode worker's KV pool can ever hold it
+EXPIRED = "expired"  # 503: the deadline passed while queued
+
+# TokenItem.finish_reason values.
+FINISH_STOP = "stop"  # EOS or a stop token (or, decided by the gateway, a stop string)
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_ABORT = "abort"  # cancelled
+FINISH_ERROR = "error"  # worker failure; TokenItem.error says why
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a finished request (OpenAI `usage`)."""
+
+    prompt_tokens: int  # decode worker sets; gateway reports it
+    completion_tokens: int  # decode worker sets (tokens generated, first one included)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one chosen token and the top alternatives at its position."""
+
+    token_id: int  # sampler sets: the chosen token
+    logprob: float  # sampler sets: its log-probability
+    top_ids: tuple[int, ...] = ()  # sampler sets: top-n token ids, most likely first
+    top_logprobs: tuple[float, ...] = ()  # sampler sets: their log-probabilities
+
+
+@dataclass(frozen=True)
+class TokenItem:
+    """Tokens of one request produced in one step (empty `token_ids` with a finish is allowed)."""
+
+    request_id: str  # worker sets from the assignment; gateway demultiplexes by it
+    index: int  # worker sets: output index of token_ids[0]; gateway drops duplicates, fills gaps
+    token_ids: tuple[int, ...] = ()  # worker sets: new tokens in order
+    logprobs: tuple[TokenLogprob, ...] = ()  # worker sets when sampling.logprobs is not None
+    finish_reason: str | None = None  # decode worker sets on the last item (FINISH_*)
+    error: str = ""  # worker sets with FINISH_ERROR; gateway shows it to the client
+    usage: Usage | None = None  # decode worker sets on the last item
+
+
+@dataclass(frozen=True)
+class SubmitMsg:
+    """Gateway → scheduler (request/reply on scheduler_submit): run this request."""
+
+    KIND: ClassVar[str] = "submit"
+    request_id: str  # gateway sets (unique); every process keys the request by it
+    gateway_id: str  # gateway sets; workers publish tokens to gateway_tokens(gateway_id)
+    prompt_token_ids: tuple[int, ...]  # gateway sets (tokenized, chat template applied)
+    sampling: SamplingParams  # gateway sets from the OpenAI body; workers sample with it
+    deadline: float  # gateway sets (unix time); scheduler drops it if still queued then
+
+
+@dataclass(frozen=True)
+class SubmitReplyMsg:
+    """Scheduler → gateway: the request runs (on which workers), or why not."""
+
+    KIND: ClassVar[str] = "submit_reply"
+    request_id: str  # scheduler copies from SubmitMsg
+    status: str  # scheduler sets: ACCEPTED, QUEUE_FULL, NO_WORKERS, TOO_LONG or EXPIRED
+    reason: str = ""  # scheduler sets when not accepted; gateway puts it in the error message
+    retry_after_s: float = 0.0  # scheduler sets with QUEUE_FULL; gateway sends Retry-After
+    limit: int = 0  # scheduler sets with TOO_LONG: the most tokens any decode worker can hold
+    prefill_worker: str = ""  # scheduler sets with ACCEPTED; gateway watches its heartbeats
+    decode_worker: str = ""  # scheduler sets with ACCEPTED; gateway watches its heartbeats
+
+
+@dataclass(frozen=True)
+class CancelMsg:
+    """Gateway → everyone (gateway_cancel): forget the request and free its pages."""
+
+    KIND: ClassVar[str] = "cancel"
+    request_id: str  # gateway sets; scheduler, prefill and decode workers read it
+    reason: str = ""  # gateway sets (disconnect, stop string, worker died); logged only
+
+
+@dataclass(frozen=True)
+class HeartbeatMsg:
+    """Worker → scheduler and gateways (heartbeat(role, id)), every `interval_s`."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    worker_id: str  # worker sets (unique per process); scheduler routes by it
+    role: str  # worker sets: "prefill" or "decode"
+    model: str  # worker sets: served model name; gateway lists it
+    max_model_len: int  # worker sets: context length; gateway rejects longer prompts
+    interval_s: float  # worker sets: period; a registry counts missed beats with it
+    queued_tokens: int = 0  # worker sets: prompt tokens waiting to be computed
+    running_seqs: int = 0  # worker sets: requests it holds
+    free_pages: int = 0  # worker sets: KV pages free (decode); scheduler checks fit
+    total_pages: int = 0  # worker sets: KV pool size; gateway /metrics
+    page_size: int = 16  # worker sets: tokens per KV page; scheduler sizes requests
+    endpoints: dict[str, str] = field(default_factory=dict)  # worker sets: transport → address
+    kv_transfer_bytes: int = 0  # worker sets: cumulative KV bytes sent/received; /metrics
+    kv_transfer_seconds: float = 0.0  # worker sets: cumulative transfer time; /metrics
+
+
+@dataclass(frozen=True)
+class DecodeAssignMsg:
+    """Scheduler → decode worker (request/reply on assign("decode", id)): reserve pages."""
+
+    KIND: ClassVar[str] = "decode_assign"
+    request_id: str  # scheduler copies from SubmitMsg
+    gateway_id: str  # scheduler copies; decode publishes tokens there
+    prefill_worker: str  # scheduler sets: who will write the pages
+    prompt_token_ids: tuple[int, ...]  # scheduler copies; decode needs them for penalties
+    sampling: SamplingParams  # scheduler copies; decode samples with it
+
+
+@dataclass(frozen=True)
+class DecodeAssignReplyMsg:
+    """Decode worker → scheduler: pages reserved for the request, or a refusal."""
+
+    KIND: ClassVar[str] = "decode_assign_reply"
+    request_id: str  # decode copies
+    accepted: bool  # decode sets: False when its pool cannot hold the request now
+    page_ids: tuple[int, ...] = ()  # decode sets: reserved pages; prefill writes KV there
+    endpoints: dict[str, str] = field(default_factory=dict)  # decode sets: where to write
+    reason: str = ""  # decode sets when refusing; scheduler logs it
+
+
+@dataclass(frozen=True)
+class PrefillAssignMsg:
+    """Scheduler → prefill worker (assign("prefill", id)): compute this prompt into D's pages."""
+
+    KIND: ClassVar[str] = "prefill_assign"
+    request_id: str  # scheduler copies from SubmitMsg
+    gateway_id: str  # scheduler copies; prefill publishes the first token there
+    prompt_token_ids: tuple[int, ...]  # scheduler copies
+    sampling: SamplingParams  # scheduler copies; prefill samples the first token with it
+    decode_worker: str  # scheduler sets; prefill sends KvReadyMsg to decode_kv(decode_worker)
+    decode_endpoints: dict[str, str]  # scheduler copies from DecodeAssignReplyMsg.endpoints
+    page_ids: tuple[int, ...]  # scheduler copies from DecodeAssignReplyMsg.page_ids
+
+
+@dataclass(frozen=True)
+class KvReadyMsg:
+    """Prefill → decode worker (decode_kv(id)): the pages are written, or prefill failed."""
+
+    KIND: ClassVar[str] = "kv_ready"
+    request_id: str  # prefill copies
+    prefill_worker: str  # prefill sets; logged
+    ok: bool  # prefill sets: False on a transfer or compute error
+    first_token_id: int = -1  # prefill sets when ok: the sampled first token (output index 0)
+    first_logprob: TokenLogprob | None = None  # prefill sets when logprobs were asked
+    error: str = ""  # prefill sets when not ok; decode forwards it to the gateway
+
+
+@dataclass(frozen=True)
+class TokensMsg:
+    """Worker → gateway (gateway_tokens(id)): every token of that gateway's requests in a step."""
+
+    KIND: ClassVar[str] = "tokens"
+    worker_id: str  # worker sets; logged
+    items: tuple[TokenItem, ...]  # worker sets: one per request that advanced this step
+
+
+Message = (
+    SubmitMsg
+    | SubmitReplyMsg
+    | CancelMsg
+    | HeartbeatMsg
+    | DecodeAssignMsg
+    | DecodeAssignReplyMsg
+    | PrefillAssignMsg
+    | KvReadyMsg
+    | TokensMsg
+)
+M = TypeVar("M")
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of a message, tagged with SCHEMA_VERSION and its KIND."""
+    body = _to_wire(msg)
+    body["v"] = SCHEMA_VERSION
+    body["t"] = msg.KIND
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes, cls: type[M]) -> M:
+    """The message of type `cls` in `data`; ProtocolError if it is anything else."""
+    kind = cls.KIND  # type: ignore[attr-defined]
+    try:
+        body = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(kind, f"not msgpack ({e})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(kind, f"body is a {type(body).__name__}, not a map")
+    if body.get("v") != SCHEMA_VERSION:
+        raise ProtocolError(kind, f"schema version {body.get('v')!r} != {SCHEMA_VERSION}")
+    if body.get("t") != kind:
+        raise ProtocolError(kind, f"kind is {body.get('t')!r}")
+    return _from_wire(cls, body, kind)
+
+
+def _to_wire(value: Any) -> Any:
+    if is_dataclass(value):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _from_wire(cls: type, body: Any, path: str) -> Any:
+    if not isinstance(body, dict):
+        raise ProtocolError(path, f"expected a map for {cls.__name__}")
+    hints = _hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in body:
+            kwargs[f.name] = _convert(hints[f.name], body[f.name], f"{path}.{f.name}")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ProtocolError(path, f"missing field {f.name!r}")
+    try:
+        return cls(**kwargs)
+    except InvalidRequestError as e:  # SamplingParams validates itself
+        raise ProtocolError(path, str(e)) from None
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _convert(inner, value, path)
+    if origin is tuple:
+        item_tp = typing.get_args(tp)[0]
+        _expect(isinstance(value, list), path, "a list", value)
+        return tuple(_convert(item_tp, v, f"{path}[]") for v in value)
+    if origin is dict:
+        _, item_tp = typing.get_args(tp)
+        _expect(isinstance(value, dict), path, "a map", value)
+        _expect(all(isinstance(k, str) for k in value), path, "string keys", value)
+        return {k: _convert(item_tp, v, f"{path}.{k}") for k, v in value.items()}
+    if is_dataclass(tp):
+        return _from_wire(tp, value, path)
+    if tp is float:
+        _expect(
+            isinstance(value, (int, float)) and not isinstance(value, bool), path, "a number", value
+        )
+        return float(value)
+    if tp is int:
+        _expect(isinstance(value, int) and not isinstance(value, bool), path, "an integer", value)
+        return value
+    _expect(isinstance(value, tp), path, tp.__name__, value)
+    return value
+
+
+def _expect(ok: bool, path: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ProtocolError(path, f"expected {what}, got {type(value).__name__}")

@@ -1,0 +1,56 @@
+"""Every NATS subject Tison uses, built in one place: `tison.v1.<component>.<endpoint>[.<id>]`.
+
+Services never type a subject inline; they call these functions.
+"""
+
+PREFIX = "tison.v1"
+ROLES = ("prefill", "decode")
+SCHEDULER_QUEUE_GROUP = "tison-scheduler"  # scheduler replicas share submits
+
+
+def _check_token(value: str, what: str) -> str:
+    # A subject token must not contain separators or wildcards, or routing silently breaks.
+    if not value or any(c in value for c in ".*> \t\r\n"):
+        raise ValueError(f"invalid {what} for a NATS subject: {value!r}")
+    return value
+
+
+def _check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return role
+
+
+def scheduler_submit() -> str:
+    """Gateway → scheduler request/reply (queue group SCHEDULER_QUEUE_GROUP)."""
+    return f"{PREFIX}.scheduler.submit"
+
+
+def gateway_cancel() -> str:
+    """Gateway → everyone: free all state of a request."""
+    return f"{PREFIX}.gateway.cancel"
+
+
+def gateway_tokens(gateway_id: str) -> str:
+    """Prefill/decode → one gateway: the tokens of its requests."""
+    return f"{PREFIX}.gateway.tokens.{_check_token(gateway_id, 'gateway id')}"
+
+
+def heartbeat(role: str, worker_id: str) -> str:
+    """Worker → scheduler and gateways: load and endpoints."""
+    return f"{PREFIX}.{_check_role(role)}.heartbeat.{_check_token(worker_id, 'worker id')}"
+
+
+def all_heartbeats() -> str:
+    """Wildcard matching the heartbeats of every role and worker."""
+    return f"{PREFIX}.*.heartbeat.*"
+
+
+def assign(role: str, worker_id: str) -> str:
+    """Scheduler → one worker: a request assignment (request/reply for decode)."""
+    return f"{PREFIX}.{_check_role(role)}.assign.{_check_token(worker_id, 'worker id')}"
+
+
+def decode_kv(worker_id: str) -> str:
+    """Prefill → one decode worker: pages written (or failed) for a request."""
+    return f"{PREFIX}.decode.kv.{_check_token(worker_id, 'worker id')}"

@@ -1,0 +1,125 @@
+"""Wire contract: round trips, rejection of malformed messages, subjects, and a real nats-server."""
+
+import asyncio
+
+import msgpack
+import nats
+import pytest
+
+from shared import protocol, subjects
+from shared.errors import ProtocolError
+from shared.nats_server import NatsServer
+from shared.protocol import (
+    CancelMsg,
+    DecodeAssignMsg,
+    DecodeAssignReplyMsg,
+    HeartbeatMsg,
+    KvReadyMsg,
+    PrefillAssignMsg,
+    SubmitMsg,
+    SubmitReplyMsg,
+    TokenItem,
+    TokenLogprob,
+    TokensMsg,
+    Usage,
+)
+from shared.sampling.params import SamplingParams
+
+SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2)
+
+EXAMPLES = [
+    SubmitMsg("r1", "gw1", (1, 2, 3), SAMPLING, deadline=123.5),
+    SubmitReplyMsg("r1", protocol.QUEUE_FULL, reason="busy", retry_after_s=1.0),
+    SubmitReplyMsg("r1", protocol.ACCEPTED, prefill_worker="p1", decode_worker="d1"),
+    CancelMsg("r1", reason="disconnect"),
+    HeartbeatMsg("d1", "decode", "m", 256, 0.5, free_pages=3, endpoints={"shm": "/x"}),
+    DecodeAssignMsg("r1", "gw1", "p1", (5, 6), SAMPLING),
+    DecodeAssignReplyMsg("r1", True, page_ids=(4, 9), endpoints={"tcp": "h:1"}),
+    PrefillAssignMsg("r1", "gw1", (5, 6), SAMPLING, "d1", {"tcp": "h:1"}, (4, 9)),
+    KvReadyMsg("r1", "p1", True, 42, TokenLogprob(42, -0.25, (42, 7), (-0.25, -2.0))),
+    KvReadyMsg("r1", "p1", False, error="transfer failed"),
+    TokensMsg(
+        "d1",
+        (
+            TokenItem("r1", 1, (4, 5), finish_reason="length", usage=Usage(2, 3)),
+            TokenItem("r2", 0, (), finish_reason="error", error="boom"),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert protocol.decode(protocol.encode(msg), type(msg)) == msg
+
+
+def test_body_carries_version_and_kind():
+    body = msgpack.unpackb(protocol.encode(CancelMsg("r9")))
+    assert body == {"v": protocol.SCHEMA_VERSION, "t": "cancel", "request_id": "r9", "reason": ""}
+
+
+def _body(msg, **changes):
+    body = msgpack.unpackb(protocol.encode(msg))
+    body.update(changes)
+    return msgpack.packb(body)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1garbage",
+        msgpack.packb([1, 2]),
+        _body(CancelMsg("r"), v=2),
+        _body(CancelMsg("r"), t="submit"),
+        _body(CancelMsg("r"), request_id=5),
+        msgpack.packb({"v": 1, "t": "cancel"}),
+    ],
+)
+def test_malformed_cancel_is_rejected(data):
+    with pytest.raises(ProtocolError):
+        protocol.decode(data, CancelMsg)
+
+
+def test_nested_fields_are_type_checked():
+    submit = EXAMPLES[0]
+    bad_sampling = dict(msgpack.unpackb(protocol.encode(submit))["sampling"], temperature=-1)
+    for change in (
+        {"prompt_token_ids": [1, "a"]},
+        {"prompt_token_ids": 3},
+        {"sampling": bad_sampling},
+        {"deadline": True},
+    ):
+        with pytest.raises(ProtocolError):
+            protocol.decode(_body(submit, **change), SubmitMsg)
+
+
+def test_unknown_fields_are_ignored_and_defaults_filled():
+    data = msgpack.packb({"v": 1, "t": "cancel", "request_id": "r", "future": [1]})
+    assert protocol.decode(data, CancelMsg) == CancelMsg("r")
+
+
+def test_subjects():
+    assert subjects.heartbeat("decode", "d-1") == "tison.v1.decode.heartbeat.d-1"
+    assert subjects.assign("prefill", "p") == "tison.v1.prefill.assign.p"
+    assert subjects.gateway_tokens("g") == "tison.v1.gateway.tokens.g"
+    assert subjects.decode_kv("d") == "tison.v1.decode.kv.d"
+    with pytest.raises(ValueError):
+        subjects.heartbeat("decode", "a.b")
+    with pytest.raises(ValueError):
+        subjects.assign("router", "x")
+
+
+async def test_messages_cross_a_real_nats_server(tmp_path):
+    with NatsServer(tmp_path / "nats") as server:
+        nc = await nats.connect(server.url)
+        got: asyncio.Queue = asyncio.Queue()
+
+        async def on_msg(msg):
+            await got.put(protocol.decode(msg.data, HeartbeatMsg))
+
+        await nc.subscribe(subjects.all_heartbeats(), cb=on_msg)
+        beat = EXAMPLES[4]
+        await nc.publish(subjects.heartbeat("decode", "d1"), protocol.encode(beat))
+        assert await asyncio.wait_for(got.get(), 5) == beat
+        await nc.close()
+    assert not server._accepts()
