@@ -1,0 +1,1 @@
+"""A fake prefill/decode worker speaking the real protocol, with deterministic tokens."""

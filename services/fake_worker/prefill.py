@@ -1,0 +1,118 @@
+"""The fake prefill worker: "computes" prompts, sends the first token, tells decode it is done."""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.fake_worker.batch import PageAllocator
+from services.fake_worker.config import FakeWorkerConfig
+from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token, prompt_digest
+from shared import protocol, subjects
+from shared.errors import ProtocolError
+from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Job:
+    assign: PrefillAssignMsg
+    page_ids: tuple[int, ...]  # its own pages while computing
+
+
+class FakePrefill:
+    """Prefill role: batches every waiting prompt, sleeps prefill_token_s per token, answers."""
+
+    role = "prefill"
+
+    def __init__(self, nc: Client, config: FakeWorkerConfig, info: FakeModelInfo, worker_id: str):
+        self.nc, self.config, self.info, self.worker_id = nc, config, info, worker_id
+        self.pages = PageAllocator(config.num_pages)
+        self._jobs: dict[str, _Job] = {}  # request id → job, in arrival order
+        self._work = asyncio.Event()
+
+    async def subscribe(self) -> None:
+        await self.nc.subscribe(subjects.assign("prefill", self.worker_id), cb=self._on_assign)
+        await self.nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
+
+    def load(self) -> dict:
+        """Heartbeat load fields."""
+        queued = sum(len(job.assign.prompt_token_ids) for job in self._jobs.values())
+        return dict(
+            queued_tokens=queued,
+            running_seqs=len(self._jobs),
+            free_pages=self.pages.num_free,
+            total_pages=self.pages.num_pages,
+        )
+
+    async def _on_assign(self, msg: Msg) -> None:
+        try:
+            assign = protocol.decode(msg.data, PrefillAssignMsg)
+        except ProtocolError as e:
+            log.warning("dropped prefill assignment: %s", e)
+            return
+        num_pages = -(-len(assign.prompt_token_ids) // self.config.page_size)
+        page_ids = self.pages.reserve(num_pages)
+        if page_ids is None:
+            await self._kv_ready(
+                assign,
+                KvReadyMsg(assign.request_id, self.worker_id, False, error="prefill KV pool full"),
+            )
+            return
+        self._jobs[assign.request_id] = _Job(assign, page_ids)
+        self._work.set()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = protocol.decode(msg.data, CancelMsg)
+        except ProtocolError as e:
+            log.warning("dropped cancel: %s", e)
+            return
+        job = self._jobs.pop(cancel.request_id, None)
+        if job is not None:
+            self.pages.release(job.page_ids)
+
+    async def _kv_ready(self, assign: PrefillAssignMsg, ready: KvReadyMsg) -> None:
+        await self.nc.publish(subjects.decode_kv(assign.decode_worker), protocol.encode(ready))
+
+    async def run(self) -> None:
+        """Compute all waiting prompts as one batch, repeatedly, until cancelled."""
+        while True:
+            if not self._jobs:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            batch = list(self._jobs)
+            num_tokens = sum(len(self._jobs[r].assign.prompt_token_ids) for r in batch)
+            await asyncio.sleep(num_tokens * self.config.prefill_token_s)
+            done = [self._jobs.pop(r) for r in batch if r in self._jobs]  # skip cancelled
+            await self._finish(done)
+
+    async def _finish(self, jobs: list[_Job]) -> None:
+        firsts = [self._first_token(job.assign) for job in jobs]
+        by_gateway: dict[str, list[TokenItem]] = {}
+        for job, item in zip(jobs, firsts, strict=True):
+            by_gateway.setdefault(job.assign.gateway_id, []).append(item)
+        for gateway_id, items in by_gateway.items():
+            body = protocol.encode(TokensMsg(self.worker_id, tuple(items)))
+            await self.nc.publish(subjects.gateway_tokens(gateway_id), body)
+        for job, item in zip(jobs, firsts, strict=True):
+            self.pages.release(job.page_ids)
+            ready = KvReadyMsg(
+                job.assign.request_id,
+                self.worker_id,
+                True,
+                first_token_id=item.token_ids[0],
+                first_logprob=item.logprobs[0] if item.logprobs else None,
+            )
+            await self._kv_ready(job.assign, ready)
+
+    def _first_token(self, assign: PrefillAssignMsg) -> TokenItem:
+        digest = prompt_digest(assign.prompt_token_ids)
+        token = next_token(self.info, digest, 0, assign.sampling, self.config.eos_after)
+        top_n = assign.sampling.logprobs
+        logprobs = () if top_n is None else (fake_logprob(self.info, token, 0, top_n),)
+        return TokenItem(assign.request_id, 0, (token,), logprobs)

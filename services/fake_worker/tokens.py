@@ -1,0 +1,89 @@
+"""What the fake worker "generates": a pure function of the prompt and the output index.
+
+Tokens are drawn from the model's ordinary (non-special) vocabulary so they detokenize to text,
+and never EOS unless the worker was started with `eos_after`. Tests import `fake_token` to know
+the exact output to expect.
+"""
+
+import bisect
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ModelFolderError
+from shared.protocol import TokenLogprob
+
+_STRIDE = 2654435761  # Knuth's multiplicative constant: consecutive indices land far apart
+
+
+@dataclass(frozen=True)
+class FakeModelInfo:
+    """The few facts about a model folder the fake worker needs."""
+
+    name: str  # served model name (the folder name)
+    eos_token_id: int
+    max_model_len: int
+    ordinary_ids: tuple[int, ...]  # ids it may emit: the vocabulary minus special tokens
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "FakeModelInfo":
+        model_dir = Path(model_dir)
+        config = _read_json(model_dir / "config.json")
+        eos = config.get("eos_token_id", 0)
+        eos = eos[0] if isinstance(eos, list) else eos
+        special = {eos}
+        tokenizer_path = model_dir / "tokenizer.json"
+        if tokenizer_path.is_file():
+            special |= {t["id"] for t in _read_json(tokenizer_path).get("added_tokens", [])}
+        vocab_size = int(config.get("vocab_size", 0))
+        ordinary = tuple(i for i in range(vocab_size) if i not in special)
+        if not ordinary:
+            raise ModelFolderError(str(model_dir / "config.json"), "vocab_size missing or 0")
+        return cls(
+            name=model_dir.name,
+            eos_token_id=int(eos),
+            max_model_len=int(config.get("max_position_embeddings", 2048)),
+            ordinary_ids=ordinary,
+        )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFolderError(str(path), f"unreadable ({e})") from None
+
+
+def prompt_digest(prompt_token_ids: tuple[int, ...]) -> int:
+    """A stable 64-bit digest of the prompt (Python's hash() is salted per process)."""
+    data = b"".join(i.to_bytes(4, "little", signed=True) for i in prompt_token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def fake_token(info: FakeModelInfo, digest: int, index: int) -> int:
+    """The ordinary token at output `index` for the prompt with `digest`."""
+    return info.ordinary_ids[(digest + index * _STRIDE) % len(info.ordinary_ids)]
+
+
+def next_token(
+    info: FakeModelInfo, digest: int, index: int, sampling, eos_after: int | None
+) -> int:
+    """The token at output `index`: EOS from index `eos_after` on (if set, allowed), else fake."""
+    if (
+        eos_after is not None
+        and not sampling.ignore_eos
+        and index >= max(eos_after, sampling.min_tokens)
+    ):
+        return info.eos_token_id
+    return fake_token(info, digest, index)
+
+
+def fake_logprob(info: FakeModelInfo, token_id: int, index: int, top_n: int) -> TokenLogprob:
+    """Plausible logprobs: the chosen token is the most likely, then the next ordinary ids."""
+    chosen = -0.1 * (1 + index % 5)
+    pos = bisect.bisect_left(info.ordinary_ids, token_id)  # ordinary_ids is sorted
+    others = [info.ordinary_ids[(pos + k) % len(info.ordinary_ids)] for k in range(1, top_n)]
+    top_ids = (token_id, *others)[:top_n]
+    top_logprobs = tuple(chosen - k for k in range(len(top_ids)))
+    return TokenLogprob(token_id, chosen, top_ids, top_logprobs)

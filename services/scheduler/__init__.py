@@ -1,0 +1,1 @@
+"""The scheduler process: admission, routing, worker registry."""

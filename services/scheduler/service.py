@@ -1,0 +1,227 @@
+"""The scheduler process: a thin async shell over policy.Router and policy.AdmissionQueue.
+
+Flow per request: the gateway's submit is answered at once when it cannot run (no workers, too
+long, queue full); otherwise it queues. The dispatch loop takes the queue head, picks a decode
+worker D and a prefill worker P, asks D to reserve pages (request/reply), then answers the
+gateway (accepted on P and D) and sends P its assignment. A prefill worker dying is not retried
+here: the gateway fails that request (it knows P from the reply), which keeps each request's
+state owned by one process.
+"""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import nats
+from nats.aio.msg import Msg
+
+from services.scheduler.policy import AdmissionQueue, Choice, Pending, Router
+from shared import protocol, subjects
+from shared.errors import ProtocolError
+from shared.protocol import (
+    CancelMsg,
+    DecodeAssignMsg,
+    DecodeAssignReplyMsg,
+    HeartbeatMsg,
+    PrefillAssignMsg,
+    SubmitMsg,
+    SubmitReplyMsg,
+)
+from shared.registry import DEFAULT_MISS_LIMIT, WorkerRegistry
+
+log = logging.getLogger(__name__)
+TICK_S = 0.05  # dispatch loop wake-up period without events (deadlines, dead workers)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler settings (CLI flags)."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    max_waiting: int = 256  # admission queue bound; beyond it the gateway answers 429
+    retry_after_s: float = 1.0  # Retry-After suggested with QUEUE_FULL
+    assign_timeout_s: float = 1.0  # how long a decode worker has to answer a reservation
+    miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0 or self.retry_after_s <= 0 or self.assign_timeout_s <= 0:
+            raise ValueError("max_waiting must be >= 0 and the timeouts > 0")
+        if self.miss_limit < 1:
+            raise ValueError("miss_limit must be >= 1")
+
+
+class Scheduler:
+    """Owns the router and the admission queue; all mutation happens on the event loop."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.router = Router(WorkerRegistry(config.miss_limit))
+        self.queue = AdmissionQueue(config.max_waiting)
+        self._wake = asyncio.Event()
+        self._nc: nats.NATS | None = None
+        self._placing: str | None = None  # request id being placed (popped, not yet answered)
+        self._placing_cancelled = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set."""
+        self._nc = await nats.connect(self.config.nats_url, name="tison-scheduler")
+        nc = self._nc
+        await nc.subscribe(
+            subjects.scheduler_submit(), subjects.SCHEDULER_QUEUE_GROUP, cb=self._on_submit
+        )
+        await nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
+        await nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
+        log.info("scheduler up on %s", self.config.nats_url)
+        dispatcher = asyncio.create_task(self._dispatch_loop())
+        try:
+            await stop.wait()
+        finally:
+            dispatcher.cancel()
+            await asyncio.gather(dispatcher, return_exceptions=True)
+            await nc.drain()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = protocol.decode(msg.data, HeartbeatMsg)
+        except ProtocolError as e:
+            log.warning("dropped heartbeat on %s: %s", msg.subject, e)
+            return
+        self.router.observe(beat, time.time())
+        self._wake.set()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = protocol.decode(msg.data, CancelMsg)
+        except ProtocolError as e:
+            log.warning("dropped cancel: %s", e)
+            return
+        self.queue.remove(cancel.request_id)
+        if cancel.request_id == self._placing:
+            self._placing_cancelled = True
+
+    async def _on_submit(self, msg: Msg) -> None:
+        try:
+            submit = protocol.decode(msg.data, SubmitMsg)
+        except ProtocolError as e:
+            log.warning("dropped submit: %s", e)
+            return
+        if not msg.reply:
+            log.warning("dropped submit %s without a reply subject", submit.request_id)
+            return
+        status, limit = self.router.admission_status(submit, time.time())
+        if status == protocol.ACCEPTED and not self.queue.push(Pending(submit, msg.reply)):
+            status = protocol.QUEUE_FULL
+        if status != protocol.ACCEPTED:
+            await self._reply(Pending(submit, msg.reply), self._refusal(status, limit))
+            return
+        self._wake.set()
+
+    def _refusal(self, status: str, limit: int) -> dict:
+        if status == protocol.QUEUE_FULL:
+            reason = f"the scheduler queue is full ({self.config.max_waiting} waiting)"
+            return dict(status=status, reason=reason, retry_after_s=self.config.retry_after_s)
+        if status == protocol.TOO_LONG:
+            reason = f"no decode worker can hold more than {limit} tokens"
+            return dict(status=status, reason=reason, limit=limit)
+        if status == protocol.EXPIRED:
+            return dict(status=status, reason="deadline passed while queued")
+        return dict(status=status, reason="no live prefill and decode workers")
+
+    async def _reply(self, pending: Pending, fields: dict) -> None:
+        reply = SubmitReplyMsg(request_id=pending.submit.request_id, **fields)
+        await self._nc.publish(pending.reply_to, protocol.encode(reply))
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._dispatch()
+            except Exception:  # a bug here must not stop scheduling for good
+                log.exception("dispatch failed")
+
+    async def _dispatch(self) -> None:
+        now = time.time()
+        for beat in self.router.reap(now):
+            log.warning(
+                "%s worker %s missed heartbeats; no longer routed to", beat.role, beat.worker_id
+            )
+        for pending in self.queue.take_expired(now):
+            await self._reply(pending, self._refusal(protocol.EXPIRED, 0))
+        while (pending := self.queue.head()) is not None:
+            status, _ = self.router.admission_status(pending.submit, now)
+            if status == protocol.NO_WORKERS:
+                for stranded in self.queue.take_all():
+                    await self._reply(stranded, self._refusal(status, 0))
+                return
+            choice = self.router.choose(pending.submit, now)
+            if choice is None:
+                return  # wait for pages to free up (next heartbeat)
+            self.queue.pop()
+            self._placing, self._placing_cancelled = pending.submit.request_id, False
+            try:
+                placed = await self._place(pending, choice)
+            finally:
+                self._placing = None
+            if not placed:
+                if not self._placing_cancelled:
+                    self.queue.push_front(pending)
+            elif self._placing_cancelled:
+                # The cancel overtook the reservation: repeat it now that the workers know it.
+                cancel = CancelMsg(pending.submit.request_id, reason="cancelled while placing")
+                await self._nc.publish(subjects.gateway_cancel(), protocol.encode(cancel))
+
+    async def _place(self, pending: Pending, choice: Choice) -> bool:
+        """Reserve pages on D, answer the gateway, send P its work. False if D refused."""
+        submit = pending.submit
+        reservation = await self._reserve(submit, choice)
+        if reservation is None:
+            self.router.refused(choice.decode.worker_id)
+            return False
+        self.router.record(choice, submit)
+        await self._reply(
+            pending,
+            dict(
+                status=protocol.ACCEPTED,
+                prefill_worker=choice.prefill.worker_id,
+                decode_worker=choice.decode.worker_id,
+            ),
+        )
+        assignment = PrefillAssignMsg(
+            request_id=submit.request_id,
+            gateway_id=submit.gateway_id,
+            prompt_token_ids=submit.prompt_token_ids,
+            sampling=submit.sampling,
+            decode_worker=choice.decode.worker_id,
+            decode_endpoints=reservation.endpoints,
+            page_ids=reservation.page_ids,
+        )
+        subject = subjects.assign("prefill", choice.prefill.worker_id)
+        await self._nc.publish(subject, protocol.encode(assignment))
+        return True
+
+    async def _reserve(self, submit: SubmitMsg, choice: Choice) -> DecodeAssignReplyMsg | None:
+        ask = DecodeAssignMsg(
+            request_id=submit.request_id,
+            gateway_id=submit.gateway_id,
+            prefill_worker=choice.prefill.worker_id,
+            prompt_token_ids=submit.prompt_token_ids,
+            sampling=submit.sampling,
+        )
+        subject = subjects.assign("decode", choice.decode.worker_id)
+        try:
+            msg = await self._nc.request(
+                subject, protocol.encode(ask), timeout=self.config.assign_timeout_s
+            )
+            reply = protocol.decode(msg.data, DecodeAssignReplyMsg)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ProtocolError) as e:
+            log.warning("decode worker %s did not reserve: %r", choice.decode.worker_id, e)
+            return None
+        if not reply.accepted:
+            log.info("decode worker %s refused: %s", choice.decode.worker_id, reply.reason)
+            return None
+        return reply

@@ -1,0 +1,86 @@
+"""Scheduler policy without NATS: admission statuses, routing by load, the bounded queue."""
+
+from services.scheduler.policy import AdmissionQueue, Pending, Router, pages_needed
+from shared import protocol
+from shared.protocol import HeartbeatMsg, SubmitMsg
+from shared.sampling.params import SamplingParams
+
+
+def beat(worker_id, role="decode", **load):
+    load.setdefault("page_size", 4)
+    return HeartbeatMsg(worker_id, role, "m", 256, 0.5, **load)
+
+
+def submit(request_id="r", prompt_len=6, max_tokens=2, deadline=100.0):
+    sampling = SamplingParams(max_tokens=max_tokens)
+    return SubmitMsg(request_id, "gw", tuple(range(prompt_len)), sampling, deadline)
+
+
+def router(*beats, now=0.0):
+    r = Router()
+    for b in beats:
+        r.observe(b, now)
+    return r
+
+
+def test_pages_needed_rounds_up():
+    assert [pages_needed(n, 4) for n in (1, 4, 5, 8)] == [1, 1, 2, 2]
+
+
+def test_admission_needs_both_roles_and_a_big_enough_pool():
+    only_decode = router(beat("d", free_pages=10, total_pages=10))
+    assert only_decode.admission_status(submit(), 0.0)[0] == protocol.NO_WORKERS
+    r = router(beat("d", free_pages=1, total_pages=2), beat("p", role="prefill"))
+    assert r.admission_status(submit(prompt_len=6, max_tokens=2), 0.0) == (protocol.ACCEPTED, 8)
+    assert r.admission_status(submit(prompt_len=6, max_tokens=3), 0.0) == (protocol.TOO_LONG, 8)
+    assert r.admission_status(submit(), 10.0)[0] == protocol.NO_WORKERS  # all expired
+
+
+def test_routes_to_least_loaded_decode_with_room_and_counts_assignments():
+    r = router(
+        beat("d-busy", free_pages=50, total_pages=50, running_seqs=5),
+        beat("d-full", free_pages=1, total_pages=50, running_seqs=0),
+        beat("d-idle", free_pages=9, total_pages=50, running_seqs=1),
+        beat("p1", role="prefill", queued_tokens=100),
+        beat("p2", role="prefill", queued_tokens=10),
+    )
+    req = submit(prompt_len=6, max_tokens=2)  # 2 pages
+    choice = r.choose(req, 0.0)
+    assert (choice.decode.worker_id, choice.prefill.worker_id) == ("d-idle", "p2")
+    # Until the next heartbeats, assignments add to the reported load.
+    for _ in range(4):
+        r.record(r.choose(req, 0.0), req)
+    # d-idle: 1 + 4 seqs, 9 - 8 pages = 1 free → no room; d-busy takes over; p2 has 10 + 24.
+    choice = r.choose(req, 0.0)
+    assert choice.decode.worker_id == "d-busy"
+    assert choice.prefill.worker_id == "p2"
+    r.observe(beat("d-idle", free_pages=9, total_pages=50, running_seqs=1), 0.1)
+    assert r.choose(req, 0.1).decode.worker_id == "d-idle"
+    r.refused("d-idle")
+    assert r.choose(req, 0.1).decode.worker_id == "d-busy"
+
+
+def test_no_choice_when_no_decode_worker_has_room():
+    r = router(beat("d", free_pages=1, total_pages=10), beat("p", role="prefill"))
+    assert r.choose(submit(prompt_len=6, max_tokens=2), 0.0) is None
+    assert r.choose(submit(prompt_len=2, max_tokens=2), 0.0) is not None
+
+
+def test_reap_forgets_dead_workers():
+    r = router(beat("d", free_pages=9, total_pages=9), beat("p", role="prefill"))
+    assert {b.worker_id for b in r.reap(5.0)} == {"d", "p"}
+    assert r.choose(submit(), 5.0) is None
+
+
+def test_admission_queue_bound_cancel_and_deadlines():
+    q = AdmissionQueue(max_waiting=2)
+    a, b, c = (
+        Pending(submit(n, deadline=d), f"inbox.{n}") for n, d in [("a", 5), ("b", 9), ("c", 9)]
+    )
+    assert q.push(a) and q.push(b) and not q.push(c)
+    assert q.remove("b") and not q.remove("b")
+    assert q.push(c) and len(q) == 2
+    assert q.take_expired(6.0) == [a]
+    assert q.head() is c and q.pop() is c
+    q.push_front(c)
+    assert q.take_all() == [c] and len(q) == 0
