@@ -1,0 +1,206 @@
+"""Fake worker: its pure batch, then scheduler + fake workers over a real NATS server, in-process,
+with the test acting as the gateway."""
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from services.fake_worker.batch import DecodeBatch, PageAllocator
+from services.fake_worker.config import FakeWorkerConfig
+from services.fake_worker.tokens import FakeModelInfo, fake_token, prompt_digest
+from services.fake_worker.worker import run_fake_worker
+from services.scheduler.service import Scheduler, SchedulerConfig
+from shared import protocol, subjects
+from shared.nats_server import NatsServer
+from shared.protocol import (
+    CancelMsg,
+    DecodeAssignMsg,
+    HeartbeatMsg,
+    KvReadyMsg,
+    SubmitMsg,
+    SubmitReplyMsg,
+    TokensMsg,
+)
+from shared.sampling.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def info(tiny_llama):
+    return FakeModelInfo.from_dir(tiny_llama)
+
+
+def test_model_info_excludes_special_tokens(info):
+    assert info.name.startswith("model-llama") and info.eos_token_id == 2
+    assert info.max_model_len == 256 and 2 not in info.ordinary_ids and 0 not in info.ordinary_ids
+
+
+def test_page_allocator_all_or_nothing():
+    pages = PageAllocator(4)
+    assert pages.reserve(3) == (0, 1, 2) and pages.reserve(2) is None and pages.num_used == 3
+    pages.release((0, 1, 2))
+    assert pages.num_free == 4
+
+
+def test_decode_batch_steps_finishes_and_frees(info):
+    batch = DecodeBatch(info, PageAllocator(8), page_size=4, eos_after=None)
+    prompt = (10, 11, 12)
+    sampling = SamplingParams(max_tokens=4, logprobs=2)
+    assert batch.reserve(DecodeAssignMsg("a", "gw", "p", prompt, sampling)) == (0, 1)  # 7 tokens
+    assert batch.reserve(DecodeAssignMsg("b", "gw2", "p", prompt, SamplingParams(max_tokens=1)))
+    assert batch.step() == {}  # nothing has its KV yet
+    digest = prompt_digest(prompt)
+    first = fake_token(info, digest, 0)
+    assert batch.kv_ready(KvReadyMsg("a", "p", True, first)) is None
+    gateway, done = batch.kv_ready(KvReadyMsg("b", "p", True, first))  # max_tokens=1: finished
+    assert (gateway, done.index, done.finish_reason, done.usage.completion_tokens) == (
+        "gw2",
+        1,
+        "length",
+        1,
+    )
+    out = [batch.step()["gw"][0] for _ in range(3)]
+    assert [item.token_ids[0] for item in out] == [fake_token(info, digest, i) for i in (1, 2, 3)]
+    assert [item.index for item in out] == [1, 2, 3]
+    assert (
+        out[0].logprobs[0].top_ids[0] == out[0].token_ids[0]
+        and len(out[0].logprobs[0].top_ids) == 2
+    )
+    assert out[-1].finish_reason == "length" and out[-1].usage == protocol.Usage(3, 4)
+    assert batch.pages.num_used == 0 and batch.step() == {}
+
+
+def test_decode_batch_eos_respects_min_tokens_and_ignore_eos(info):
+    batch = DecodeBatch(info, PageAllocator(64), page_size=4, eos_after=1)
+    for rid, sampling in [
+        ("plain", SamplingParams(max_tokens=9)),
+        ("min", SamplingParams(max_tokens=9, min_tokens=3)),
+        ("ignore", SamplingParams(max_tokens=5, ignore_eos=True)),
+    ]:
+        batch.reserve(DecodeAssignMsg(rid, "gw", "p", (5,), sampling))
+        assert batch.kv_ready(KvReadyMsg(rid, "p", True, 77)) is None
+    finished = {}
+    for _ in range(5):
+        for item in batch.step().get("gw", []):
+            if item.finish_reason:
+                finished[item.request_id] = (item.finish_reason, item.usage.completion_tokens)
+    assert finished == {"plain": ("stop", 2), "min": ("stop", 4), "ignore": ("length", 5)}
+
+
+def test_decode_batch_cancel_and_prefill_error(info):
+    batch = DecodeBatch(info, PageAllocator(4), page_size=4)
+    batch.reserve(DecodeAssignMsg("a", "gw", "p", (1,), SamplingParams(max_tokens=3)))
+    batch.reserve(DecodeAssignMsg("b", "gw", "p", (1,), SamplingParams(max_tokens=3)))
+    assert batch.pages.num_used == 2 and batch.cancel("a") and not batch.cancel("a")
+    _, item = batch.kv_ready(KvReadyMsg("b", "p", False, error="link down"))
+    assert (item.finish_reason, item.error) == ("error", "link down")
+    assert batch.pages.num_used == 0
+
+
+class Cluster:
+    """Scheduler + fake workers as tasks of this event loop, and a client acting as a gateway."""
+
+    def __init__(self, url: str, model_dir, **worker_options):
+        self.url, self.model_dir, self.worker_options = url, model_dir, worker_options
+        self.stop = asyncio.Event()
+        self.tokens: dict[str, list] = {}
+        self.beats: dict[str, HeartbeatMsg] = {}
+
+    async def __aenter__(self):
+        scheduler = Scheduler(SchedulerConfig(nats_url=self.url, max_waiting=2))
+        worker = FakeWorkerConfig(
+            role="both",
+            model_dir=self.model_dir,
+            nats_url=self.url,
+            heartbeat_s=0.1,
+            worker_id="w",
+            **self.worker_options,
+        )
+        self.tasks = [
+            asyncio.create_task(scheduler.run(self.stop)),
+            asyncio.create_task(run_fake_worker(worker, self.stop)),
+        ]
+        self.nc = await nats.connect(self.url)
+        await self.nc.subscribe(subjects.gateway_tokens("gw"), cb=self._on_tokens)
+        await self.nc.subscribe(subjects.all_heartbeats(), cb=self._on_beat)
+        await self.wait_for(lambda: len(self.beats) == 2)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.stop.set()
+        await asyncio.gather(*self.tasks)
+        await self.nc.close()
+
+    async def _on_tokens(self, msg):
+        for item in protocol.decode(msg.data, TokensMsg).items:
+            self.tokens.setdefault(item.request_id, []).append(item)
+
+    async def _on_beat(self, msg):
+        beat = protocol.decode(msg.data, HeartbeatMsg)
+        self.beats[beat.worker_id] = beat
+
+    async def submit(self, request_id, prompt, **sampling) -> SubmitReplyMsg:
+        msg = SubmitMsg(request_id, "gw", prompt, SamplingParams(**sampling), time.time() + 30)
+        reply = await self.nc.request(subjects.scheduler_submit(), protocol.encode(msg), timeout=5)
+        return protocol.decode(reply.data, SubmitReplyMsg)
+
+    def finished(self, request_id) -> bool:
+        return any(item.finish_reason for item in self.tokens.get(request_id, []))
+
+    def pages_used(self) -> int:
+        return sum(b.total_pages - b.free_pages for b in self.beats.values())
+
+    async def wait_for(self, predicate, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached"
+            await asyncio.sleep(0.01)
+
+
+async def test_requests_flow_and_garbage_is_dropped(tmp_path, tiny_llama, info):
+    with NatsServer(tmp_path / "nats") as server:
+        async with Cluster(server.url, tiny_llama) as c:
+            for subject in (
+                subjects.scheduler_submit(),
+                subjects.gateway_cancel(),
+                subjects.heartbeat("decode", "x"),
+                subjects.assign("decode", "w-decode"),
+                subjects.assign("prefill", "w-prefill"),
+                subjects.decode_kv("w-decode"),
+            ):
+                await c.nc.publish(subject, b"\x93not a message")
+            prompt = (20, 21, 22)
+            reply = await c.submit("r1", prompt, max_tokens=5)
+            assert (reply.status, reply.prefill_worker, reply.decode_worker) == (
+                "accepted",
+                "w-prefill",
+                "w-decode",
+            )
+            await c.wait_for(lambda: c.finished("r1"))
+            items = sorted(c.tokens["r1"], key=lambda item: item.index)
+            ids = [t for item in items for t in item.token_ids]
+            assert ids == [fake_token(info, prompt_digest(prompt), i) for i in range(5)]
+            assert items[-1].usage == protocol.Usage(3, 5)
+            too_long = await c.submit("r2", prompt, max_tokens=4096 * 16)
+            assert (too_long.status, too_long.limit) == ("too_long", 4096 * 16)
+            await c.wait_for(lambda: c.pages_used() == 0)
+
+
+async def test_queue_full_and_cancel_frees_pages(tmp_path, tiny_llama):
+    with NatsServer(tmp_path / "nats") as server:
+        # 2 pages of 16 tokens: one 20-token request at a time; the queue holds 2 more.
+        async with Cluster(server.url, tiny_llama, num_pages=2, step_s=0.2) as c:
+            assert (await c.submit("a", (1,) * 10, max_tokens=10)).status == "accepted"
+            waiting = [asyncio.create_task(c.submit(r, (1,) * 10, max_tokens=10)) for r in "bc"]
+            await asyncio.sleep(0.2)
+            full = await c.submit("d", (1,) * 10, max_tokens=10)
+            assert (full.status, full.retry_after_s) == ("queue_full", 1.0)
+            await c.wait_for(lambda: c.pages_used() == 2)
+            await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("a")))
+            assert (await waiting[0]).status == "accepted"  # b got a's pages
+            await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("b")))
+            assert (await waiting[1]).status == "accepted"
+            await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("c")))
+            await c.wait_for(lambda: c.pages_used() == 0)
+            assert not c.finished("a")
