@@ -1,0 +1,82 @@
+"""Read the weights of a model folder: model.safetensors, a sharded index, or a Tison-compressed
+folder. Tensors are memory-mapped; a rank can read only the slice it owns."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.errors import ModelFolderError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class Checkpoint:
+    """Tensor name -> tensor over the safetensors files of one folder."""
+
+    def __init__(self, files: dict[str, Path]):
+        self._files = files  # tensor name -> file holding it
+        self._handles: dict[Path, object] = {}
+
+    @classmethod
+    def open(cls, model_dir: str | Path) -> "Checkpoint":
+        """Opens the folder's weights: plain, sharded (index) or compressed."""
+        model_dir = Path(model_dir)
+        compressed = _open_compressed(model_dir)
+        if compressed is not None:
+            return compressed
+        index = model_dir / INDEX_FILE
+        if index.is_file():
+            return cls(_files_from_index(index))
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelFolderError(
+                str(model_dir / "model.safetensors"), "missing (no *.safetensors weights)"
+            )
+        mapping: dict[str, Path] = {}
+        for path in files:
+            for name in _open(path).keys():
+                mapping[name] = path
+        return cls(mapping)
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._files[name]
+        handle = self._handles.get(path) or self._handles.setdefault(path, _open(path))
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types on truncated data
+            raise ModelFolderError(str(path), f"tensor {name!r} unreadable ({e})") from e
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _open_compressed(model_dir: Path):
+    try:
+        from shared.codec import CompressedCheckpoint, is_compressed_dir
+    except ImportError:  # TODO(codec): drop once shared.codec lands
+        return None
+    return CompressedCheckpoint(model_dir) if is_compressed_dir(model_dir) else None
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:
+        raise ModelFolderError(str(path), f"not a readable safetensors file ({e})") from e
+
+
+def _files_from_index(index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelFolderError(str(index), f"not a valid index ({e})") from e
+    files = {name: index.parent / fname for name, fname in weight_map.items()}
+    for path in set(files.values()):
+        if not path.is_file():
+            raise ModelFolderError(str(path), f"missing (listed in {INDEX_FILE})")
+    return files

@@ -1,0 +1,99 @@
+"""Turns a SchedulerOutput into the flat tensors of one forward pass."""
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.scheduler import SchedulerOutput
+from shared.models.layers.attention import AttentionMetadata, PrefillSpan
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # (N,) rows of T whose next token is sampled
+    sample_index: list[int]  # indices into scheduled of the N sampling requests
+
+
+def build_batch(
+    out: SchedulerOutput, page_size: int, sliding_window: int | None = None
+) -> ForwardBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    sample_index: list[int] = []
+    decode: list[tuple[int, int, list[int]]] = []  # single-token rows: (row, context, page ids)
+    prefills: list[PrefillSpan] = []
+    for i, s in enumerate(out.scheduled):
+        req, row = s.request, len(ids)
+        end = s.start + s.num_tokens
+        ids += req.token_ids(s.start, end)
+        positions += range(s.start, end)
+        slots += [
+            req.page_ids[p // page_size] * page_size + p % page_size for p in range(s.start, end)
+        ]
+        if s.samples:
+            logits_rows.append(row + s.num_tokens - 1)
+            sample_index.append(i)
+        if s.num_tokens == 1:
+            decode.append((row, end, req.page_ids))
+        else:
+            prefills.append(
+                _prefill_span(row, s.start, s.num_tokens, req.page_ids, page_size, sliding_window)
+            )
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        decode_rows=None,
+        decode_slots=None,
+        decode_mask=None,
+        all_decode=len(decode) == len(ids),
+        prefills=prefills,
+    )
+    if decode:
+        _decode_metadata(meta, decode, page_size, sliding_window)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        meta=meta,
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+        sample_index=sample_index,
+    )
+
+
+def _decode_metadata(
+    meta, decode: list[tuple[int, int, list[int]]], page_size: int, window
+) -> None:
+    rows, contexts, tables = zip(*decode)
+    max_pages = max(len(t) for t in tables)
+    table = torch.tensor(
+        [t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.long
+    )  # (Bd, pages)
+    ctx = torch.tensor(contexts, dtype=torch.long)  # (Bd,)
+    key_pos = torch.arange(max(contexts))  # (Lmax,)
+    meta.decode_slots = (
+        table[:, key_pos // page_size] * page_size + key_pos % page_size
+    )  # (Bd, Lmax)
+    visible = key_pos < ctx[:, None]
+    if window is not None:
+        visible &= key_pos > ctx[:, None] - 1 - window
+    meta.decode_mask = visible[:, None, None, :]  # (Bd, 1, 1, Lmax)
+    meta.decode_rows = torch.tensor(rows, dtype=torch.long)
+
+
+def _prefill_span(
+    row: int, start: int, n: int, page_ids: list[int], page_size: int, window
+) -> PrefillSpan:
+    ctx = start + n
+    key_pos = torch.arange(ctx)
+    pages = torch.tensor(page_ids, dtype=torch.long)
+    slots = pages[key_pos // page_size] * page_size + key_pos % page_size  # (ctx,)
+    mask = None
+    if start > 0 or (window is not None and ctx > window):
+        query_pos = torch.arange(start, ctx)[:, None]  # (n, 1)
+        mask = key_pos[None, :] <= query_pos  # (n, ctx)
+        if window is not None:
+            mask &= key_pos[None, :] > query_pos - window
+    return PrefillSpan(start=row, end=row + n, slots=slots, mask=mask)

@@ -1,0 +1,43 @@
+"""EngineConfig: everything one engine instance needs, validated at construction."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    dtype: str = (
+        "auto"  # float32 | bfloat16 | float16 | auto (the checkpoint's, float32 if unknown)
+    )
+    page_size: int = 16  # tokens per KV page
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # memory budget of the KV pool
+    num_pages: int | None = None  # exact pool size; overrides kv_cache_bytes (tests, transfers)
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill cap)
+    max_num_seqs: int = 256  # running requests at most
+    max_model_len: int | None = None  # prompt + output cap; default: max_position_embeddings
+    seed: int = 0  # seeds of requests that set none are drawn from this
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError(
+                "dtype", f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}"
+            )
+        for name in ("page_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(name, "must be >= 1")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise InvalidRequestError("num_pages", "must be >= 1")
+
+    def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:
+        if self.dtype == "auto":
+            return DTYPES.get(checkpoint_dtype, torch.float32)
+        return DTYPES[self.dtype]

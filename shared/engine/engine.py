@@ -1,0 +1,152 @@
+"""LLMEngine: requests in, tokens out, one step at a time (continuous batching)."""
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass
+
+from shared.engine.config import EngineConfig
+from shared.engine.request import FinishReason, Request, TokenLogprobs
+from shared.engine.runner import ModelRunner
+from shared.engine.scheduler import Scheduler
+from shared.errors import InvalidRequestError, PromptTooLongError
+from shared.kv.allocator import PageAllocator
+from shared.kv.cache import KVCache
+from shared.kv.spec import MHAKVSpec
+from shared.models.config import ModelConfig, generation_eos_ids
+from shared.models.loader import load_model
+from shared.sampling.batch import request_stop_token_ids
+from shared.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]  # empty unless the request asked for logprobs
+
+    @property
+    def finished(self) -> bool:
+        return self.request.finished
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, extra_eos_ids: frozenset[int] = frozenset()):
+        self.config = config
+        self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
+        self.dtype = config.torch_dtype(cfg.torch_dtype)
+        self.model = load_model(config.model_dir, cfg, self.dtype)
+        attn = self.model.model.layers[0].self_attn
+        spec = MHAKVSpec(
+            cfg.num_layers, config.page_size, attn.num_kv_heads, cfg.head_dim, self.dtype
+        )
+        num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
+        self.kv = KVCache(spec, num_pages)
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(
+            self.allocator, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
+        )
+        self.runner = ModelRunner(self.model, self.kv, cfg.vocab_size, cfg.sliding_window)
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.pool_tokens = num_pages * config.page_size
+        self.eos_token_ids = generation_eos_ids(config.model_dir) | extra_eos_ids
+        self.requests: dict[str, Request] = {}
+        self._seeds = random.Random(config.seed)
+        self._arrivals = itertools.count()
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Queues a request; raises (naming the field or limit) if it can never run."""
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self._validate_prompt(prompt_token_ids)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            stop_token_ids=request_stop_token_ids(params, self.eos_token_ids),
+            max_total_tokens=min(self.max_model_len, self.pool_tokens),
+            arrival=next(self._arrivals),
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        # room for the prompt and at least one generated token
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                len(ids), self.max_model_len - 1, "model's context length (max_model_len - 1)"
+            )
+        if len(ids) >= self.pool_tokens:
+            raise PromptTooLongError(len(ids), self.pool_tokens - 1, "KV cache pool capacity")
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request at once and frees its pages. False if it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        return req is not None and self.scheduler.abort(request_id) is not None
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """Ends a request for a reason decided outside the engine (a stop string matched)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.allocator.num_used
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        try:
+            sample_index, samples = self.runner.execute(out)
+        except Exception:
+            log.exception("step failed; failing its %d requests", len(out.scheduled))
+            failed = [s.request for s in out.scheduled]
+            for req in failed:
+                self.finish(req.request_id, FinishReason.ERROR)
+            return [StepOutput(req, [], []) for req in failed]
+        sampled, logprobs = {}, {}
+        if samples is not None:
+            tokens = samples.token_ids.tolist()
+            for row, i in enumerate(sample_index):
+                req = out.scheduled[i].request
+                sampled[req] = tokens[row]
+                if req.params.logprobs is not None:
+                    logprobs[req] = _logprobs(samples, row, req.params.logprobs)
+        self.scheduler.update(out, sampled)
+        results = []
+        for req, token in sampled.items():
+            if req in logprobs:
+                req.output_logprobs.append(logprobs[req])
+            results.append(StepOutput(req, [token], [logprobs[req]] if req in logprobs else []))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return results
+
+
+def _logprobs(samples, row: int, n: int) -> TokenLogprobs:
+    top = []
+    if n:
+        ids = samples.top_logprob_ids[row, :n].tolist()
+        values = samples.top_logprobs[row, :n].tolist()
+        top = list(zip(ids, values))
+    return TokenLogprobs(float(samples.logprobs[row]), top)

@@ -1,0 +1,71 @@
+"""A request inside the engine, described by counters (no phases): chunked prefill, decode and
+recompute after preemption are all "compute the tokens not yet computed"."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shared.sampling.params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the model's / pool's length cap
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed while running; the others go on
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (raw model distribution)."""
+
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or drawn at admission: seeded draws survive preemption
+    stop_token_ids: frozenset[int]  # EOS ids (unless ignore_eos) + params.stop_token_ids
+    max_total_tokens: int  # prompt + output cap: min(max model length, whole KV pool)
+    arrival: int  # admission order; the newest running request is preempted first
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the pages
+    page_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n) : end - n]
+
+
+def check_stop(req: Request) -> FinishReason | None:
+    """Why the request must finish after its newest token, if it must."""
+    token = req.output_token_ids[-1]
+    num_out = len(req.output_token_ids)
+    if num_out >= req.params.min_tokens and token in req.stop_token_ids:
+        req.stop_reason = token
+        return FinishReason.STOP
+    if num_out >= req.params.max_tokens or req.num_tokens >= req.max_total_tokens:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,150 @@
+"""Continuous-batching scheduler: pure policy over counters and the page allocator.
+
+Each step: running requests first (oldest first), each gets the tokens it has not computed
+yet, capped by the step's token budget (chunked prefill); when pages run out the newest
+running request is preempted (pages freed, recomputed later). Then waiting requests are
+admitted while the budget, the sequence limit and the free pages allow."""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.request import FinishReason, Request, check_stop
+from shared.kv.allocator import PageAllocator, pages_needed
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_tokens: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last pending token: it samples one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Removes the request wherever it is and frees its pages at once."""
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, FinishReason.ABORT)
+                    return req
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._reserve(req, n, out):
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                budget -= n
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            extra = pages_needed(req.num_computed_tokens + n, self.page_size) - len(req.page_ids)
+            if not self.allocator.can_allocate(extra):
+                break
+            self.waiting.popleft()
+            req.page_ids += self.allocator.allocate(extra)
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Pages for req's next n tokens, preempting the newest running requests if needed.
+        False when req itself was the one preempted."""
+        extra = pages_needed(req.num_computed_tokens + n, self.page_size) - len(req.page_ids)
+        while not self.allocator.can_allocate(extra):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        req.page_ids += self.allocator.allocate(extra)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
+        """Advances counters after the step ran; appends sampled tokens; returns the finished."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_tokens
+            if req in sampled:
+                req.output_token_ids.append(sampled[req])
+                reason = check_stop(req)
+                if reason is not None:
+                    self.running.remove(req)
+                    self._finish(req, reason)
+                    finished.append(req)
+        return finished
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Ends a request for a reason found outside the step (a stop string, a failed step)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not req.finished:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        if req.page_ids:
+            self.allocator.free(req.page_ids)
+            req.page_ids = []

@@ -1,0 +1,113 @@
+"""ModelConfig: a Hugging Face config.json normalised once into the fields the engine reads."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ModelFolderError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts of a decoder-only model, read from config.json."""
+
+    architecture: str  # architectures[0]: the registry key
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # HF rope_scaling (None, or with "rope_type")
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: bias on q/k/v projections
+    qk_norm: bool  # Qwen3: RMSNorm on each q and k head
+    sliding_window: int | None
+    torch_dtype: str  # the checkpoint's stored dtype, e.g. "bfloat16"
+    raw: dict  # the whole config.json, for family-specific fields
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelFolderError(str(path), "missing (a model folder needs config.json)")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelFolderError(str(path), f"not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ModelFolderError(str(path), "must hold a JSON object")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        raw = dict(raw.get("text_config") or {}, **raw) if "text_config" in raw else raw
+
+        def need(key: str):
+            if key not in raw:
+                raise ModelFolderError(source, f"missing field {key!r}")
+            return raw[key]
+
+        archs = raw.get("architectures") or []
+        if not archs or not isinstance(archs, list):
+            raise ModelFolderError(source, "missing field 'architectures'")
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        model_type = raw.get("model_type", "")
+        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
+        cfg = cls(
+            architecture=str(archs[0]),
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            sliding_window=raw.get("sliding_window")
+            if raw.get("use_sliding_window", True)
+            else None,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            raw=raw,
+        )
+        cfg._validate(source)
+        return cfg
+
+    def _validate(self, source: str) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelFolderError(
+                source, "num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelFolderError(source, f"{name} must be positive")
+
+
+def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:
+    """EOS ids of generation_config.json (what HF generate stops on), else of config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelFolderError(str(path), f"not valid JSON ({e})") from e
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()

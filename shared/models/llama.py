@@ -1,0 +1,146 @@
+"""Llama family (Llama 2/3, Mistral, Qwen2, Qwen3 differ only in flags of ModelConfig):
+qkv_bias (Qwen2), qk_norm (Qwen3), rope_scaling llama3, tied embeddings, sliding window."""
+
+import torch
+from torch import nn
+
+from shared.kv.cache import KVCache
+from shared.models.config import ModelConfig
+from shared.models.layers.activation import SiluAndMul
+from shared.models.layers.attention import AttentionMetadata, PagedAttention
+from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shared.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from shared.models.layers.norm import RMSNorm
+from shared.models.layers.rotary import RotaryEmbedding
+from shared.parallel.group import SINGLE, TPGroup
+from shared.parallel.pipeline import WHOLE_MODEL, PPStage
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup):
+        super().__init__()
+        hd = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, hd, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, dtype, tp
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, False, dtype, tp)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, scale=hd**-0.5)
+        self.split = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
+
+    def forward(self, positions, x, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, -1)  # (T, nh, hd)
+        k = k.view(T, self.num_kv_heads, -1)  # (T, nkv, hd)
+        v = v.view(T, self.num_kv_heads, -1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_layer, meta)  # (T, nh, hd)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], False, dtype, tp
+        )
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, tp)
+
+    def forward(self, positions, x, residual, kv_layer, meta):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_layer, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class PPMissingLayer(nn.Module):
+    """Placeholder for a layer owned by another pipeline stage (keeps global layer numbers)."""
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage):
+        super().__init__()
+        self.stage = stage
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, dtype, tp) if stage.owns(i) else PPMissingLayer()
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.start = stage.start_layer
+        self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
+
+    def forward(self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None):
+        """First stage: input_ids (T,); later stages: hidden/residual (T, H) from the previous."""
+        if self.stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        for i in range(self.start, self.end):
+            hidden, residual = self.layers[i](
+                positions, hidden, residual, kv.layer(i - self.start), meta
+            )
+        if not self.stage.is_last:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, None
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name piece -> (our merged parameter piece, shard id)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype=torch.float32,
+        tp: TPGroup = SINGLE,
+        stage: PPStage = WHOLE_MODEL,
+    ):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, tp, stage)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None):
+        return self.model(input_ids, positions, kv, meta, hidden, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, H) final hidden states of the sampled rows -> (N, vocab)."""
+        return self.lm_head(hidden)

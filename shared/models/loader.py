@@ -1,0 +1,73 @@
+"""Build a model from a folder and load its weights, each rank reading only its shards."""
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shared.checkpoint import Checkpoint
+from shared.errors import ModelFolderError
+from shared.models.config import ModelConfig
+from shared.models.layers.linear import default_weight_loader
+from shared.models.registry import model_class
+from shared.parallel.group import SINGLE, TPGroup
+from shared.parallel.pipeline import WHOLE_MODEL, PPStage
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_SKIPPED = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    tp: TPGroup = SINGLE,
+    stage: PPStage = WHOLE_MODEL,
+) -> nn.Module:
+    cls = model_class(cfg.architecture)
+    model = cls(cfg, dtype=dtype, tp=tp, stage=stage)
+    checkpoint = Checkpoint.open(model_dir)
+    try:
+        load_weights(model, checkpoint, stage, str(model_dir))
+    finally:
+        checkpoint.close()
+    return model.eval()
+
+
+def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    tied = model.config.tie_word_embeddings
+    for name in checkpoint.names():
+        if name.endswith(_SKIPPED) or (tied and name == "lm_head.weight"):
+            continue
+        layer = _LAYER.search(name)
+        if layer and not stage.owns(int(layer.group(1))):
+            continue
+        target, shard_id = _target(name, model.stacked_params)
+        if target not in params:
+            if target.startswith(("model.embed_tokens", "model.norm", "lm_head")):
+                continue  # held by another pipeline stage
+            raise ModelFolderError(source, f"unexpected tensor {name!r} in the checkpoint")
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, checkpoint.get(name), shard_id)
+        except ValueError as e:
+            raise ModelFolderError(source, f"tensor {name!r}: {e}") from e
+        loaded.add(target)
+    if tied:
+        loaded.add("lm_head.weight")  # the same tensor as the embedding
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise ModelFolderError(source, f"missing weights: {', '.join(sorted(missing)[:8])}")
+
+
+def _target(name: str, stacked: dict) -> tuple[str, object]:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in stacked:
+            merged, shard_id = stacked[part]
+            return ".".join(parts[:i] + [merged] + parts[i + 1 :]), shard_id
+    return name, None

@@ -1,0 +1,24 @@
+"""Model families by Hugging Face architecture name (config.json `architectures[0]`)."""
+
+import importlib
+
+from shared.errors import UnsupportedArchitectureError
+
+# architecture -> "module:class". Mistral and the Qwens are Llama with flags from ModelConfig.
+_MODELS = {
+    "LlamaForCausalLM": "shared.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "shared.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "shared.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "shared.models.llama:LlamaForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        raise UnsupportedArchitectureError(architecture, supported_architectures())
+    module, name = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,37 @@
+"""The tensor-parallel group a layer belongs to. Size 1 (no parallelism) is the default."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its tensor-parallel group; collectives are no-ops at size 1."""
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None  # torch.distributed ProcessGroup when size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's shard along the last dim: (..., n) -> (..., n * size)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def shard(self, total: int, what: str) -> int:
+        """Per-rank share of `total`; it must divide evenly."""
+        if total % self.size:
+            raise ValueError(f"{what}={total} is not divisible by tensor-parallel size {self.size}")
+        return total // self.size
+
+
+SINGLE = TPGroup()
