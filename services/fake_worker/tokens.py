@@ -1,8 +1,8 @@
 """What the fake worker "generates": a pure function of the prompt and the output index.
 
-Tokens are drawn from the model's ordinary (non-special) vocabulary so they detokenize to text,
-and never EOS unless the worker was started with `eos_after`. Tests import `fake_token` to know
-the exact output to expect.
+Tokens are drawn from the model's ordinary vocabulary (no special tokens, nothing that does not
+decode to printable text on its own), and never EOS unless the worker was started with
+`eos_after`. Tests import `fake_token` to know the exact output to expect.
 """
 
 import bisect
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shared.errors import ModelFolderError
 from shared.protocol import TokenLogprob
+from shared.tokenizer.tokenizer import Tokenizer
 
 _STRIDE = 2654435761  # Knuth's multiplicative constant: consecutive indices land far apart
 
@@ -28,24 +29,30 @@ class FakeModelInfo:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "FakeModelInfo":
+        """Reads config.json, and the tokenizer to keep only ids that decode to clean text."""
         model_dir = Path(model_dir)
         config = _read_json(model_dir / "config.json")
         eos = config.get("eos_token_id", 0)
-        eos = eos[0] if isinstance(eos, list) else eos
-        special = {eos}
-        tokenizer_path = model_dir / "tokenizer.json"
-        if tokenizer_path.is_file():
-            special |= {t["id"] for t in _read_json(tokenizer_path).get("added_tokens", [])}
-        vocab_size = int(config.get("vocab_size", 0))
-        ordinary = tuple(i for i in range(vocab_size) if i not in special)
+        eos = int(eos[0] if isinstance(eos, list) else eos)
+        ids = range(int(config.get("vocab_size", 0)))
+        if (model_dir / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_dir(model_dir)
+            special = tokenizer.special_token_ids | tokenizer.eos_token_ids | {eos}
+            ids = [i for i in ids if i not in special and _clean(tokenizer.decode([i]))]
+        ordinary = tuple(i for i in ids if i != eos)
         if not ordinary:
-            raise ModelFolderError(str(model_dir / "config.json"), "vocab_size missing or 0")
+            raise ModelFolderError(str(model_dir / "config.json"), "no usable vocabulary")
         return cls(
             name=model_dir.name,
-            eos_token_id=int(eos),
+            eos_token_id=eos,
             max_model_len=int(config.get("max_position_embeddings", 2048)),
             ordinary_ids=ordinary,
         )
+
+
+def _clean(text: str) -> bool:
+    """Printable on its own: no partial UTF-8 sequence, no control characters but space."""
+    return bool(text) and "\ufffd" not in text and all(c.isprintable() for c in text)
 
 
 def _read_json(path: Path) -> dict:

@@ -1,0 +1,41 @@
+"""`tison gateway`: the OpenAI-compatible HTTP front end."""
+
+import argparse
+import functools
+from pathlib import Path
+
+from services.gateway.app import run_gateway
+from services.gateway.config import GatewayConfig
+from services.runtime import run_service
+
+D = GatewayConfig
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    p.add_argument("--model", type=Path, required=True, help="model folder (tokenizer)")
+    p.add_argument("--served-model-name", default="")
+    p.add_argument("--host", default=D.host)
+    p.add_argument("--port", type=int, default=D.port)
+    p.add_argument("--nats-url", default=D.nats_url)
+    p.add_argument("--queue-timeout", type=float, default=D.queue_timeout_s)
+    p.add_argument("--request-timeout", type=float, default=D.request_timeout_s)
+    p.add_argument("--miss-limit", type=int, default=D.miss_limit)
+    p.add_argument("--max-model-len", type=int, default=D.max_model_len)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    config = GatewayConfig(
+        model_dir=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        nats_url=args.nats_url,
+        queue_timeout_s=args.queue_timeout,
+        request_timeout_s=args.request_timeout,
+        miss_limit=args.miss_limit,
+        max_model_len=args.max_model_len,
+    )
+    return run_service(functools.partial(run_gateway, config), args.log_level)

@@ -1,0 +1,112 @@
+"""The gateway's aiohttp application: routes, OpenAI-shaped errors, startup and shutdown."""
+
+import asyncio
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from services.gateway.completions import CompletionService, json_error
+from services.gateway.config import GatewayConfig
+from services.gateway.control import ControlPlane
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_request import parse_chat, parse_completion
+from shared.errors import InvalidRequestError
+from shared.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 << 20  # larger bodies get a 413
+SERVICE = web.AppKey("service", CompletionService)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every error leaves as OpenAI's error JSON."""
+    try:
+        return await handler(request)
+    except InvalidRequestError as e:
+        return json_error(400, str(e), "invalid_request_error", e.field)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_error(e.status, e.reason, "invalid_request_error")
+
+
+async def _body(request: web.Request):
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequestError("body", f"invalid JSON ({e})") from None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[SERVICE].serve(request, parse_chat(await _body(request)))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[SERVICE].serve(request, parse_completion(await _body(request)))
+
+
+async def models(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    model = {
+        "id": service.config.served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "tison",
+        "max_model_len": service.max_model_len(),
+    }
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while at least one prefill and one decode worker are alive, else 503."""
+    control = request.app[SERVICE].control
+    counts = {role: len(control.alive(role)) for role in ("prefill", "decode")}
+    status = 200 if all(counts.values()) else 503
+    return web.json_response(
+        {"status": "ok" if status == 200 else "unavailable", **counts}, status=status
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[SERVICE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def build_app(service: CompletionService) -> web.Application:
+    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    app[SERVICE] = service
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
+    """Serve HTTP until `stop` is set. A client that disconnects cancels its handler."""
+    tokenizer = Tokenizer.from_dir(config.model_dir)
+    gateway_metrics = GatewayMetrics()
+    control = ControlPlane(
+        config.gateway_id, config.nats_url, gateway_metrics, config.miss_limit, config.dead_grace_s
+    )
+    await control.start()
+    service = CompletionService(config, tokenizer, control, gateway_metrics)
+    runner = web.AppRunner(build_app(service), handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        log.info(
+            "gateway %s serving %s on http://%s:%d",
+            config.gateway_id,
+            config.served_model_name,
+            config.host,
+            config.port,
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await control.close()

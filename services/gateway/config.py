@@ -1,0 +1,34 @@
+"""Settings of a gateway process."""
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.registry import DEFAULT_MISS_LIMIT
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Gateway settings (CLI flags); the served model name defaults to the model folder's name."""
+
+    model_dir: Path  # tokenizer + chat template come from here
+    served_model_name: str = ""  # "" → model_dir's folder name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str = "nats://127.0.0.1:4222"
+    gateway_id: str = ""  # "" → a fresh unique id; workers send this gateway's tokens to it
+    queue_timeout_s: float = 60.0  # how long a request may wait in the scheduler's queue
+    request_timeout_s: float = 600.0  # from arrival to the last token
+    miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
+    dead_grace_s: float = 1.5  # an assigned worker never heard of this long is dead too
+    max_model_len: int = 0  # used while no worker reports one; 0 → the tokenizer's limit
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", Path(self.model_dir).name)
+        if not self.gateway_id:
+            object.__setattr__(self, "gateway_id", f"gw-{uuid.uuid4().hex[:12]}")
+        if self.queue_timeout_s <= 0 or self.request_timeout_s <= 0 or self.dead_grace_s < 0:
+            raise ValueError("timeouts must be > 0")
+        if self.miss_limit < 1 or self.max_model_len < 0:
+            raise ValueError("miss_limit must be >= 1 and max_model_len >= 0")

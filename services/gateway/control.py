@@ -1,0 +1,159 @@
+"""The gateway's side of NATS: submit, cancel, token demultiplexing, worker liveness.
+
+Every open request has a queue that this module fills with its TokenItems (demultiplexed by
+request id from the gateway's token subject). A watchdog fails a request whose decode worker
+died, or whose prefill worker died before decode took over, by queueing an error item: nothing
+waits on a dead worker for longer than its missed heartbeats plus one grace period.
+"""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.msg import Msg
+
+from services.gateway.metrics import GatewayMetrics
+from shared import protocol, subjects
+from shared.errors import ProtocolError
+from shared.protocol import CancelMsg, HeartbeatMsg, SubmitMsg, SubmitReplyMsg, TokenItem, TokensMsg
+from shared.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+WATCHDOG_S = 0.1
+
+
+@dataclass
+class OpenRequest:
+    """A request between submit and its end, as seen from the NATS side."""
+
+    request_id: str
+    items: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenItems, in arrival order
+    prefill_worker: str = ""  # from the submit reply
+    decode_worker: str = ""
+    accepted_at: float = 0.0  # unix time of the submit reply; 0 before
+    decode_started: bool = False  # an item past output index 0 arrived: prefill is done with it
+    failed: bool = False  # the watchdog queued an error item
+
+
+class ControlPlane:
+    """NATS connection, worker registry and open requests of one gateway."""
+
+    def __init__(
+        self,
+        gateway_id: str,
+        nats_url: str,
+        metrics: GatewayMetrics,
+        miss_limit: int,
+        dead_grace_s: float,
+    ):
+        self.gateway_id = gateway_id
+        self.nats_url = nats_url
+        self.metrics = metrics
+        self.registry = WorkerRegistry(miss_limit)
+        self.dead_grace_s = dead_grace_s  # a worker unseen this long after the reply is dead
+        self._open: dict[str, OpenRequest] = {}
+        self._nc: nats.NATS | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._nc = await nats.connect(self.nats_url, name=f"tison-{self.gateway_id}")
+        await self._nc.subscribe(subjects.gateway_tokens(self.gateway_id), cb=self._on_tokens)
+        await self._nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self._nc is not None:
+            await self._nc.drain()
+
+    def alive(self, role: str) -> list[HeartbeatMsg]:
+        return self.registry.alive(role, time.time())
+
+    def open(self, request_id: str) -> OpenRequest:
+        """Start routing this request's tokens to a queue (before submitting it)."""
+        request = self._open[request_id] = OpenRequest(request_id)
+        return request
+
+    def forget(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
+
+    async def submit(self, submit: SubmitMsg, timeout_s: float) -> SubmitReplyMsg:
+        """Ask the scheduler to run the request; a NO_WORKERS reply if it does not answer."""
+        try:
+            msg = await self._nc.request(
+                subjects.scheduler_submit(), protocol.encode(submit), timeout=timeout_s
+            )
+            reply = protocol.decode(msg.data, SubmitReplyMsg)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            reason = f"the scheduler did not answer ({type(e).__name__})"
+            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
+        except ProtocolError as e:
+            log.warning("bad submit reply: %s", e)
+            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=str(e))
+        request = self._open.get(submit.request_id)
+        if reply.status == protocol.ACCEPTED and request is not None:
+            request.prefill_worker, request.decode_worker = (
+                reply.prefill_worker,
+                reply.decode_worker,
+            )
+            request.accepted_at = time.time()
+        return reply
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Tell the scheduler and every worker to drop the request and free its pages."""
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.publish(
+                subjects.gateway_cancel(), protocol.encode(CancelMsg(request_id, reason))
+            )
+
+    async def _on_tokens(self, msg: Msg) -> None:
+        try:
+            tokens = protocol.decode(msg.data, TokensMsg)
+        except ProtocolError as e:
+            log.warning("dropped tokens message: %s", e)
+            return
+        for item in tokens.items:
+            request = self._open.get(item.request_id)
+            if request is None:
+                continue  # finished or cancelled here already
+            if item.index > 0 or item.finish_reason:
+                request.decode_started = True
+            request.items.put_nowait(item)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = protocol.decode(msg.data, HeartbeatMsg)
+        except ProtocolError as e:
+            log.warning("dropped heartbeat on %s: %s", msg.subject, e)
+            return
+        self.registry.observe(beat, time.time())
+        self.metrics.observe_worker(beat)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_S)
+            now = time.time()
+            for beat in self.registry.reap(now):
+                log.warning("%s worker %s stopped sending heartbeats", beat.role, beat.worker_id)
+                self.metrics.forget_worker(beat)
+            for request in list(self._open.values()):
+                if not request.failed and (dead := self._dead_worker(request, now)):
+                    request.failed = True
+                    error = f"worker {dead} died while holding the request"
+                    item = TokenItem(
+                        request.request_id, 0, finish_reason=protocol.FINISH_ERROR, error=error
+                    )
+                    request.items.put_nowait(item)
+
+    def _dead_worker(self, request: OpenRequest, now: float) -> str | None:
+        if not request.accepted_at or now - request.accepted_at < self.dead_grace_s:
+            return None
+        if not self.registry.is_alive(request.decode_worker, now):
+            return request.decode_worker
+        if not request.decode_started and not self.registry.is_alive(request.prefill_worker, now):
+            return request.prefill_worker
+        return None

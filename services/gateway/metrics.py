@@ -1,0 +1,77 @@
+"""Prometheus metrics of the gateway, in a registry of their own (one per gateway app)."""
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+from shared.protocol import HeartbeatMsg
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+_WORKER = ("worker", "role")
+
+
+class GatewayMetrics:
+    """Latency histograms, request gauges, and per-worker KV gauges mirrored from heartbeats."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "tison_time_to_first_token_seconds",
+            "Request arrival to first token sent",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tison_inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tison_e2e_request_latency_seconds",
+            "Request arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("tison_requests_running", "Requests generating", registry=r)
+        self.waiting = Gauge(
+            "tison_requests_waiting", "Requests awaiting the scheduler", registry=r
+        )
+        self.pages_used = Gauge("tison_kv_pages_used", "KV pages in use", _WORKER, registry=r)
+        self.pages_total = Gauge("tison_kv_pages_total", "KV pool size", _WORKER, registry=r)
+        self.transfer_bytes = Gauge(
+            "tison_kv_transfer_bytes",
+            "KV bytes moved (worker's cumulative count)",
+            _WORKER,
+            registry=r,
+        )
+        self.transfer_seconds = Gauge(
+            "tison_kv_transfer_seconds",
+            "Time spent moving KV (worker's cumulative count)",
+            _WORKER,
+            registry=r,
+        )
+        self._per_worker = (
+            self.pages_used,
+            self.pages_total,
+            self.transfer_bytes,
+            self.transfer_seconds,
+        )
+
+    def observe_worker(self, beat: HeartbeatMsg) -> None:
+        labels = (beat.worker_id, beat.role)
+        self.pages_used.labels(*labels).set(beat.total_pages - beat.free_pages)
+        self.pages_total.labels(*labels).set(beat.total_pages)
+        self.transfer_bytes.labels(*labels).set(beat.kv_transfer_bytes)
+        self.transfer_seconds.labels(*labels).set(beat.kv_transfer_seconds)
+
+    def forget_worker(self, beat: HeartbeatMsg) -> None:
+        """A dead worker's series disappear rather than freeze at their last value."""
+        for gauge in self._per_worker:
+            try:
+                gauge.remove(beat.worker_id, beat.role)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

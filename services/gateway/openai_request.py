@@ -1,0 +1,197 @@
+"""OpenAI request bodies → what the gateway runs. Pure: raises InvalidRequestError(field, problem).
+
+Covers `/v1/chat/completions` and `/v1/completions` with OpenAI's sampling fields plus vLLM's
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids` and
+`skip_special_tokens`. `n` > 1, `best_of` > 1, `echo` and `suffix` are refused with a 400.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.errors import InvalidRequestError, PromptTooLongError
+from shared.sampling.params import MAX_LOGPROBS, SamplingParams
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+CHAT, COMPLETION = "chat", "completion"
+
+# Optional numeric sampling fields copied to SamplingParams as they are (it range-checks them).
+_FLOAT_FIELDS = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_FIELDS = ("top_k", "min_tokens", "seed")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request, before tokenization (which fixes the default max_tokens)."""
+
+    kind: str  # CHAT or COMPLETION
+    model: str
+    messages: tuple[dict, ...] = ()  # chat: role/content maps, content flattened to text
+    tools: tuple[dict, ...] | None = None  # chat: passed to the chat template
+    prompt: str | tuple[int, ...] = ""  # completion: text or token ids
+    max_tokens: int | None = None  # None: chat → the rest of the context; completion → 16
+    sampling: tuple[tuple[str, Any], ...] = ()  # other SamplingParams fields, as (name, value)
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a final usage chunk
+    num_logprobs: int | None = None  # None: no logprobs; n: chosen token + top n
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and value == value
+
+
+def _field(body: dict, name: str, check, what: str) -> Any:
+    """body[name] when present and not null, after a type check; None otherwise."""
+    value = body.get(name)
+    if value is not None and not check(value):
+        raise InvalidRequestError(name, f"must be {what}")
+    return value
+
+
+def _common(body: Any) -> dict:
+    """Fields shared by both endpoints."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError("model", "is required and must be a string")
+    sampling: dict[str, Any] = {}
+    temperature = _field(body, "temperature", _is_num, "a number")
+    if temperature is not None:
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE}]")
+        sampling["temperature"] = float(temperature)
+    for name in _FLOAT_FIELDS:
+        if (value := _field(body, name, _is_num, "a number")) is not None:
+            sampling[name] = value
+    for name in _INT_FIELDS:
+        if (value := _field(body, name, _is_int, "an integer")) is not None:
+            sampling[name] = value
+    for name in ("ignore_eos", "skip_special_tokens"):
+        if (value := _field(body, name, lambda v: isinstance(v, bool), "a boolean")) is not None:
+            sampling[name] = value
+    stop = _field(body, "stop", lambda v: isinstance(v, (str, list)), "a string or a list")
+    if stop is not None:
+        sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    if (ids := _field(body, "stop_token_ids", lambda v: isinstance(v, list), "a list")) is not None:
+        sampling["stop_token_ids"] = ids
+    n = _field(body, "n", _is_int, "an integer")
+    if n is not None and n != 1:
+        raise InvalidRequestError("n", "only n=1 is supported")
+    stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
+    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise InvalidRequestError("stream_options.include_usage", "must be a boolean")
+    return dict(
+        model=model,
+        sampling=tuple(sampling.items()),
+        stream=stream,
+        include_usage=stream and include_usage,
+    )
+
+
+def _max_tokens(body: dict, *names: str) -> int | None:
+    for name in names:
+        if (value := _field(body, name, _is_int, "an integer")) is not None:
+            if value < 1:
+                raise InvalidRequestError(name, "must be an integer >= 1")
+            return value
+    return None
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise InvalidRequestError(where, "only text content parts are supported")
+        return "".join(p["text"] for p in content)
+    raise InvalidRequestError(where, "must be a string or a list of text parts")
+
+
+def _messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "is required and must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}]", "must be an object with a string role")
+        text = _text_content(message.get("content"), f"messages[{i}].content")
+        out.append({**message, "content": text})
+    return tuple(out)
+
+
+def parse_chat(body: Any) -> ParsedRequest:
+    """Validate a `/v1/chat/completions` body."""
+    common = _common(body)
+    tools = _field(body, "tools", lambda v: isinstance(v, list), "a list")
+    top = _field(body, "top_logprobs", _is_int, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    wants = _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+    if top is not None and not wants:
+        raise InvalidRequestError("top_logprobs", "requires logprobs=true")
+    return ParsedRequest(
+        kind=CHAT,
+        messages=_messages(body),
+        tools=None if tools is None else tuple(tools),
+        max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
+        num_logprobs=(top or 0) if wants else None,
+        **common,
+    )
+
+
+def _prompt(body: dict) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return tuple(prompt)
+    raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    """Validate a `/v1/completions` body."""
+    common = _common(body)
+    for name in ("echo", "suffix"):
+        if body.get(name):
+            raise InvalidRequestError(name, "is not supported")
+    best_of = _field(body, "best_of", _is_int, "an integer")
+    if best_of is not None and best_of != 1:
+        raise InvalidRequestError("best_of", "only best_of=1 is supported")
+    logprobs = _field(body, "logprobs", _is_int, "an integer")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    return ParsedRequest(
+        kind=COMPLETION,
+        prompt=_prompt(body),
+        max_tokens=_max_tokens(body, "max_tokens"),
+        num_logprobs=logprobs,
+        **common,
+    )
+
+
+def build_sampling(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int):
+    """SamplingParams once the prompt length is known; checks the context limit."""
+    if num_prompt_tokens >= max_model_len:
+        raise PromptTooLongError(num_prompt_tokens, max_model_len - 1, "model's context length")
+    room = max_model_len - num_prompt_tokens
+    max_tokens = parsed.max_tokens or (room if parsed.kind == CHAT else min(16, room))
+    if max_tokens > room:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"{num_prompt_tokens} prompt + {max_tokens} new tokens exceed the model's "
+            f"context length of {max_model_len} tokens",
+        )
+    return SamplingParams(
+        max_tokens=max_tokens, logprobs=parsed.num_logprobs, **dict(parsed.sampling)
+    )

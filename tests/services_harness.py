@@ -1,0 +1,136 @@
+"""Start NATS, the scheduler, the gateway and workers as real subprocesses; tear all down.
+
+    with Services(tmp_path, model_dir) as s:
+        s.scheduler()
+        s.worker("prefill", "fake-worker", "--role", "prefill")
+        s.worker("decode", "fake-worker", "--role", "decode")
+        s.gateway()
+        s.wait_healthy()
+        ... s.base_url ...
+
+Every process runs `tison <subcommand>` through the same interpreter, logs to `<tmp>/<name>.log`
+(shown by `logs()` when a test fails), and is terminated (then killed) on exit.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from shared.nats_server import NatsServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_LAUNCH = "import sys; from services.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Services:
+    """A NATS server plus named service subprocesses sharing it."""
+
+    def __init__(self, tmp_path: Path, model_dir: Path, heartbeat_s: float = 0.2):
+        self.tmp_path = Path(tmp_path)
+        self.model_dir = Path(model_dir)
+        self.heartbeat_s = heartbeat_s  # for the fake workers started by fake_worker()
+        self.nats = NatsServer(self.tmp_path / "nats")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.port = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Services":
+        self.nats.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        """Run `tison *args --nats-url <server>` as process `name`."""
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        log = open(self.tmp_path / f"{name}.log", "ab")
+        cmd = [sys.executable, "-c", _LAUNCH, *args, "--nats-url", self.nats.url]
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def scheduler(self, *args: str) -> subprocess.Popen:
+        return self.start("scheduler", "scheduler", *args)
+
+    def fake_worker(self, name: str, role: str, *args: str) -> subprocess.Popen:
+        beat = str(self.heartbeat_s)
+        return self.start(
+            name,
+            "fake-worker",
+            "--role",
+            role,
+            "--model",
+            str(self.model_dir),
+            "--heartbeat",
+            beat,
+            *args,
+        )
+
+    def gateway(self, *args: str) -> subprocess.Popen:
+        self.port = free_port()
+        return self.start(
+            "gateway", "gateway", "--model", str(self.model_dir), "--port", str(self.port), *args
+        )
+
+    def health(self) -> int:
+        """HTTP status of the gateway's /health (0 when it does not answer)."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.health() != 200:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway not healthy after {timeout_s} s:\n{self.logs()}")
+            time.sleep(0.1)
+
+    def kill(self, name: str) -> None:
+        """kill -9 one process."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        procs, self.procs = list(self.procs.values()), {}
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.nats.stop()
+
+    def logs(self, tail_chars: int = 3000) -> str:
+        parts = []
+        for path in sorted(self.tmp_path.glob("*.log")):
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail_chars:]}")
+        return "\n".join(parts)
