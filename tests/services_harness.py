@@ -12,7 +12,9 @@ Every process runs `tison <subcommand>` through the same interpreter, logs to `<
 (shown by `logs()` when a test fails), and is terminated (then killed) on exit.
 """
 
+import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +23,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import aiohttp
 
 from shared.nats_server import NatsServer
 
@@ -134,3 +138,24 @@ class Services:
         for path in sorted(self.tmp_path.glob("*.log")):
             parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail_chars:]}")
         return "\n".join(parts)
+
+
+async def metric(cluster, name: str, role: str | None = None) -> float:
+    """Sum of a gauge over the workers (of `role`) in the gateway's /metrics."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(cluster.base_url + "/metrics") as resp:
+            text = await resp.text()
+    pattern = rf"^{name}(?:\{{(?P<labels>[^}}]*)\}})? (?P<value>\S+)$"
+    return sum(
+        float(m["value"])
+        for m in re.finditer(pattern, text, re.M)
+        if role is None or f'role="{role}"' in (m["labels"] or "")
+    )
+
+
+async def wait_pages_free(cluster, timeout_s=5.0):
+    for _ in range(int(timeout_s / 0.1)):
+        if await metric(cluster, "tison_kv_pages_used") == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("KV pages still in use")

@@ -2,7 +2,6 @@
 worker, driven with the official `openai` client (and aiohttp for malformed requests)."""
 
 import asyncio
-import re
 
 import aiohttp
 import nats
@@ -12,7 +11,7 @@ import pytest
 from services.fake_worker.tokens import FakeModelInfo, fake_token, prompt_digest
 from shared.tokenizer.tokenizer import Tokenizer
 
-from services_harness import Services
+from services_harness import Services, metric, wait_pages_free
 
 STEP_S = 0.01  # decode step time of the fake decode worker
 
@@ -50,27 +49,6 @@ def expected_text(tokenizer, info, prompt_ids, num_tokens):
     """What the gateway must return: the fake tokens, detokenized after the prompt."""
     out = [fake_token(info, prompt_digest(tuple(prompt_ids)), i) for i in range(num_tokens)]
     return tokenizer.decode(prompt_ids + out)[len(tokenizer.decode(prompt_ids)) :]
-
-
-async def metric(cluster, name: str, role: str | None = None) -> float:
-    """Sum of a gauge over the workers (of `role`) in the gateway's /metrics."""
-    async with aiohttp.ClientSession() as http:
-        async with http.get(cluster.base_url + "/metrics") as resp:
-            text = await resp.text()
-    pattern = rf"^{name}(?:\{{(?P<labels>[^}}]*)\}})? (?P<value>\S+)$"
-    return sum(
-        float(m["value"])
-        for m in re.finditer(pattern, text, re.M)
-        if role is None or f'role="{role}"' in (m["labels"] or "")
-    )
-
-
-async def wait_pages_free(cluster, timeout_s=5.0):
-    for _ in range(int(timeout_s / 0.1)):
-        if await metric(cluster, "tison_kv_pages_used") == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("KV pages still in use")
 
 
 async def test_models_and_health(client, cluster, tiny_llama):

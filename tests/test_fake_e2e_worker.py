@@ -125,6 +125,10 @@ class Cluster:
         await self.nc.subscribe(subjects.gateway_tokens("gw"), cb=self._on_tokens)
         await self.nc.subscribe(subjects.all_heartbeats(), cb=self._on_beat)
         await self.wait_for(lambda: len(self.beats) == 2)
+        # The scheduler knows both workers once it stops answering NO_WORKERS (a too-long probe
+        # is refused without touching any worker).
+        while (await self.submit("probe", (1,), max_tokens=10**6)).status == protocol.NO_WORKERS:
+            await asyncio.sleep(0.02)
         return self
 
     async def __aexit__(self, *exc):

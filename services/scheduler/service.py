@@ -1,11 +1,13 @@
 """The scheduler process: a thin async shell over policy.Router and policy.AdmissionQueue.
 
 Flow per request: the gateway's submit is answered at once when it cannot run (no workers, too
-long, queue full); otherwise it queues. The dispatch loop takes the queue head, picks a decode
-worker D and a prefill worker P, asks D to reserve pages (request/reply), then answers the
-gateway (accepted on P and D) and sends P its assignment. A prefill worker dying is not retried
-here: the gateway fails that request (it knows P from the reply), which keeps each request's
-state owned by one process.
+long, queue full). Otherwise it is placed right away if nothing waits ahead of it and a decode
+worker has room, else it waits in the bounded queue for the dispatch loop. Placing a request
+(one task each, so placements overlap): pick a decode worker D and a prefill worker P, ask D to
+reserve pages (request/reply), then answer the gateway (accepted on P and D) and send P its
+assignment; if D refuses, the request goes back to the head of the queue. A prefill worker
+dying is not retried here: the gateway fails that request (it knows P from the reply), which
+keeps each request's state owned by one process.
 """
 
 import asyncio
@@ -60,8 +62,9 @@ class Scheduler:
         self.queue = AdmissionQueue(config.max_waiting)
         self._wake = asyncio.Event()
         self._nc: nats.NATS | None = None
-        self._placing: str | None = None  # request id being placed (popped, not yet answered)
-        self._placing_cancelled = False
+        # Requests being placed (chosen, reservation under way) → cancelled meanwhile?
+        self._placing: dict[str, bool] = {}
+        self._tasks: set[asyncio.Task] = set()  # placement tasks, kept until they end
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set."""
@@ -77,8 +80,10 @@ class Scheduler:
         try:
             await stop.wait()
         finally:
-            dispatcher.cancel()
-            await asyncio.gather(dispatcher, return_exceptions=True)
+            tasks = [dispatcher, *self._tasks]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await nc.drain()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -97,8 +102,8 @@ class Scheduler:
             log.warning("dropped cancel: %s", e)
             return
         self.queue.remove(cancel.request_id)
-        if cancel.request_id == self._placing:
-            self._placing_cancelled = True
+        if cancel.request_id in self._placing:
+            self._placing[cancel.request_id] = True
 
     async def _on_submit(self, msg: Msg) -> None:
         try:
@@ -109,13 +114,17 @@ class Scheduler:
         if not msg.reply:
             log.warning("dropped submit %s without a reply subject", submit.request_id)
             return
-        status, limit = self.router.admission_status(submit, time.time())
-        if status == protocol.ACCEPTED and not self.queue.push(Pending(submit, msg.reply)):
+        pending, now = Pending(submit, msg.reply), time.time()
+        status, limit = self.router.admission_status(submit, now)
+        if status == protocol.ACCEPTED:
+            # Placed at once when nothing waits ahead of it; only the rest counts against
+            # the queue bound, so a burst that fits the workers is never refused.
+            if not len(self.queue) and self._start_placing(pending, now):
+                return
+            if self.queue.push(pending):
+                return
             status = protocol.QUEUE_FULL
-        if status != protocol.ACCEPTED:
-            await self._reply(Pending(submit, msg.reply), self._refusal(status, limit))
-            return
-        self._wake.set()
+        await self._reply(pending, self._refusal(status, limit))
 
     def _refusal(self, status: str, limit: int) -> dict:
         if status == protocol.QUEUE_FULL:
@@ -158,31 +167,35 @@ class Scheduler:
                 for stranded in self.queue.take_all():
                     await self._reply(stranded, self._refusal(status, 0))
                 return
-            choice = self.router.choose(pending.submit, now)
-            if choice is None:
+            if not self._start_placing(pending, now):
                 return  # wait for pages to free up (next heartbeat)
             self.queue.pop()
-            self._placing, self._placing_cancelled = pending.submit.request_id, False
-            try:
-                placed = await self._place(pending, choice)
-            finally:
-                self._placing = None
-            if not placed:
-                if not self._placing_cancelled:
-                    self.queue.push_front(pending)
-            elif self._placing_cancelled:
-                # The cancel overtook the reservation: repeat it now that the workers know it.
-                cancel = CancelMsg(pending.submit.request_id, reason="cancelled while placing")
-                await self._nc.publish(subjects.gateway_cancel(), protocol.encode(cancel))
 
-    async def _place(self, pending: Pending, choice: Choice) -> bool:
-        """Reserve pages on D, answer the gateway, send P its work. False if D refused."""
+    def _start_placing(self, pending: Pending, now: float) -> bool:
+        """Pick workers and start placing the request; False when no decode worker has room."""
+        choice = self.router.choose(pending.submit, now)
+        if choice is None:
+            return False
+        self.router.record(choice, pending.submit)
+        self._placing[pending.submit.request_id] = False
+        task = asyncio.create_task(self._place(pending, choice))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _place(self, pending: Pending, choice: Choice) -> None:
+        """Reserve pages on D, then answer the gateway and send P its work; requeue if refused."""
         submit = pending.submit
-        reservation = await self._reserve(submit, choice)
+        try:
+            reservation = await self._reserve(submit, choice)
+        finally:
+            cancelled = self._placing.pop(submit.request_id)
         if reservation is None:
             self.router.refused(choice.decode.worker_id)
-            return False
-        self.router.record(choice, submit)
+            if not cancelled:
+                self.queue.push_front(pending)
+                self._wake.set()
+            return
         await self._reply(
             pending,
             dict(
@@ -202,7 +215,10 @@ class Scheduler:
         )
         subject = subjects.assign("prefill", choice.prefill.worker_id)
         await self._nc.publish(subject, protocol.encode(assignment))
-        return True
+        if cancelled:
+            # The cancel overtook the reservation: repeat it now that the workers know it.
+            cancel = CancelMsg(submit.request_id, reason="cancelled while placing")
+            await self._nc.publish(subjects.gateway_cancel(), protocol.encode(cancel))
 
     async def _reserve(self, submit: SubmitMsg, choice: Choice) -> DecodeAssignReplyMsg | None:
         ask = DecodeAssignMsg(

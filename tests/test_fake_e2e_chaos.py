@@ -1,0 +1,81 @@
+"""End to end under pressure and failure: a full scheduler queue (429), and kill -9 of the decode
+worker mid-stream (every stream ends with an error in bounded time; a new worker takes over)."""
+
+import asyncio
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from services_harness import Services, metric, wait_pages_free
+
+FAILURE_BOUND_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama):
+    with Services(tmp_path_factory.mktemp("chaos"), tiny_llama) as s:
+        s.scheduler("--max-waiting", "2", "--retry-after", "2")
+        s.fake_worker("prefill", "prefill")
+        # 64 pages of 16 tokens: four 256-token requests at a time.
+        s.fake_worker("decode", "decode", "--step-time", "0.02", "--num-pages", "64")
+        s.gateway()
+        s.wait_healthy()
+        yield s
+
+
+async def test_full_queue_answers_429_with_retry_after(cluster, tiny_llama):
+    body = {"model": tiny_llama.name, "prompt": "hello", "max_tokens": 240, "stream": True}
+    url = cluster.base_url + "/v1/completions"
+    async with aiohttp.ClientSession() as http:
+        streams = [asyncio.create_task(http.post(url, json=body)) for _ in range(6)]
+        for _ in range(100):  # 4 running, 2 waiting in the scheduler
+            if await metric(cluster, "tison_requests_waiting") == 2:
+                break
+            await asyncio.sleep(0.05)
+        async with http.post(url, json=body) as resp:
+            assert resp.status == 429 and resp.headers["Retry-After"] == "2"
+            error = (await resp.json())["error"]
+            assert error["type"] == "rate_limit_exceeded" and "queue is full" in error["message"]
+        for task in streams:
+            (await task).close()  # client disconnect: the gateway cancels them
+    await wait_pages_free(cluster)
+    assert await metric(cluster, "tison_requests_running") == 0
+    assert cluster.health() == 200
+
+
+async def test_kill_decode_mid_stream_fails_streams_then_recovers(cluster, tiny_llama):
+    client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+    async def stream_until_error(started: asyncio.Event):
+        stream = await client.completions.create(
+            model=tiny_llama.name, prompt="Once upon a time", max_tokens=200, stream=True
+        )
+        try:
+            async for _ in stream:
+                started.set()
+        except openai.APIError as e:
+            return time.monotonic(), str(e)
+        return time.monotonic(), None
+
+    starts = [asyncio.Event() for _ in range(4)]
+    tasks = [asyncio.create_task(stream_until_error(s)) for s in starts]
+    await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 10)
+    cluster.kill("decode")
+    killed_at = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), FAILURE_BOUND_S + 5)
+    for ended_at, error in results:
+        assert error is not None and "died" in error
+        assert ended_at - killed_at < FAILURE_BOUND_S
+    # The prefill worker freed its pages; the dead decode worker's series are gone.
+    assert await metric(cluster, "tison_kv_pages_used", "prefill") == 0
+    assert await metric(cluster, "tison_kv_pages_total", "decode") == 0
+    assert cluster.health() == 503
+
+    cluster.fake_worker("decode2", "decode")
+    await asyncio.to_thread(cluster.wait_healthy)
+    out = await client.completions.create(model=tiny_llama.name, prompt="hello", max_tokens=5)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    await wait_pages_free(cluster)
+    await client.close()
