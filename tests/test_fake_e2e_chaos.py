@@ -72,6 +72,9 @@ async def test_kill_decode_mid_stream_fails_streams_then_recovers(cluster, tiny_
     assert await metric(cluster, "tison_kv_pages_used", "prefill") == 0
     assert await metric(cluster, "tison_kv_pages_total", "decode") == 0
     assert cluster.health() == 503
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.completions.create(model=tiny_llama.name, prompt="hello", max_tokens=5)
+    assert refused.value.status_code == 503
 
     cluster.fake_worker("decode2", "decode")
     await asyncio.to_thread(cluster.wait_healthy)

@@ -1,0 +1,153 @@
+"""Gateway pure parts: OpenAI body parsing, the per-request stream state, response shapes."""
+
+import pytest
+
+from services.gateway.openai_request import (
+    CHAT,
+    build_sampling,
+    parse_chat,
+    parse_completion,
+)
+from services.gateway.openai_response import ResponseFormat
+from services.gateway.request_state import RequestStream
+from shared.errors import InvalidRequestError, PromptTooLongError
+from shared.protocol import TokenItem, TokenLogprob, Usage
+from shared.sampling.params import SamplingParams
+from shared.tokenizer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return Tokenizer.from_dir(tiny_llama)
+
+
+def test_parse_chat_maps_fields_to_sampling():
+    parsed = parse_chat(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 5,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 3,
+            "seed": 7,
+            "stop": "x",
+            "logprobs": True,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+            "min_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    assert parsed.kind == CHAT and parsed.messages[0]["content"] == "hi"
+    assert parsed.stream and parsed.include_usage
+    sampling = build_sampling(parsed, num_prompt_tokens=10, max_model_len=100)
+    assert sampling == SamplingParams(
+        max_tokens=5,
+        min_tokens=2,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=3,
+        seed=7,
+        stop=("x",),
+        ignore_eos=True,
+        logprobs=2,
+    )
+
+
+def test_default_max_tokens_and_context_limits():
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert build_sampling(chat, 10, 100).max_tokens == 90  # the rest of the context
+    text = parse_completion({"model": "m", "prompt": [1, 2]})
+    assert build_sampling(text, 10, 100).max_tokens == 16
+    with pytest.raises(PromptTooLongError, match="context length of 99"):
+        build_sampling(text, 100, 100)
+    too_many = parse_completion({"model": "m", "prompt": "x", "max_tokens": 95})
+    with pytest.raises(InvalidRequestError) as e:
+        build_sampling(too_many, 10, 100)
+    assert e.value.field == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ([], "body"),
+        ({"prompt": "x"}, "model"),
+        ({"model": "m", "prompt": ""}, "prompt"),
+        ({"model": "m", "prompt": [-1]}, "prompt"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"model": "m", "prompt": "x", "n": 3}, "n"),
+        ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+        (
+            {"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+        ),
+    ],
+)
+def test_parse_completion_rejects(body, field):
+    with pytest.raises(InvalidRequestError) as e:
+        parse_completion(body)
+    assert e.value.field == field
+
+
+def test_sampling_validation_errors_name_the_field():
+    parsed = parse_completion({"model": "m", "prompt": "x", "top_p": 1.5})
+    with pytest.raises(InvalidRequestError) as e:
+        build_sampling(parsed, 1, 100)
+    assert e.value.field == "top_p"
+
+
+def stream_of(tokenizer, **sampling):
+    return RequestStream(tokenizer, tokenizer.encode("hello"), SamplingParams(**sampling))
+
+
+def test_stream_reorders_drops_duplicates_and_finishes(tokenizer):
+    ids = tokenizer.encode(" world of tiny models", add_special_tokens=False)[:4]
+    stream = stream_of(tokenizer, max_tokens=4)
+    # Decode's items overtake the prefill's first token; one is repeated.
+    assert stream.accept(TokenItem("r", 1, tuple(ids[1:3]))) is None
+    assert (
+        stream.accept(TokenItem("r", 3, (ids[3],), finish_reason="length", usage=Usage(2, 4)))
+        is None
+    )
+    delta = stream.accept(TokenItem("r", 0, (ids[0],)))
+    prompt = tokenizer.encode("hello")
+    assert delta.text == tokenizer.decode(prompt + ids)[len("hello") :]
+    assert delta.finish_reason == "length" and stream.usage == Usage(2, 4)
+    assert stream.accept(TokenItem("r", 2, (ids[2],))) is None  # after the end: ignored
+
+
+def test_stream_stop_string_truncates(tokenizer):
+    ids = tokenizer.encode(" the quick brown fox", add_special_tokens=False)
+    stream = stream_of(tokenizer, max_tokens=50, stop=["brown"])
+    texts = [stream.accept(TokenItem("r", i, (t,))) for i, t in enumerate(ids)]
+    text = "".join(d.text for d in texts if d)
+    assert text == " the quick " and stream.finish_reason == "stop" and stream.stopped_by_string
+    assert stream.usage.completion_tokens < len(ids)
+
+
+def test_stream_error_ends_at_once(tokenizer):
+    stream = stream_of(tokenizer, max_tokens=5)
+    delta = stream.accept(TokenItem("r", 3, (), finish_reason="error", error="boom"))
+    assert (delta.finish_reason, delta.error, stream.done) == ("error", "boom", True)
+
+
+def test_response_shapes(tokenizer):
+    lp = [TokenLogprob(70, -0.5, (70, 71), (-0.5, -1.5))]
+    chat = ResponseFormat.for_request("chat", "chatcmpl-1", "m", tokenizer)
+    full = chat.full("hi", lp, "stop", Usage(3, 1))
+    assert full["object"] == "chat.completion" and full["usage"]["total_tokens"] == 4
+    entry = full["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"] == tokenizer.decode([70]) and len(entry["top_logprobs"]) == 2
+    first = chat.chunk("a", None, None, first=True, usage_field=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert first["usage"] is None and chat.usage_chunk(Usage(1, 1))["choices"] == []
+    text = ResponseFormat.for_request("completion", "cmpl-1", "m", tokenizer)
+    lps = text.full("hi", lp, "length", Usage(3, 1))["choices"][0]["logprobs"]
+    assert lps["token_logprobs"] == [-0.5] and len(lps["top_logprobs"][0]) == 2
