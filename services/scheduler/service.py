@@ -180,8 +180,13 @@ class Scheduler:
         self._placing[pending.submit.request_id] = False
         task = asyncio.create_task(self._place(pending, choice))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._placed)
         return True
+
+    def _placed(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("placing a request failed", exc_info=task.exception())
 
     async def _place(self, pending: Pending, choice: Choice) -> None:
         """Reserve pages on D, then answer the gateway and send P its work; requeue if refused."""
