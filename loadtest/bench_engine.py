@@ -1,0 +1,159 @@
+"""Engine benchmark: batch-1 decode, batch-32 decode and prefill throughput of Tison's engine
+beside Hugging Face transformers `generate` on the same random-weight ~150M Llama-shaped model,
+in the same run, and beside this machine's memory-bandwidth roofline (weight bytes / GB/s).
+
+    python -m loadtest.bench_engine [--dtype bfloat16] [--threads 2] [--out results.json]
+"""
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.sampling.params import SamplingParams
+
+MODEL = dict(  # ~150M parameters, Llama-shaped
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def build_model(out: Path, dtype: torch.dtype) -> int:
+    """Random-weight model saved as safetensors; returns its weight bytes."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def memory_bandwidth_gbs(seconds: float = 2.0) -> float:
+    """Read bandwidth: summing a 1 GiB buffer (bf16 and fp32), best of several passes."""
+    best, end = 0.0, time.perf_counter() + seconds
+    buffers = [torch.ones(1 << 29, dtype=torch.bfloat16), torch.ones(1 << 28, dtype=torch.float32)]
+    while time.perf_counter() < end:
+        for x in buffers:
+            t = time.perf_counter()
+            x.sum()
+            best = max(best, x.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def prompts(batch: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, MODEL["vocab_size"], (batch, length), generator=g).tolist()
+
+
+def tison_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Decode tokens/s: tokens after the first of each request / time after all prefills."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts(batch, prompt_len)):
+        engine.add_request(f"d{batch}-{i}", p, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    start = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished():
+        produced += sum(len(s.new_token_ids) for s in engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def tison_prefill(engine: LLMEngine, batch: int, prompt_len: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(prompts(batch, prompt_len)):
+        engine.add_request(f"p{i}", p, params)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return batch * prompt_len / (time.perf_counter() - start)
+
+
+def hf_decode(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Same measure for transformers: generate(N) minus generate(1) isolates the decode steps."""
+    ids = torch.tensor(prompts(batch, prompt_len))
+    kwargs = dict(do_sample=False, min_new_tokens=None, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kwargs)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, **kwargs)
+        total = time.perf_counter() - t
+    return batch * (new_tokens - 1) / max(total - first, 1e-9)
+
+
+def hf_prefill(model, batch: int, prompt_len: int) -> float:
+    ids = torch.tensor(prompts(batch, prompt_len))
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        return batch * prompt_len / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        weight_bytes = build_model(Path(tmp), dtype)
+        gbs = memory_bandwidth_gbs()
+        roofline = gbs * 1e9 / weight_bytes  # batch-1 tokens/s if every step reads all weights once
+        engine = LLMEngine(
+            EngineConfig(model_dir=Path(tmp), dtype=args.dtype, kv_cache_bytes=2 << 30)
+        )
+        tison_decode(engine, 1, 8, 4)  # warm-up
+        t1 = tison_decode(engine, 1, 32, args.new_tokens)
+        t32 = tison_decode(engine, 32, 32, args.new_tokens)
+        tp = tison_prefill(engine, 8, 512)
+        del engine
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
+        hf_decode(hf, 1, 8, 4)  # warm-up
+        h1 = hf_decode(hf, 1, 32, args.new_tokens)
+        h32 = hf_decode(hf, 32, 32, args.new_tokens)
+        hp = hf_prefill(hf, 8, 512)
+    rows = [
+        ("batch-1 decode tok/s", t1, h1, f"{t1 / roofline:.0%} of roofline {roofline:.0f}"),
+        ("batch-32 decode tok/s", t32, h32, ""),
+        ("prefill tok/s (8 x 512)", tp, hp, ""),
+    ]
+    print(
+        f"model: {weight_bytes / 1e6:.0f} MB of {args.dtype} weights; memory read {gbs:.1f} GB/s; "
+        f"{args.threads} threads; torch {torch.__version__}, transformers {transformers.__version__}"
+    )
+    print(f"| {'measure':26} | {'Tison':>9} | {'transformers':>12} | {'ratio':>6} | roofline |")
+    print(f"|{'-' * 28}|{'-' * 11}|{'-' * 14}|{'-' * 8}|----------|")
+    for name, ours, theirs, note in rows:
+        print(f"| {name:26} | {ours:9.1f} | {theirs:12.1f} | {ours / theirs:5.2f}x | {note} |")
+    if args.out:
+        args.out.write_text(
+            json.dumps({"weight_bytes": weight_bytes, "gbs": gbs, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""`tison generate`: one completion from a model folder, printed alone on stdout."""
+
+import argparse
+import sys
+
+from shared.errors import TisonError
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model/--dtype, shared by every command that runs a model."""
+    parser.add_argument("--model", default=None, help="model folder (default: the bundled model)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from shared.default_model import default_model_dir
+
+    return str(default_model_dir())
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="complete one prompt offline")
+    add_model_options(p)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message (chat template)"
+    )
+    p.add_argument("prompt")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.engine.llm import LLM
+    from shared.sampling.params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+        llm = LLM(resolve_model(args.model), dtype=args.dtype)
+        if args.chat:
+            out = llm.chat([[{"role": "user", "content": args.prompt}]], params)[0]
+        else:
+            out = llm.generate(args.prompt, params)[0]
+    except TisonError as e:
+        print(f"tison generate: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(out.text + ("\n" if not out.text.endswith("\n") else ""))
+    return 0
