@@ -43,7 +43,7 @@ class SchedulerConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     max_waiting: int = 256  # admission queue bound; beyond it the gateway answers 429
     retry_after_s: float = 1.0  # Retry-After suggested with QUEUE_FULL
-    assign_timeout_s: float = 1.0  # how long a decode worker has to answer a reservation
+    assign_timeout_s: float = 5.0  # a decode worker answers reservations between engine steps
     miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int | None = None  # prompt + output cap; default: max_position_embeddings
     seed: int = 0  # seeds of requests that set none are drawn from this
+    kv_shm_path: Path | None = None  # put the KV pool in this /dev/shm file (decode workers)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

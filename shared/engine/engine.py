@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
-from shared.engine.request import FinishReason, Request, TokenLogprobs
+from shared.engine.request import FinishReason, Request, TokenLogprobs, check_stop
 from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.errors import InvalidRequestError, PromptTooLongError
@@ -45,7 +45,7 @@ class LLMEngine:
             cfg.num_layers, config.page_size, attn.num_kv_heads, cfg.head_dim, self.dtype
         )
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
-        self.kv = KVCache(spec, num_pages)
+        self.kv = KVCache(spec, num_pages, config.kv_shm_path)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
@@ -61,13 +61,58 @@ class LLMEngine:
         self._arrivals = itertools.count()
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
     ) -> Request:
-        """Queues a request; raises (naming the field or limit) if it can never run."""
+        """Queues a request; raises (naming the field or limit) if it can never run.
+        prefill_only: compute the prompt and sample the first token, then finish (prefill worker).
+        """
+        req = self._new_request(request_id, prompt_token_ids, params)
+        req.prefill_only = prefill_only
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        """Decode side of a handoff: holds pages for the prompt's KV, which a prefill worker
+        writes. Returns the page ids, or None when the pool cannot hold it now."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve(req):
+            return None
+        self.requests[request_id] = req
+        return list(req.page_ids)
+
+    def start_remote(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None):
+        """The prompt KV of a reserved request arrived with its first token: decode from here.
+        Returns the request (finished at once if that token ends it), None if it is gone."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(first_token)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        self.scheduler.activate(req)
+        reason = check_stop(req)
+        if reason is not None:
+            self.finish(request_id, reason)
+        return req
+
+    def start_local(self, request_id: str) -> bool:
+        """Colocated: compute a reserved request's prompt here (its pages are already held)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.scheduler.activate(req)
+        return req is not None
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self._validate_prompt(prompt_token_ids)
-        req = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
@@ -76,9 +121,6 @@ class LLMEngine:
             max_total_tokens=min(self.max_model_len, self.pool_tokens),
             arrival=next(self._arrivals),
         )
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        return req
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:

@@ -38,6 +38,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    prefill_only: bool = False  # a prefill worker's request: done after its first token
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +62,8 @@ class Request:
 
 def check_stop(req: Request) -> FinishReason | None:
     """Why the request must finish after its newest token, if it must."""
+    if req.prefill_only:
+        return FinishReason.LENGTH  # the decode worker decides the real reason
     token = req.output_token_ids[-1]
     num_out = len(req.output_token_ids)
     if num_out >= req.params.min_tokens and token in req.stop_token_ids:

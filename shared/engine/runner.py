@@ -1,5 +1,7 @@
 """ModelRunner: one forward pass and sampling for a scheduled batch, on this rank's shards."""
 
+from collections.abc import Callable
+
 import torch
 
 from shared.engine.batch import build_batch
@@ -17,12 +19,18 @@ class ModelRunner:
         self.kv = kv
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
+        # after each layer of a forward pass: (global layer index, the step) -> push its new KV
+        self.on_layer_done: Callable[[int, SchedulerOutput], None] | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[int], SamplerOutput | None]:
         """Runs the step; returns (indices into out.scheduled that sampled, their samples)."""
         batch = build_batch(out, self.kv.spec.page_size, self.sliding_window)
-        hidden, _ = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)
+        hook = self.on_layer_done
+        after_layer = None if hook is None else (lambda layer: hook(layer, out))
+        hidden, _ = self.model(
+            batch.input_ids, batch.positions, self.kv, batch.meta, after_layer=after_layer
+        )
         if not batch.sample_index:
             return [], None
         logits = self.model.compute_logits(hidden[batch.logits_rows])  # (N, vocab)

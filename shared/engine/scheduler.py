@@ -48,6 +48,22 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}  # pages held for a prefill done elsewhere
+
+    def reserve(self, req: Request) -> bool:
+        """Holds pages for req's prompt, to be written by a prefill worker. All or nothing."""
+        need = pages_needed(req.num_prompt_tokens, self.page_size)
+        if not self.allocator.can_allocate(need):
+            return False
+        req.page_ids = self.allocator.allocate(need)
+        self.reserved[req.request_id] = req
+        return True
+
+    def activate(self, req: Request) -> None:
+        """A reserved request joins the batch: decoding if its prompt KV arrived
+        (num_computed_tokens was set), else to compute its prompt here."""
+        del self.reserved[req.request_id]
+        (self.running if req.num_computed_tokens else self.waiting).append(req)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -57,6 +73,10 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Removes the request wherever it is and frees its pages at once."""
+        if request_id in self.reserved:
+            req = self.reserved.pop(request_id)
+            self._finish(req, FinishReason.ABORT)
+            return req
         for queue in (self.running, self.waiting):
             for req in queue:
                 if req.request_id == request_id:
@@ -140,6 +160,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.reserved.pop(req.request_id, None)
         if not req.finished:
             self._finish(req, reason)
 

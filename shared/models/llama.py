@@ -100,14 +100,19 @@ class LlamaModel(nn.Module):
         self.start = stage.start_layer
         self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
 
-    def forward(self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None):
-        """First stage: input_ids (T,); later stages: hidden/residual (T, H) from the previous."""
+    def forward(
+        self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None
+    ):
+        """First stage: input_ids (T,); later stages: hidden/residual (T, H) from the previous.
+        after_layer(i) runs once layer i has written its KV (to stream it out)."""
         if self.stage.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         for i in range(self.start, self.end):
             hidden, residual = self.layers[i](
                 positions, hidden, residual, kv.layer(i - self.start), meta
             )
+            if after_layer is not None:
+                after_layer(i)
         if not self.stage.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
@@ -138,8 +143,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None):
-        return self.model(input_ids, positions, kv, meta, hidden, residual)
+    def forward(
+        self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None
+    ):
+        return self.model(input_ids, positions, kv, meta, hidden, residual, after_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) final hidden states of the sampled rows -> (N, vocab)."""

@@ -1,0 +1,65 @@
+"""`tison prefill`, `tison decode`, `tison colocated`: model-running workers."""
+
+import argparse
+import functools
+import os
+from pathlib import Path
+
+from services.cli.generate import add_model_options, resolve_model
+from services.runtime import run_service
+from services.worker.config import WorkerConfig
+from services.worker.worker import run_worker
+
+D = WorkerConfig
+HELP = {
+    "prefill": "run a prefill worker (prompts -> KV pages of a decode worker)",
+    "decode": "run a decode worker (reserved KV pages -> tokens)",
+    "colocated": "run prefill and decode in one engine (the non-disaggregated baseline)",
+}
+
+
+def register(subparsers) -> None:
+    for role, text in HELP.items():
+        p = subparsers.add_parser(role, help=text)
+        add_model_options(p)
+        p.add_argument("--nats-url", default=os.environ.get("TISON_NATS_URL", D.nats_url))
+        p.add_argument("--worker-id", default="")
+        p.add_argument("--served-model-name", default="")
+        p.add_argument("--kv-cache-bytes", type=int, default=D.kv_cache_bytes)
+        p.add_argument("--num-pages", type=int, default=None, help="exact KV pool size (pages)")
+        p.add_argument("--page-size", type=int, default=D.page_size)
+        p.add_argument("--max-num-batched-tokens", type=int, default=D.max_num_batched_tokens)
+        p.add_argument("--max-num-seqs", type=int, default=D.max_num_seqs)
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--heartbeat", type=float, default=D.heartbeat_s, help="seconds")
+        p.add_argument("--kv-transport", choices=["auto", "shm", "tcp"], default=D.kv_transport)
+        p.add_argument("--kv-host", default=D.kv_host, help="address of the TCP KV server")
+        p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+        p.add_argument("--log-level", default="INFO")
+        p.set_defaults(func=functools.partial(main, role))
+
+
+def main(role: str, args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config = WorkerConfig(
+        role=role,
+        model_dir=Path(resolve_model(args.model)),
+        dtype=args.dtype,
+        nats_url=args.nats_url,
+        worker_id=args.worker_id,
+        served_model_name=args.served_model_name,
+        kv_cache_bytes=args.kv_cache_bytes,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        heartbeat_s=args.heartbeat,
+        kv_secret=os.environ.get("TISON_KV_SECRET", ""),
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+    )
+    return run_service(functools.partial(run_worker, config), args.log_level)

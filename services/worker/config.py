@@ -1,0 +1,58 @@
+"""Settings of a real (model-running) worker process."""
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.engine.config import DEFAULT_KV_CACHE_BYTES
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def default_worker_id(role: str) -> str:
+    """Unique per process, so a restarted worker is a new worker to the registries."""
+    host = socket.gethostname().replace(".", "-")
+    return f"{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str  # prefill | decode | colocated (prefill and decode in one engine)
+    model_dir: Path
+    dtype: str = "auto"
+    nats_url: str = "nats://127.0.0.1:4222"
+    worker_id: str = ""  # "" -> default_worker_id(role)
+    served_model_name: str = ""  # "" -> the model folder's name
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    num_pages: int | None = None
+    page_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    heartbeat_s: float = 0.5
+    kv_secret: str = ""  # shared secret of the TCP KV transport ("" -> TCP off)
+    kv_transport: str = "auto"  # prefill: auto | shm | tcp
+    kv_host: str = "127.0.0.1"  # decode: address the TCP KV server listens on and advertises
+    shm_dir: Path = Path("/dev/shm")
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"kv_transport must be auto, shm or tcp, got {self.kv_transport!r}")
+        if self.heartbeat_s <= 0:
+            raise ValueError("heartbeat_s must be > 0")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", default_worker_id(self.role))
+
+    def role_ids(self) -> dict[str, str]:
+        """Worker id per role this process serves."""
+        if self.role == "colocated":
+            return {"prefill": f"{self.worker_id}-prefill", "decode": f"{self.worker_id}-decode"}
+        return {self.role: self.worker_id}
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name

@@ -1,0 +1,116 @@
+"""Decode role: reserves pages for a prompt that a prefill worker computes, then decodes it with
+the rest of the batch, publishing one TokensMsg per step per gateway."""
+
+import logging
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.worker.loop import EngineLoop
+from services.worker.messages import from_wire_logprob, token_item
+from shared import protocol, subjects
+from shared.engine.engine import StepOutput
+from shared.engine.request import FinishReason
+from shared.errors import ProtocolError, TisonError
+from shared.protocol import (
+    CancelMsg,
+    DecodeAssignMsg,
+    DecodeAssignReplyMsg,
+    KvReadyMsg,
+    TokenItem,
+    TokensMsg,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRole:
+    role = "decode"
+
+    def __init__(self, nc: Client, loop: EngineLoop, worker_id: str, endpoints: dict[str, str]):
+        self.nc, self.loop, self.worker_id = nc, loop, worker_id
+        self.engine = loop.engine
+        self.endpoints = endpoints
+        self.gateways: dict[str, str] = {}  # request id -> gateway that streams it
+
+    async def subscribe(self) -> None:
+        await self.nc.subscribe(subjects.assign("decode", self.worker_id), cb=self._on_assign)
+        await self.nc.subscribe(subjects.decode_kv(self.worker_id), cb=self._on_kv)
+        await self.nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
+
+    async def _on_assign(self, msg: Msg) -> None:
+        try:
+            assign = protocol.decode(msg.data, DecodeAssignMsg)
+        except ProtocolError as e:
+            log.warning("dropped decode assignment: %s", e)
+            return
+        rid = assign.request_id
+        try:
+            pages = await self.loop.call(
+                self.engine.reserve, rid, list(assign.prompt_token_ids), assign.sampling
+            )
+        except TisonError as e:
+            pages, reason = None, str(e)
+        else:
+            reason = "KV pool full"
+        if pages is None:
+            reply = DecodeAssignReplyMsg(rid, False, reason=reason)
+        else:
+            self.gateways[rid] = assign.gateway_id
+            reply = DecodeAssignReplyMsg(rid, True, tuple(pages), dict(self.endpoints))
+        if msg.reply:
+            await self.nc.publish(msg.reply, protocol.encode(reply))
+
+    async def _on_kv(self, msg: Msg) -> None:
+        try:
+            ready = protocol.decode(msg.data, KvReadyMsg)
+        except ProtocolError as e:
+            log.warning("dropped kv message: %s", e)
+            return
+        rid = ready.request_id
+        if rid not in self.gateways:
+            return  # cancelled meanwhile
+        if not ready.ok:
+            req = self.engine.requests.get(rid)
+            await self.loop.call(self.engine.finish, rid, FinishReason.ERROR)
+            if req is not None:
+                await self._publish_items(
+                    [(rid, token_item(req, [], [], ready.error or "prefill failed"))]
+                )
+            return
+        logprob = from_wire_logprob(ready.first_logprob)
+        req = await self.loop.call(self.engine.start_remote, rid, ready.first_token_id, logprob)
+        if req is not None and req.finished:  # the first token already ended it
+            await self._publish_items([(rid, token_item(req, [], []))])
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = protocol.decode(msg.data, CancelMsg)
+        except ProtocolError as e:
+            log.warning("dropped cancel: %s", e)
+            return
+        if self.gateways.pop(cancel.request_id, None) is not None:
+            await self.loop.call(self.engine.abort, cancel.request_id)
+
+    async def on_outputs(self, outputs: list[StepOutput]) -> None:
+        """Publishes this step's tokens: one message per gateway."""
+        items = []
+        for out in outputs:
+            rid = out.request.request_id
+            if rid in self.gateways:
+                error = (
+                    "engine step failed" if out.request.finish_reason == FinishReason.ERROR else ""
+                )
+                items.append(
+                    (rid, token_item(out.request, out.new_token_ids, out.new_logprobs, error))
+                )
+        await self._publish_items(items)
+
+    async def _publish_items(self, items: list[tuple[str, TokenItem]]) -> None:
+        by_gateway: dict[str, list[TokenItem]] = {}
+        for rid, item in items:
+            gateway = self.gateways[rid] if item.finish_reason is None else self.gateways.pop(rid)
+            by_gateway.setdefault(gateway, []).append(item)
+        for gateway, batch in by_gateway.items():
+            body = protocol.encode(TokensMsg(self.worker_id, tuple(batch)))
+            await self.nc.publish(subjects.gateway_tokens(gateway), body)

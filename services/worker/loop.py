@@ -1,0 +1,49 @@
+"""EngineLoop: the single owner of a worker's engine. NATS callbacks hand it commands, which
+run between steps in arrival order; each step runs in a thread so the event loop stays free
+for heartbeats, assignments and cancels."""
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from shared.engine.engine import LLMEngine, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(
+        self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], Awaitable[None]]
+    ):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self._commands: list[tuple[Callable, tuple, asyncio.Future]] = []
+        self._wake = asyncio.Event()
+
+    async def call(self, fn: Callable, *args):
+        """fn(*args) on the engine between two steps; returns its result (or raises)."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.append((fn, args, future))
+        self._wake.set()
+        return await future
+
+    def _apply_commands(self) -> None:
+        commands, self._commands = self._commands, []
+        for fn, args, future in commands:
+            if future.cancelled():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:
+                future.set_exception(e)
+
+    async def run(self) -> None:
+        while True:
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                if not self._commands:
+                    await self._wake.wait()
+                continue
+            outputs = await asyncio.to_thread(self.engine.step)
+            await self.on_outputs(outputs)

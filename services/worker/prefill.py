@@ -1,0 +1,113 @@
+"""Prefill role: computes prompts (chunked, batched), streams each layer's KV into the decode
+worker's reserved pages as it is computed, then sends the first token to the gateway and
+"pages written" to the decode worker. A colocated worker hands its own requests to its engine."""
+
+import asyncio
+import logging
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.worker.kv_push import KVPusher
+from services.worker.loop import EngineLoop
+from services.worker.messages import to_wire_logprob
+from shared import protocol, subjects
+from shared.engine.engine import StepOutput
+from shared.engine.request import FinishReason
+from shared.errors import ProtocolError
+from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
+from shared.transfer.base import KVTarget
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRole:
+    role = "prefill"
+
+    def __init__(
+        self,
+        nc: Client,
+        loop: EngineLoop,
+        worker_id: str,
+        pusher: KVPusher,
+        local_decode_id: str | None = None,
+    ):
+        self.nc, self.loop, self.worker_id = nc, loop, worker_id
+        self.engine = loop.engine
+        self.pusher = pusher
+        self.local_decode_id = local_decode_id  # colocated: our own decode role's id
+        self.jobs: dict[str, PrefillAssignMsg] = {}
+
+    async def subscribe(self) -> None:
+        await self.nc.subscribe(subjects.assign("prefill", self.worker_id), cb=self._on_assign)
+        await self.nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
+
+    async def _on_assign(self, msg: Msg) -> None:
+        try:
+            assign = protocol.decode(msg.data, PrefillAssignMsg)
+        except ProtocolError as e:
+            log.warning("dropped prefill assignment: %s", e)
+            return
+        rid = assign.request_id
+        if assign.decode_worker == self.local_decode_id:
+            await self.loop.call(self.engine.start_local, rid)  # pages are ours already
+            return
+        try:
+            self.pusher.add(KVTarget(rid, assign.page_ids, assign.decode_endpoints))
+            prompt = list(assign.prompt_token_ids)
+            await self.loop.call(self.engine.add_request, rid, prompt, assign.sampling, True)
+        except Exception as e:  # bad layout, unreachable peer, invalid prompt: fail it alone
+            self.pusher.drop(rid)
+            await self._kv_ready(assign, KvReadyMsg(rid, self.worker_id, False, error=str(e)))
+            return
+        self.jobs[rid] = assign
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = protocol.decode(msg.data, CancelMsg)
+        except ProtocolError as e:
+            log.warning("dropped cancel: %s", e)
+            return
+        if self.jobs.pop(cancel.request_id, None) is not None:
+            self.pusher.drop(cancel.request_id)
+            await self.loop.call(self.engine.abort, cancel.request_id)
+
+    async def on_outputs(self, outputs: list[StepOutput]) -> None:
+        firsts: dict[str, list[TokenItem]] = {}
+        readies = []
+        for out in outputs:
+            assign = self.jobs.pop(out.request.request_id, None)
+            if assign is None or not out.finished:
+                continue
+            if out.request.finish_reason == FinishReason.ERROR:
+                self.pusher.drop(assign.request_id)
+                error = "prefill step failed"
+            else:
+                error = await asyncio.to_thread(self.pusher.finish, assign.request_id)
+            readies.append((assign, self._ready(out, error)))
+            if not error:
+                item = TokenItem(
+                    assign.request_id,
+                    0,
+                    tuple(out.new_token_ids),
+                    tuple(
+                        to_wire_logprob(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs)
+                    ),
+                )
+                firsts.setdefault(assign.gateway_id, []).append(item)
+        for gateway, items in firsts.items():
+            body = protocol.encode(TokensMsg(self.worker_id, tuple(items)))
+            await self.nc.publish(subjects.gateway_tokens(gateway), body)
+        for assign, ready in readies:
+            await self._kv_ready(assign, ready)
+
+    def _ready(self, out: StepOutput, error: str | None) -> KvReadyMsg:
+        rid = out.request.request_id
+        if error:
+            return KvReadyMsg(rid, self.worker_id, False, error=error)
+        token = out.new_token_ids[0]
+        logprob = to_wire_logprob(token, out.new_logprobs[0]) if out.new_logprobs else None
+        return KvReadyMsg(rid, self.worker_id, True, first_token_id=token, first_logprob=logprob)
+
+    async def _kv_ready(self, assign: PrefillAssignMsg, ready: KvReadyMsg) -> None:
+        await self.nc.publish(subjects.decode_kv(assign.decode_worker), protocol.encode(ready))
