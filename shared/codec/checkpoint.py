@@ -1,0 +1,61 @@
+"""A compressed model folder read like a plain one: names() and get(name) as in
+shared/checkpoint.py's Checkpoint, decoding each tensor when asked for it."""
+
+from pathlib import Path
+
+import torch
+
+from shared.codec.container import MANIFEST, ShardReader, read_manifest
+from shared.codec.format import EncodedTensor
+from shared.codec.tensor import check_stored, decode_tensor, full_lengths
+from shared.errors import ModelFolderError
+
+
+def is_compressed_dir(path: str | Path) -> bool:
+    """True if `path` is a folder written by `tison compress` (it holds the manifest)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+class CompressedCheckpoint:
+    """Tensor name -> tensor over the shards of a compressed folder. Tensors come back bit
+    for bit as they were compressed, checked against their CRC-32; a corrupt file raises
+    ModelFolderError naming the file and the tensor."""
+
+    def __init__(self, path: str | Path, num_threads: int | None = None, verify: bool = True):
+        self.path = Path(path)
+        self.num_threads = num_threads
+        self.verify = verify
+        self._shards: dict[str, ShardReader] = {}  # tensor name -> reader of its shard
+        for info in read_manifest(self.path):
+            reader = ShardReader(self.path / info.file)
+            for name in info.tensors:
+                self._shards[name] = reader
+
+    def names(self) -> list[str]:
+        return list(self._shards)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, decoded on the CPU (checked against the CRC-32 of the original)."""
+        encoded = self._reader(name).encoded(name)
+        return decode_tensor(encoded, num_threads=self.num_threads, verify=self.verify)
+
+    def get_encoded(self, name: str) -> EncodedTensor:
+        """The tensor still compressed (planes on the CPU, checked for size, a valid code
+        table and, if verify, their CRC-32), e.g. to keep it compressed on a device and
+        decode it there just in time (kernels/codec_decode.py)."""
+        encoded = self._reader(name).encoded(name)
+        if encoded.planes is not None:
+            full_lengths(encoded)
+        if self.verify:
+            check_stored(encoded)
+        return encoded
+
+    def _reader(self, name: str) -> ShardReader:
+        reader = self._shards.get(name)
+        if reader is None:
+            raise ModelFolderError(str(self.path / MANIFEST), f"no tensor {name!r}")
+        return reader
+
+    def close(self) -> None:
+        for reader in set(self._shards.values()):
+            reader.close()
