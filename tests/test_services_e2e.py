@@ -1,0 +1,229 @@
+"""End to end with real model workers: NATS, scheduler, gateway, a prefill and a decode worker
+running the tiny model, driven by the official `openai` client. Outputs must equal the offline
+`LLM.generate` token for token; KV pages move peer-to-peer, never over NATS."""
+
+import asyncio
+
+import aiohttp
+import nats
+import openai
+import pytest
+
+from shared.engine.llm import LLM
+from shared.sampling.params import SamplingParams
+
+from services_harness import Services, metric, wait_pages_free
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"]
+
+
+def start_workers(s: Services, model_dir, layout: str, *extra: str) -> None:
+    common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2", *extra]
+    if layout == "colocated":
+        s.start("colocated", "colocated", *common)
+    else:
+        s.start(
+            "prefill", "prefill", *common, *(["--kv-transport", layout] if layout != "auto" else [])
+        )
+        s.start("decode", "decode", *common)
+
+
+def cluster_for(tmp_path_factory, model_dir, layout: str, monkeypatch_env=None):
+    s = Services(tmp_path_factory.mktemp(f"cluster-{layout}"), model_dir)
+    s.__enter__()
+    s.scheduler()
+    start_workers(s, model_dir, layout)
+    s.gateway()
+    s.wait_healthy(90)
+    return s
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama):
+    s = cluster_for(tmp_path_factory, tiny_llama, "auto")
+    yield s
+    s.stop_all()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, dtype="float32")
+
+
+@pytest.fixture
+async def client(cluster):
+    async with openai.AsyncOpenAI(
+        base_url=cluster.base_url + "/v1", api_key="x", max_retries=0
+    ) as c:
+        yield c
+
+
+async def completions(client, model, prompt, stream: bool, **kw):
+    """(text, finish_reason, usage) of one completion, streamed or not."""
+    if not stream:
+        out = await client.completions.create(model=model, prompt=prompt, **kw)
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage
+    chunks = await client.completions.create(
+        model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+    )
+    text, finish, usage = "", None, None
+    async for chunk in chunks:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    return text, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_equal_offline_generate(client, llm, tiny_llama, stream):
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    for prompt, ref in zip(PROMPTS, expected):
+        text, finish, usage = await completions(
+            client, tiny_llama.name, prompt, stream, max_tokens=24, temperature=0
+        )
+        assert (text, finish) == (ref.text, ref.finish_reason)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (
+            len(ref.prompt_token_ids),
+            len(ref.token_ids),
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_equals_offline_chat(client, llm, tiny_llama, stream):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello there"},
+    ]
+    ref = llm.chat([messages], SamplingParams(temperature=0, max_tokens=16))[0]
+    kw = dict(model=tiny_llama.name, messages=messages, max_tokens=16, temperature=0)
+    if stream:
+        text = ""
+        async for chunk in await client.chat.completions.create(stream=True, **kw):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+    else:
+        text = (await client.chat.completions.create(**kw)).choices[0].message.content
+    assert text == ref.text
+
+
+async def test_seeded_sampling_is_the_same_across_prefill_and_decode(client, llm, tiny_llama):
+    """The seed drives both workers' draws (prefill samples token 0, decode the rest)."""
+    params = dict(temperature=0.9, top_p=0.95, seed=4242, max_tokens=20)
+    ref = llm.generate(PROMPTS[1], SamplingParams(**params, ignore_eos=True))[0]
+    text, _, _ = await completions(
+        client, tiny_llama.name, PROMPTS[1], True, extra_body={"ignore_eos": True}, **params
+    )
+    assert text == ref.text
+
+
+async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama, cluster):
+    async def one(i):
+        return await completions(
+            client,
+            tiny_llama.name,
+            f"Once upon a time {i}",
+            True,
+            max_tokens=8 + i % 4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    results = await asyncio.gather(*(one(i) for i in range(32)))
+    for i, (text, finish, usage) in enumerate(results):
+        assert finish == "length" and usage.completion_tokens == 8 + i % 4
+        assert usage.prompt_tokens == len(llm.tokenizer.encode(f"Once upon a time {i}"))
+    await wait_pages_free(cluster)
+
+
+async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llama):
+    """Per extra prompt token, NATS carries a few bytes of token ids while the KV transport
+    moves the token's KV (2 layers x 2 KV heads x 16 dims x K,V x 4 B = 512 B)."""
+    nc = await nats.connect(cluster.nats.url)
+    counted = []
+
+    async def count(msg):
+        if ".heartbeat." not in msg.subject:
+            counted.append(len(msg.data))
+
+    await nc.subscribe(">", cb=count)
+
+    async def measure(num_tokens):
+        await nc.flush()
+        counted.clear()
+        before = await metric(cluster, "tison_kv_transfer_bytes", "prefill")
+        await client.completions.create(
+            model=tiny_llama.name, prompt=[7] * num_tokens, max_tokens=4
+        )
+        await asyncio.sleep(0.6)  # two heartbeats carry the transfer counters
+        return sum(counted), await metric(cluster, "tison_kv_transfer_bytes", "prefill") - before
+
+    (short_nats, short_kv), (long_nats, long_kv) = await measure(10), await measure(210)
+    await nc.close()
+    assert (long_nats - short_nats) / 200 <= 8, (short_nats, long_nats)
+    assert (long_kv - short_kv) / 200 == 512, (short_kv, long_kv)
+
+
+async def test_client_disconnect_frees_pages_on_both_workers(cluster, tiny_llama):
+    body = {
+        "model": tiny_llama.name,
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as http:
+        async with http.post(cluster.base_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")
+            for _ in range(20):  # heartbeats report the decode worker's pages every 0.2 s
+                if await metric(cluster, "tison_kv_pages_used", "decode") > 0:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the decode worker never reported pages in use")
+    await wait_pages_free(cluster)
+    assert await metric(cluster, "tison_requests_running") == 0
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "M", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "M", "prompt": "x", "temperature": 5}, 400, "temperature"),
+        ({"model": "M", "prompt": "x " * 400}, 400, "prompt"),
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ],
+)
+async def test_bad_requests_get_4xx_and_service_stays_healthy(
+    cluster, tiny_llama, body, status, param
+):
+    body = dict(body, model=tiny_llama.name) if body["model"] == "M" else body
+    async with aiohttp.ClientSession() as http:
+        async with http.post(cluster.base_url + "/v1/completions", json=body) as resp:
+            assert resp.status == status
+            error = (await resp.json())["error"]
+    assert error["param"] == param and error["message"]
+    assert cluster.health() == 200
+
+
+@pytest.mark.parametrize("layout", ["colocated", "tcp"])
+async def test_colocated_and_tcp_give_the_same_tokens(
+    tmp_path_factory, tiny_llama, llm, layout, monkeypatch
+):
+    monkeypatch.setenv("TISON_KV_SECRET", "test-secret")
+    s = cluster_for(tmp_path_factory, tiny_llama, layout)
+    try:
+        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
+            expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+            for prompt, ref in zip(PROMPTS, expected):
+                text, finish, _ = await completions(
+                    c, tiny_llama.name, prompt, True, max_tokens=24, temperature=0
+                )
+                assert (text, finish) == (ref.text, ref.finish_reason)
+            if layout == "tcp":
+                await asyncio.sleep(0.5)
+                assert await metric(s, "tison_kv_transfer_bytes", "decode") > 0  # received over TCP
+        await wait_pages_free(s)
+    finally:
+        s.stop_all()
