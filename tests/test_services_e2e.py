@@ -130,7 +130,13 @@ async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama
         )
 
     results = await asyncio.gather(*(one(i) for i in range(32)))
+    prompts = [f"Once upon a time {i}" for i in range(32)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=8 + i % 4, ignore_eos=True) for i in range(32)
+    ]
+    expected = llm.generate(prompts, params)
     for i, (text, finish, usage) in enumerate(results):
+        assert text == expected[i].text
         assert finish == "length" and usage.completion_tokens == 8 + i % 4
         assert usage.prompt_tokens == len(llm.tokenizer.encode(f"Once upon a time {i}"))
     await wait_pages_free(cluster)
