@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from shared.errors import ProcessStartError
+from shared.proc import die_with_parent
 
 BINARY = "nats-server"
 
@@ -58,7 +59,13 @@ class NatsServer:
         if self.monitor:
             args += ["-m", "-1"]
         log = open(self.state_dir / "nats-server.log", "ab")
-        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self._proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+            start_new_session=True,  # stopped by its owner, after the services using it
+        )
         log.close()
         try:
             self._wait_ready(time.monotonic() + timeout_s)

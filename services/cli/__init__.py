@@ -5,7 +5,7 @@ import importlib
 import sys
 
 # Modules under services/cli that add a subcommand; each defines register(subparsers).
-SUBCOMMAND_MODULES = ["generate", "codec", "gateway", "scheduler", "fake_worker", "worker"]
+SUBCOMMAND_MODULES = ["up", "generate", "codec", "gateway", "scheduler", "fake_worker", "worker"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """The fake worker process: one or both roles over one NATS connection, plus heartbeats."""
 
 import asyncio
+import contextlib
 import logging
 
 import nats
@@ -32,7 +33,8 @@ async def run_fake_worker(config: FakeWorkerConfig, stop: asyncio.Event) -> None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await nc.drain()
+        with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
+            await nc.drain()
 
 
 async def _heartbeats(nc, config: FakeWorkerConfig, info: FakeModelInfo, roles) -> None:

@@ -7,6 +7,7 @@ waits on a dead worker for longer than its missed heartbeats plus one grace peri
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,7 +69,8 @@ class ControlPlane:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
         if self._nc is not None:
-            await self._nc.drain()
+            with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
+                await self._nc.drain()
 
     def alive(self, role: str) -> list[HeartbeatMsg]:
         return self.registry.alive(role, time.time())

@@ -11,6 +11,7 @@ keeps each request's state owned by one process.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -84,7 +85,8 @@ class Scheduler:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await nc.drain()
+            with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
+                await nc.drain()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:

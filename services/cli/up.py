@@ -1,0 +1,115 @@
+"""`tison up`: NATS, a scheduler, prefill and decode workers and a gateway on one machine."""
+
+import argparse
+import logging
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from services.cli.generate import add_model_options, resolve_model
+from services.up.plan import UpConfig, plan
+from services.up.supervisor import Supervisor, child_env
+from shared.errors import TisonError
+from shared.nats_server import NatsServer
+
+log = logging.getLogger("tison.up")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("up", help="run the whole service on this machine")
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument(
+        "--colocated", action="store_true", help="prefill and decode in one engine per worker"
+    )
+    p.add_argument("--nats-url", default="", help="use this NATS instead of starting one")
+    p.add_argument(
+        "--state-dir", type=Path, default=None, help="NATS JetStream store (default: a temp dir)"
+    )
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = UpConfig(
+            model_dir=Path(resolve_model(args.model)),
+            dtype=args.dtype,
+            host=args.host,
+            port=args.port,
+            prefill_workers=args.prefill_workers,
+            decode_workers=args.decode_workers,
+            colocated=args.colocated,
+            nats_url=args.nats_url,
+            kv_cache_bytes=args.kv_cache_bytes,
+            threads=args.threads,
+        )
+        _check_port_free(cfg.host, cfg.port)
+    except (TisonError, ValueError, OSError) as e:
+        print(f"tison up: {e}", file=sys.stderr)
+        return 2
+    stop = _stop_on_signals()
+    with tempfile.TemporaryDirectory(prefix="tison-") as tmp:
+        nats = None if cfg.nats_url else NatsServer(args.state_dir or Path(tmp) / "nats").start()
+        supervisor = Supervisor(
+            plan(cfg), cfg.nats_url or nats.url, child_env(secrets.token_hex(16))
+        )
+        try:
+            supervisor.start_all()
+            return _serve(cfg, supervisor, stop, args.ready_timeout)
+        finally:
+            supervisor.stop_all()
+            if nats is not None:
+                nats.stop()
+            log.info("stopped")
+
+
+def _serve(cfg: UpConfig, supervisor: Supervisor, stop: list, ready_timeout: float) -> int:
+    url = f"http://{cfg.host}:{cfg.port}"
+    deadline, ready = time.monotonic() + ready_timeout, False
+    while not stop:
+        supervisor.poll()
+        if not ready and _healthy(url):
+            ready = True
+            print(f"Tison is serving {cfg.model_dir.name} at {url}/v1 (Ctrl-C to stop)", flush=True)
+        elif not ready and time.monotonic() > deadline:
+            log.error("not healthy after %.0f s", ready_timeout)
+            return 1
+        time.sleep(0.2)
+    return 0
+
+
+def _stop_on_signals() -> list:
+    stop: list = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    return stop
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"{host}:{port} is in use ({e.strerror}); pick another --port") from None

@@ -1,0 +1,97 @@
+"""Runs the children of `tison up`: starts them, forwards their output with a name prefix,
+restarts any that dies, and on stop terminates them all (none is left orphaned: each child
+gets SIGKILL from the kernel if this process dies first)."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from services.up.plan import ChildSpec, RestartPolicy
+from shared.proc import die_with_parent
+
+log = logging.getLogger("tison.up")
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen
+    started_at: float
+    restart_at: float | None = None  # set while waiting to restart
+
+
+class Supervisor:
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        nats_url: str,
+        env: dict[str, str],
+        policy: RestartPolicy | None = None,
+    ):
+        self.specs, self.nats_url, self.env = specs, nats_url, env
+        self.policy = policy or RestartPolicy()
+        self.children: dict[str, Child] = {}
+
+    def start_all(self) -> None:
+        for spec in self.specs:
+            self._start(spec)
+
+    def _start(self, spec: ChildSpec) -> None:
+        proc = subprocess.Popen(
+            spec.argv(self.nats_url),
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+            start_new_session=True,  # Ctrl-C reaches `tison up` only; it stops children in order
+        )
+        threading.Thread(target=_forward, args=(spec.name, proc.stdout), daemon=True).start()
+        self.children[spec.name] = Child(spec, proc, time.monotonic())
+
+    def poll(self) -> None:
+        """Restarts children that died, after their backoff."""
+        now = time.monotonic()
+        for child in list(self.children.values()):
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if child.restart_at is None:
+                delay = self.policy.delay(child.spec.name, now - child.started_at)
+                log.warning("%s exited with %s; restarting in %.0f s", child.spec.name, code, delay)
+                child.restart_at = now + delay
+            elif now >= child.restart_at:
+                self._start(child.spec)
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to all (gateway first), then SIGKILL whatever is left after the timeout."""
+        for child in reversed(list(self.children.values())):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children.values():
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", child.spec.name, timeout_s)
+                child.proc.kill()
+                child.proc.wait()
+
+    def pids(self) -> dict[str, int]:
+        return {name: c.proc.pid for name, c in self.children.items() if c.proc.poll() is None}
+
+
+def _forward(name: str, stream) -> None:
+    for line in iter(stream.readline, b""):
+        sys.stderr.write(f"[{name}] {line.decode(errors='replace')}")
+    stream.close()
+
+
+def child_env(kv_secret: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TISON_KV_SECRET=kv_secret)
+    return env

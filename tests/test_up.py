@@ -1,0 +1,169 @@
+"""`tison up`: starts everything, serves, restarts a killed child, stops cleanly on SIGTERM
+leaving no process behind, and starts again on the same port."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.up.plan import RestartPolicy, UpConfig, plan
+
+from services_harness import REPO_ROOT, free_port
+
+
+def descendants(pid: int) -> set[int]:
+    """All live processes below pid (children, grandchildren...)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Up:
+    def __init__(self, model_dir, port: int, *args: str):
+        self.port = port
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--port",
+                str(port),
+                *args,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def wait_serving(self, timeout_s=120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if "Tison is serving" in line:
+                return
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"tison up exited with {self.proc.returncode}")
+        raise TimeoutError("tison up did not become ready")
+
+    def complete(self, model_name: str) -> str:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0
+        )
+        out = client.completions.create(model=model_name, prompt="hello", max_tokens=4)
+        assert out.usage.completion_tokens >= 1
+        return out.choices[0].text
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def test_up_serves_stops_cleanly_and_starts_again(tiny_llama):
+    port = free_port()
+    up = Up(tiny_llama, port)
+    try:
+        up.wait_serving()
+        children = descendants(up.proc.pid)
+        assert len(children) >= 5  # nats-server, scheduler, prefill, decode, gateway
+        up.complete(tiny_llama.name)
+    finally:
+        code = up.stop()
+    assert code == 0
+    time.sleep(0.5)
+    assert not [pid for pid in children if alive(pid)], "tison up left processes behind"
+
+    again = Up(tiny_llama, port, "--colocated")
+    try:
+        again.wait_serving()
+        again.complete(tiny_llama.name)
+    finally:
+        assert again.stop() == 0
+
+
+def test_up_restarts_a_killed_worker(tiny_llama):
+    up = Up(tiny_llama, free_port())
+    try:
+        up.wait_serving()
+        decode = next(
+            pid
+            for pid in descendants(up.proc.pid)
+            if b"\x00decode\x00" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+        )
+        os.kill(decode, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the gateway answers 503 until the restarted worker reports in
+            try:
+                up.complete(tiny_llama.name)
+                break
+            except openai.APIStatusError as e:
+                assert e.status_code == 503
+                assert time.monotonic() < deadline, "the killed worker was not replaced"
+                time.sleep(0.5)
+        assert not alive(decode)
+    finally:
+        assert up.stop() == 0
+
+
+def test_up_refuses_a_busy_port(tiny_llama):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        up = Up(tiny_llama, s.getsockname()[1])
+        out, _ = up.proc.communicate(timeout=60)
+    assert up.proc.returncode == 2
+
+
+def test_plan_and_restart_policy(tiny_llama):
+    names = [c.name for c in plan(UpConfig(tiny_llama, prefill_workers=2, decode_workers=3))]
+    assert names == [
+        "scheduler",
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
+        "decode-2",
+        "gateway",
+    ]
+    assert [c.name for c in plan(UpConfig(tiny_llama, colocated=True))] == [
+        "scheduler",
+        "colocated-0",
+        "gateway",
+    ]
+    with pytest.raises(ValueError, match="decode-workers"):
+        UpConfig(tiny_llama, decode_workers=0)
+    policy = RestartPolicy(base_s=1, max_s=8, healthy_after_s=60)
+    assert [policy.delay("d", 1) for _ in range(5)] == [1, 2, 4, 8, 8]
+    assert policy.delay("d", 120) == 1  # ran long enough: a fresh failure
