@@ -14,6 +14,11 @@
 #define GROUP 16 /* elements merged at once; tiles end on multiples of it */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Sixteen lanes, for the raw-field loops (GCC vector extensions: SSE2, NEON, ...). */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
 static inline uint32_t load_elem(const void *in, int64_t i, int width) {
     if (width == 2) return ((const uint16_t *)in)[i];
     if (width == 1) return ((const uint8_t *)in)[i];
@@ -29,10 +34,10 @@ static inline uint64_t load_be64(const uint8_t *p) {
 /* Byte and bit of element e in a plane of b-bit parts (b <= 8): 16-byte groups hold 16 * 8/b
  * elements; byte q of a group holds elements q, q + 16, q + 32, ... at bits 0, b, 2b, ... */
 ALWAYS_INLINE int64_t part_byte(int64_t e, int b, int *bit) {
-    const int64_t span = 16 * (8 / b);
-    const int64_t r = e % span;
-    *bit = (int)(r >> 4) * b;
-    return (e / span) * 16 + (r & 15);
+    const int log_b = __builtin_ctz((unsigned)b), span_log = 7 - log_b; /* span = 128 / b */
+    const int64_t r = e & ((1 << span_log) - 1);
+    *bit = (int)(r >> 4) << log_b;
+    return ((e >> span_log) << 4) + (r & 15);
 }
 
 static uint32_t part_field(const uint8_t *plane, int b, int64_t e) {
@@ -57,25 +62,97 @@ void tc_histogram(const void *in, int64_t n, int width, int k, int64_t *counts) 
     for (int64_t i = 0; i < n; i++) counts[(load_elem(in, i, width) >> k) & mask]++;
 }
 
-/* Writes the code stream (MSB-first), the raw field planes, the segment gaps
- * (nibbles) and the block index. Output planes must be zeroed and sized by the caller
- * from the total bit count it computed from the histogram. Returns the bits written. */
+/* Writes the raw field of element e into its part planes (zeroed beforehand). */
+static void put_field(uint8_t *raw, const int64_t *parts, int nparts, int64_t e, uint32_t field) {
+    for (int j = 0; j < nparts; j++) {
+        const int64_t *part = parts + 3 * j;
+        int b = (int)part[0], bit;
+        uint32_t v = (field >> part[1]) & ((1u << b) - 1);
+        uint8_t *plane = raw + part[2];
+        if (b == 16) {
+            plane[2 * e] = (uint8_t)v;
+            plane[2 * e + 1] = (uint8_t)(v >> 8);
+        } else {
+            plane[part_byte(e, b, &bit)] |= (uint8_t)(v << bit);
+        }
+    }
+}
+
+/* The raw fields (R = k + 1 bits) of elements a .. z - 1 (multiples of 16) into their zeroed
+ * part planes, sixteen at a time: the inverse of merge16 (below). */
+#define DEFINE_PACK16(NAME, IN_T, INX16, ACC, LANE_T)                                       \
+    ALWAYS_INLINE void NAME(const void *in, int R, int64_t a, int64_t z,                       \
+                            uint8_t *const *planes) {                                          \
+        const int k = R - 1, top = (int)sizeof(IN_T) * 8 - 1;                                  \
+        for (int64_t e = a; e < z; e += 16) {                                                  \
+            INX16 u;                                                                           \
+            memcpy(&u, (const IN_T *)in + e, sizeof u);                                        \
+            ACC v = __builtin_convertvector(u, ACC);                                           \
+            ACC r = ((v >> top) << k) | (v & (LANE_T)((1u << k) - 1));                         \
+            int j = 0, shift = 0;                                                              \
+            if (R & 16) {                                                                      \
+                u16x16 x = __builtin_convertvector(r, u16x16);                                 \
+                memcpy(planes[j++] + 2 * e, &x, sizeof x);                                     \
+                shift += 16;                                                                   \
+            }                                                                                  \
+            for (int b = 8; b >= 1; b >>= 1) {                                                 \
+                if (!(R & b)) continue;                                                        \
+                u8x16 x = __builtin_convertvector((r >> shift) & (LANE_T)((1u << b) - 1), u8x16); \
+                uint8_t *p = planes[j++] + (e / (128 / b)) * 16;                               \
+                u8x16 cur;                                                                     \
+                memcpy(&cur, p, sizeof cur);                                                   \
+                cur |= x << (int)(((e % (128 / b)) >> 4) * b);                                 \
+                memcpy(p, &cur, sizeof cur);                                                   \
+                shift += b;                                                                    \
+            }                                                                                  \
+        }                                                                                      \
+    }
+DEFINE_PACK16(pack16_u8, uint8_t, u8x16, u16x16, uint16_t)
+DEFINE_PACK16(pack16_u16, uint16_t, u16x16, u16x16, uint16_t)
+DEFINE_PACK16(pack16_u32, uint32_t, u32x16, u32x16, uint32_t)
+
+/* All raw fields into their planes: whole 16-element chunks through a pack16 specialised for
+ * the layout, the rest (and rare layouts) one at a time. */
+static void pack_raw(const void *in, int64_t n, int width, int k, uint8_t *raw,
+                     const int64_t *parts, int nparts) {
+    uint8_t *planes[5];
+    for (int j = 0; j < nparts; j++) planes[j] = raw + parts[3 * j + 2];
+    int64_t z = n / 16 * 16;
+#define CASE(W, R, FN) case (W) * 32 + (R): FN(in, R, 0, z, planes); break;
+    switch (width * 32 + k + 1) {
+        CASE(1, 1, pack16_u8) CASE(1, 2, pack16_u8) CASE(1, 3, pack16_u8) CASE(1, 4, pack16_u8)
+        CASE(2, 5, pack16_u16) CASE(2, 6, pack16_u16) CASE(2, 7, pack16_u16)
+        CASE(2, 8, pack16_u16) CASE(2, 9, pack16_u16) CASE(2, 10, pack16_u16)
+        CASE(2, 11, pack16_u16) CASE(4, 21, pack16_u32) CASE(4, 22, pack16_u32)
+        CASE(4, 23, pack16_u32) CASE(4, 24, pack16_u32)
+        default: z = 0;
+    }
+#undef CASE
+    const int top = width * 8 - 1;
+    for (int64_t e = z; e < n; e++) {
+        uint32_t u = load_elem(in, e, width);
+        put_field(raw, parts, nparts, e, ((u >> top) << k) | (u & ((1u << k) - 1)));
+    }
+}
+
+/* Writes the code stream (MSB-first), the raw field planes, the segment gaps (nibbles) and
+ * the block index. Output planes must be zeroed and sized by the caller from the total bit
+ * count it computed from the histogram. Returns the bits written. */
 int64_t tc_encode(const void *in, int64_t n, int width, int k, const uint32_t *codes,
                   const uint8_t *lens, uint8_t *stream, uint8_t *raw, const int64_t *parts,
-                  int nparts, uint8_t *gaps,
-                  int64_t *block_first, int64_t n_seg, int64_t seg_bits,
-                  int64_t segs_per_block) {
-    const int top = width * 8 - 1;
-    const uint32_t sym_mask = (1u << (top - k)) - 1, low_mask = (1u << k) - 1;
+                  int nparts, uint8_t *gaps, int64_t *block_first, int64_t n_seg,
+                  int64_t seg_bits, int64_t segs_per_block) {
+    const uint32_t sym_mask = (1u << (width * 8 - 1 - k)) - 1;
     uint64_t acc = 0; /* pending code bits, at the top */
     int nacc = 0;
-    int64_t pos = 0, seg = 0, out = 0;
+    int64_t pos = 0, seg = 0, out = 0, seg_start = 0;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t u = load_elem(in, i, width), s = (u >> k) & sym_mask;
-        while (seg < n_seg && seg * seg_bits <= pos) {
-            gaps[seg >> 1] |= (uint8_t)((pos - seg * seg_bits) << ((seg & 1) * 4));
+        uint32_t s = (load_elem(in, i, width) >> k) & sym_mask;
+        while (seg < n_seg && seg_start <= pos) { /* code i is the first of segment seg */
+            gaps[seg >> 1] |= (uint8_t)((pos - seg_start) << ((seg & 1) * 4));
             if (seg % segs_per_block == 0) block_first[seg / segs_per_block] = i;
             seg++;
+            seg_start += seg_bits;
         }
         int len = lens[s];
         acc |= (uint64_t)codes[s] << (64 - nacc - len);
@@ -83,22 +160,13 @@ int64_t tc_encode(const void *in, int64_t n, int width, int k, const uint32_t *c
         pos += len;
         if (nacc >= 32) {
             uint32_t w = (uint32_t)(acc >> 32);
-            stream[out] = w >> 24; stream[out + 1] = w >> 16;
-            stream[out + 2] = w >> 8; stream[out + 3] = w;
-            out += 4; acc <<= 32; nacc -= 32;
-        }
-        uint32_t field = ((u >> top) << k) | (u & low_mask);
-        for (int j = 0; j < nparts; j++) {
-            const int64_t *part = parts + 3 * j;
-            int b = (int)part[0], bit;
-            uint32_t v = (field >> part[1]) & ((1u << b) - 1);
-            uint8_t *plane = raw + part[2];
-            if (b == 16) {
-                plane[2 * i] = (uint8_t)v;
-                plane[2 * i + 1] = (uint8_t)(v >> 8);
-            } else {
-                plane[part_byte(i, b, &bit)] |= (uint8_t)(v << bit);
-            }
+            stream[out] = w >> 24;
+            stream[out + 1] = w >> 16;
+            stream[out + 2] = w >> 8;
+            stream[out + 3] = w;
+            out += 4;
+            acc <<= 32;
+            nacc -= 32;
         }
     }
     for (; seg < n_seg; seg++) {
@@ -106,6 +174,7 @@ int64_t tc_encode(const void *in, int64_t n, int width, int k, const uint32_t *c
         if (seg % segs_per_block == 0) block_first[seg / segs_per_block] = n;
     }
     for (; nacc > 0; nacc -= 8, acc <<= 8) stream[out++] = (uint8_t)(acc >> 56);
+    pack_raw(in, n, width, k, raw, parts, nparts);
     return pos;
 }
 
@@ -174,10 +243,6 @@ ALWAYS_INLINE int decode_lanes(int lanes, const code_stream *cs, int64_t *pos, c
     }
     return 0;
 }
-
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 /* Sixteen raw-field parts of b bits for elements e .. e + 15 (e a multiple of 16): they sit
  * in one 16-byte column group at one bit slot. */

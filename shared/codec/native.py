@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
 _lock = threading.Lock()
-_state: dict = {}  # "lib": the loaded CDLL or None once a build was attempted
+_state: dict = {}  # "lib": the CDLL (None if it cannot be built); "pool": (executor, size)
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -178,14 +178,25 @@ def decode(
     cuts = _cut_points(starts, n, num_threads)
     if len(cuts) <= 2:
         return run(0, n_blocks)[0]
-    with ThreadPoolExecutor(len(cuts) - 1) as pool:
-        parts = list(pool.map(run, cuts[:-1], cuts[1:]))
+    parts = list(_pool(len(cuts) - 1).map(run, cuts[:-1], cuts[1:]))
     crc = parts[0][0]
     if not verify:
         return None
     for part_crc, length in parts[1:]:
         crc = crc32_combine(crc, part_crc, length)
     return crc
+
+
+def _pool(num_threads: int) -> ThreadPoolExecutor:
+    """A process-wide pool of at least num_threads workers (threads cost a start-up)."""
+    with _lock:
+        pool, size = _state.get("pool", (None, 0))
+        if size < num_threads:
+            if pool is not None:
+                pool.shutdown(wait=False)
+            pool = ThreadPoolExecutor(num_threads, "tison-codec")
+            _state["pool"] = (pool, num_threads)
+        return pool
 
 
 def _parts(n: int, k: int) -> np.ndarray:
