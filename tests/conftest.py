@@ -1,11 +1,16 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# One thread per process: tests start several processes (workers, gateway) on a 2-core machine,
+# and OpenMP threads fighting over cores make every op many times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from tiny_models import build_model  # noqa: E402
 

@@ -9,6 +9,7 @@ from torch import nn
 from shared.checkpoint import Checkpoint
 from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
+from shared.models.layers.cpu_pack import can_pack, pack_linears
 from shared.models.layers.linear import default_weight_loader
 from shared.models.registry import model_class
 from shared.parallel.group import SINGLE, TPGroup
@@ -32,6 +33,8 @@ def load_model(
         load_weights(model, checkpoint, stage, str(model_dir))
     finally:
         checkpoint.close()
+    if can_pack(dtype, torch.device("cpu")):
+        pack_linears(model)
     return model.eval()
 
 

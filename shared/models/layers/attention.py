@@ -71,15 +71,16 @@ class PagedAttention(nn.Module):
         return out.squeeze(2)
 
     def _prefill(self, q, k_pool, v_pool, span: PrefillSpan) -> torch.Tensor:
-        keys = k_pool[span.slots].transpose(0, 1)  # (nkv, ctx, hd)
-        values = v_pool[span.slots].transpose(0, 1)
+        # 4-D inputs: the CPU flash kernel takes only (B, heads, L, hd); 3-D falls back to math
+        keys = k_pool[span.slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, hd)
+        values = v_pool[span.slots].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
+            q.transpose(0, 1).unsqueeze(0),  # (1, nh, n, hd)
             keys,
-            values,  # q: (nh, n, hd)
+            values,
             attn_mask=span.mask,
             is_causal=span.mask is None,
             scale=self.scale,
             enable_gqa=self.gqa,
-        )  # (nh, n, hd)
-        return out.transpose(0, 1)
+        )  # (1, nh, n, hd)
+        return out[0].transpose(0, 1)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.models.layers.cpu_pack import linear
 from shared.parallel.group import SINGLE, TPGroup
 
 
@@ -41,5 +42,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """(N, hidden) -> (N, vocab) logits; rank slices gathered along the vocab dim."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # (N, vocab / tp)
+        logits = linear(self, hidden, self.weight)  # (N, vocab / tp)
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]

@@ -4,9 +4,9 @@ Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that narr
 checkpoint tensor to this rank's shard, so the model loader is a plain loop over tensors."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from shared.models.layers.cpu_pack import linear
 from shared.parallel.group import SINGLE, TPGroup
 
 
@@ -23,7 +23,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(self, x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy(param.data, loaded)
@@ -112,7 +112,7 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded.narrow(1, self.tp.rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
+        return self.tp.all_reduce(linear(self, x, self.weight, self.bias))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -1,6 +1,7 @@
 """RMSNorm, with the residual add fused in as the decoder layers use it."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -15,8 +16,6 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        xf = x.float()  # HF computes the variance in float32 and casts back before the weight
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
+        # one fused kernel; statistics in float32 as HF computes them
+        out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return out if residual is None else (out, residual)
