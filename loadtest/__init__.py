@@ -1,0 +1,1 @@
+"""Load generator and reports for OpenAI-compatible servers (`tison bench`); benchmarks."""

@@ -5,7 +5,16 @@ import importlib
 import sys
 
 # Modules under services/cli that add a subcommand; each defines register(subparsers).
-SUBCOMMAND_MODULES = ["up", "generate", "codec", "gateway", "scheduler", "fake_worker", "worker"]
+SUBCOMMAND_MODULES = [
+    "up",
+    "generate",
+    "codec",
+    "gateway",
+    "scheduler",
+    "fake_worker",
+    "worker",
+    "bench",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,127 @@
+"""Running one load point: requests arrive (Poisson or closed loop), bounded in count and time."""
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+
+from loadtest.client import send
+from loadtest.metrics import RequestResult
+from loadtest.progress import Progress
+from loadtest.target import Target
+from loadtest.workloads import RequestSpec
+from shared.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Load:
+    """How requests arrive: a Poisson process at `rate` requests/s (inf: all at once), with
+    at most `concurrency` in flight (None: no cap). Fixed concurrency is rate=inf plus a cap."""
+
+    rate: float = math.inf
+    concurrency: int | None = None
+    burstiness: float = 1.0  # gamma shape of the gaps: 1 is Poisson, < 1 burstier (vLLM's)
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0 or (self.concurrency is not None and self.concurrency < 1):
+            raise InvalidRequestError("load", "rate must be > 0 and concurrency >= 1")
+        if not self.burstiness > 0:
+            raise InvalidRequestError("burstiness", "must be > 0")
+
+    @property
+    def label(self) -> str:
+        parts = [] if math.isinf(self.rate) else [f"{self.rate:g} req/s"]
+        if self.concurrency is not None:
+            parts.append(f"{self.concurrency} concurrent")
+        return ", ".join(parts) or "all at once"
+
+    @property
+    def offered(self) -> float:
+        """The load's size for plots: the rate when finite, else the concurrency."""
+        return self.rate if not math.isinf(self.rate) else float(self.concurrency or 0)
+
+    def to_json(self) -> dict:
+        rate = None if math.isinf(self.rate) else self.rate
+        return {"rate": rate, "concurrency": self.concurrency, "burstiness": self.burstiness}
+
+    @classmethod
+    def from_json(cls, body: dict) -> "Load":
+        rate = math.inf if body.get("rate") is None else body["rate"]
+        return cls(rate, body.get("concurrency"), body.get("burstiness", 1.0))
+
+    def arrival_offsets(self, num: int, rng: np.random.Generator) -> list[float]:
+        """Send times from the start of the run; the first request goes at 0."""
+        if math.isinf(self.rate):
+            return [0.0] * num
+        gaps = rng.gamma(self.burstiness, 1.0 / (self.rate * self.burstiness), num)
+        gaps[0] = 0.0
+        return np.cumsum(gaps).tolist()
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """The requests sent in one run and its wall time."""
+
+    results: list[RequestResult]
+    duration_s: float
+
+
+async def run_load(
+    target: Target,
+    specs: list[RequestSpec],
+    load: Load,
+    max_duration_s: float,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> RunOutput:
+    """Send `specs` at `load`. At `max_duration_s` no more are sent and those in flight are
+    cut (recorded as error "time_limit"); requests never sent are not in the results."""
+    offsets = load.arrival_offsets(len(specs), np.random.default_rng(seed))
+    cap = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+    results: dict[int, RequestResult] = {}
+    sent_at: dict[int, float] = {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            if cap is not None:
+                await cap.acquire()
+            try:
+                sent_at[i] = time.perf_counter() - start
+                results[i] = await send(session, target, specs[i], start)
+                if progress is not None:
+                    progress.update(results[i])
+            finally:
+                if cap is not None:
+                    cap.release()
+
+        try:
+            async with asyncio.timeout(max_duration_s), asyncio.TaskGroup() as tasks:
+                for i, offset in enumerate(offsets):
+                    if (delay := start + offset - time.perf_counter()) > 0:
+                        await asyncio.sleep(delay)
+                    tasks.create_task(one(i))
+        except TimeoutError:
+            pass
+        end = time.perf_counter() - start
+    for i in sent_at.keys() - results.keys():
+        results[i] = _cut(specs[i], sent_at[i], end)
+    ordered = [results[i] for i in sorted(results)]
+    last_end = max((r.start_s + r.latency_s for r in ordered), default=end)
+    return RunOutput(ordered, min(end, last_end))
+
+
+def _cut(spec: RequestSpec, sent_at_s: float, end_s: float) -> RequestResult:
+    return RequestResult(
+        False,
+        spec.prompt_len,
+        0,
+        start_s=sent_at_s,
+        latency_s=end_s - sent_at_s,
+        error="time_limit",
+        detail="cut by the run's time limit",
+    )

@@ -1,0 +1,1 @@
+"""Scenario scripts: each starts the processes it needs, runs bench loads, prints a table."""

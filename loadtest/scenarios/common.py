@@ -1,0 +1,84 @@
+"""What the scenario scripts share: running bench loads against a started server, saving the
+results beside a Markdown table, and the small model they serve."""
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+from loadtest.bench import BenchConfig, run_bench, write_outputs
+from loadtest.metrics import Slo
+from loadtest.report import BenchReport
+from loadtest.runner import Load
+from loadtest.target import Target
+from loadtest.workloads import RequestSpec
+from shared.default_model import default_model_dir
+
+# A small Llama-shaped model (~30M parameters) with the bundled model's 8k-token tokenizer.
+SMALL_LLAMA = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def build_small_llama(out: Path, seed: int = 0) -> Path:
+    """Random-weight SMALL_LLAMA (bfloat16 safetensors) plus the bundled tokenizer in `out`."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_LLAMA))
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir() / name, out / name)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["model_max_length"] = SMALL_LLAMA["max_position_embeddings"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def bench(
+    target: Target,
+    specs: list[RequestSpec],
+    loads: list[Load],
+    label: str,
+    workload: str,
+    max_duration_s: float = 300.0,
+    slo: Slo | None = None,
+    command: str = "",
+) -> BenchReport:
+    """Run `specs` at each load against an already started server."""
+    cfg = BenchConfig(
+        target=target,
+        loads=tuple(loads),
+        workload=workload,
+        max_duration_s=max_duration_s,
+        slo=slo or Slo(),
+        label=label,
+        command=command,
+    )
+    return asyncio.run(run_bench(cfg, specs))
+
+
+def save(report: BenchReport, out_dir: Path, name: str) -> None:
+    """`<out_dir>/<name>.json`, `.md` and plots."""
+    write_outputs(report, Path(out_dir) / name)
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
