@@ -56,10 +56,8 @@ class Checkpoint:
 
 
 def _open_compressed(model_dir: Path):
-    try:
-        from shared.codec import CompressedCheckpoint, is_compressed_dir
-    except ImportError:  # TODO(codec): drop once shared.codec lands
-        return None
+    from shared.codec import CompressedCheckpoint, is_compressed_dir
+
     return CompressedCheckpoint(model_dir) if is_compressed_dir(model_dir) else None
 
 
