@@ -12,16 +12,17 @@ from shared.engine.request import FinishReason, Request, check_stop
 from shared.kv.allocator import PageAllocator, pages_needed
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step
     num_tokens: int  # tokens computed this step
+    samples: bool  # this step computes the request's last pending token, so it samples one
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last pending token: it samples one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, req: Request, num_tokens: int) -> "ScheduledRequest":
+        start = req.num_computed_tokens
+        return cls(req, start, num_tokens, start + num_tokens == req.num_tokens)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self._reserve(req, n, out):
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                out.scheduled.append(ScheduledRequest.of(req, n))
                 budget -= n
         while (
             self.waiting
@@ -111,7 +112,7 @@ class Scheduler:
             self.waiting.popleft()
             req.page_ids += self.allocator.allocate(extra)
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            out.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         return out
 

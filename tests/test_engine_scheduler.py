@@ -1,0 +1,104 @@
+"""The engine's scheduler as pure policy: counters, pages, budgets; no model, no torch."""
+
+from shared.engine.request import FinishReason, Request
+from shared.engine.scheduler import Scheduler
+from shared.kv.allocator import PageAllocator
+from shared.sampling.params import SamplingParams
+
+PAGE = 4
+
+
+def request(rid: str, prompt_len: int, arrival: int, max_tokens: int = 8) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(3, 3 + prompt_len)),
+        params=SamplingParams(temperature=0, max_tokens=max_tokens),
+        seed=0,
+        stop_token_ids=frozenset({2}),
+        max_total_tokens=1000,
+        arrival=arrival,
+    )
+
+
+def scheduler(num_pages=16, budget=64, max_seqs=8) -> Scheduler:
+    return Scheduler(PageAllocator(num_pages), PAGE, budget, max_seqs)
+
+
+def run_step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    sampled = {x.request: token for x in out.scheduled if x.samples}
+    return out, s.update(out, sampled)
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = scheduler(budget=10)
+    a, b = request("a", 25, 0), request("b", 3, 1)
+    s.add(a)
+    s.add(b)
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("a", 10)]
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("a", 10)]
+    out, _ = run_step(s)  # a's last 5 prompt tokens, then b's whole prompt in the same step
+    assert [(x.request.request_id, x.num_tokens, x.samples) for x in out.scheduled] == [
+        ("a", 5, True),
+        ("b", 3, True),
+    ]
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
+    out, _ = run_step(s)  # both decode one token each
+    assert [x.num_tokens for x in out.scheduled] == [1, 1]
+
+
+def test_newest_running_request_is_preempted_and_recomputed():
+    s = scheduler(num_pages=4)  # 16 token slots
+    old, new = request("old", 8, 0, max_tokens=20), request("new", 6, 1, max_tokens=20)
+    s.add(old)
+    s.add(new)
+    run_step(s)  # both prompts: 2 pages each, pool full
+    assert s.allocator.num_free == 0
+    out, _ = run_step(s)  # old needs a 3rd page for token 9 -> new is preempted
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert new.num_computed_tokens == 0 and new.page_ids == [] and new.num_preemptions == 1
+    assert s.waiting[0] is new and new.output_token_ids == [7]  # its output is kept, recomputed
+    assert [x.request.request_id for x in out.scheduled] == ["old"]
+
+
+def test_abort_frees_pages_wherever_the_request_is():
+    s = scheduler()
+    running, waiting = request("r", 9, 0), request("w", 4, 1)
+    s.add(running)
+    run_step(s)
+    s.add(waiting)
+    used = s.allocator.num_used
+    assert used == 3
+    assert s.abort("r").finish_reason == FinishReason.ABORT
+    assert s.allocator.num_used == 0 and s.abort("w") is not None and not s.has_work()
+    assert s.abort("missing") is None
+
+
+def test_reserve_then_activate_with_remote_kv():
+    s = scheduler(num_pages=3)
+    r = request("r", 9, 0)
+    assert s.reserve(r) and r.page_ids == [0, 1, 2]  # ceil(9 / 4) pages for the prompt
+    assert not s.schedule().scheduled  # reserved requests wait for their KV
+    assert not s.reserve(request("x", 5, 1))  # all or nothing: 2 pages needed, 0 free
+    r.num_computed_tokens = 9
+    r.output_token_ids.append(5)  # the prefill worker's first token
+    s.activate(r)
+    out, _ = run_step(s)
+    assert [(x.start, x.num_tokens) for x in out.scheduled] == [(9, 1)]
+
+
+def test_stop_token_and_max_tokens_finish_and_free():
+    s = scheduler()
+    a, b = request("a", 4, 0, max_tokens=2), request("b", 4, 1, max_tokens=5)
+    s.add(a)
+    s.add(b)
+    _, finished = run_step(s, token=9)
+    assert finished == []
+    _, finished = run_step(s, token=2)  # EOS for both; a also hit max_tokens
+    assert {r.request_id: r.finish_reason for r in finished} == {
+        "a": FinishReason.STOP,
+        "b": FinishReason.STOP,
+    }
+    assert s.allocator.num_used == 0
