@@ -16,7 +16,6 @@ from shared.codec.huffman import (
     code_lengths,
     decode_table,
     pack_lengths,
-    pair_table,
     table_problem,
     unpack_lengths,
 )
@@ -82,25 +81,6 @@ def test_decode_table_inverts_canonical_codes(counts):
         start = int(codes[symbol]) << (bits - length)
         entries = table[start : start + (1 << (bits - length))]
         assert np.all(entries >> 4 == symbol) and np.all(entries & 15 == length)
-
-
-@settings(max_examples=40, deadline=None)
-@given(counts_strategy)
-def test_pair_table_agrees_with_two_single_lookups(counts):
-    lengths = code_lengths(np.array(counts, dtype=np.int64))
-    table, bits = decode_table(lengths)
-    pairs = pair_table(table, bits)
-    mask = (1 << bits) - 1
-    for window in range(1 << bits):
-        first = int(table[window])
-        entry = int(pairs[window])
-        assert (entry >> 5) & 0x7FF == first >> 4
-        second = int(table[(window << (first & 15)) & mask])
-        if (entry >> 4) & 1:
-            assert entry >> 16 == second >> 4
-            assert entry & 15 == (first & 15) + (second & 15) <= bits
-        else:
-            assert entry & 15 == first & 15 and (first & 15) + (second & 15) > bits
 
 
 def test_incomplete_or_overlong_tables_are_rejected():

@@ -178,6 +178,20 @@ int64_t tc_encode(const void *in, int64_t n, int width, int k, const uint32_t *c
     return pos;
 }
 
+/* The pair table of a single-symbol table, for the one or two codes that end inside the
+ * lut_bits-bit window: entry = first symbol | total length << 11 | (symbols - 1) << 15 |
+ * second symbol << 16, so one 32-bit store writes both symbols (the first one's bits 11..15
+ * are masked off when merging). */
+static void build_pairs(const uint16_t *lut, int bits, uint32_t *pairs) {
+    const uint32_t mask = (1u << bits) - 1;
+    for (uint32_t w = 0; w <= mask; w++) {
+        uint32_t a = lut[w], a_len = a & 15, b = lut[(w << a_len) & mask], b_len = b & 15;
+        uint32_t two = a_len + b_len <= (uint32_t)bits;
+        uint32_t second = two ? (b >> 4) << 16 : 0;
+        pairs[w] = (a >> 4) | (two ? a_len + b_len : a_len) << 11 | two << 15 | second;
+    }
+}
+
 /* Up to eight codes from one 8-byte window at *pos: four lookups (4 * 12 <= 57 bits) in the
  * pair table, each giving one or two symbols. Writes syms[0 .. 8] (one spare); returns the
  * number of symbols decoded. */
@@ -186,12 +200,11 @@ ALWAYS_INLINE int64_t group8(const uint8_t *stream, const uint32_t *pairs, int s
     uint64_t w = load_be64(stream + (*pos >> 3)) << (*pos & 7);
     int64_t i = 0, used = 0;
     for (int q = 0; q < 4; q++) {
-        uint32_t e = pairs[w >> shift];
-        syms[i] = (e >> 5) & 0x7ff;
-        syms[i + 1] = (uint16_t)(e >> 16);
-        i += 1 + ((e >> 4) & 1);
-        w <<= e & 15;
-        used += e & 15;
+        uint32_t e = pairs[w >> shift], len = (e >> 11) & 15;
+        memcpy(syms + i, &e, sizeof e);
+        i += 1 + ((e >> 15) & 1);
+        w <<= len;
+        used += len;
     }
     *pos += used;
     return i;
@@ -276,6 +289,7 @@ ALWAYS_INLINE u8x16 part16(const uint8_t *plane, int b, int64_t e) {
             }                                                                                  \
             u16x16 s16;                                                                        \
             memcpy(&s16, syms + (e - a), sizeof s16);                                          \
+            s16 &= (uint16_t)0x7ff; /* group8 leaves length bits above some symbols */         \
             ACC v = ((r >> k) << top) | (__builtin_convertvector(s16, ACC) << k) |             \
                     (r & (LANE_T)((1u << k) - 1));                                             \
             OUTX16 o = __builtin_convertvector(v, OUTX16);                                     \
@@ -293,7 +307,7 @@ static void merge1(void *out, int width, int k, const uint16_t *syms, int64_t lo
     const uint32_t low = (1u << k) - 1;
     for (int64_t e = lo; e < hi; e++) {
         uint32_t r = raw_field(raw, parts, nparts, e);
-        uint32_t v = ((r >> k) << top) | ((uint32_t)syms[e - lo] << k) | (r & low);
+        uint32_t v = ((r >> k) << top) | ((uint32_t)(syms[e - lo] & 0x7ff) << k) | (r & low);
         if (width == 2) ((uint16_t *)out)[e] = (uint16_t)v;
         else if (width == 1) ((uint8_t *)out)[e] = (uint8_t)v;
         else ((uint32_t *)out)[e] = v;
@@ -328,11 +342,12 @@ static void merge(void *out, int width, int k, const uint16_t *syms, int64_t lo,
  * bit pos[j]; on return pos[j] is the bit after its last code. Tiles end on multiples of
  * GROUP so that only a run's two ends take the slow path. Returns 0, or -1 on a stream
  * overrun (corrupt planes). */
-int tc_decode(const uint8_t *stream, int64_t stream_len, const uint16_t *lut,
-              const uint32_t *pairs, int lut_bits, int lanes, int64_t *pos, const int64_t *first,
-              const int64_t *count, void *out, int width, int k, const uint8_t *raw,
-              const int64_t *parts, int nparts) {
+int tc_decode(const uint8_t *stream, int64_t stream_len, const uint16_t *lut, int lut_bits,
+              int lanes, int64_t *pos, const int64_t *first, const int64_t *count, void *out,
+              int width, int k, const uint8_t *raw, const int64_t *parts, int nparts) {
     static _Thread_local uint16_t syms[4][TILE_SLACK];
+    static _Thread_local uint32_t pairs[1 << 12];
+    build_pairs(lut, lut_bits, pairs);
     const code_stream cs = {stream, stream_len, lut, pairs, lut_bits};
     int64_t next[4], m[4];
     for (int j = 0; j < lanes; j++) next[j] = first[j];

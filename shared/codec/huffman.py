@@ -100,23 +100,6 @@ def decode_table(lengths: np.ndarray) -> tuple[np.ndarray, int]:
     return np.repeat(entries, span).astype(np.uint16), bits
 
 
-def pair_table(table: np.ndarray, bits: int) -> np.ndarray:
-    """Decode table giving up to two symbols per `bits`-bit window, for the C decoder:
-    entry = total length | (symbols - 1) << 4 | first symbol << 5 | second symbol << 16.
-    A second code is included only if it ends inside the window."""
-    window = np.arange(1 << bits, dtype=np.uint32)
-    first = table[window].astype(np.uint32)
-    first_len = first & 15
-    second = table[(window << first_len) & ((1 << bits) - 1)].astype(np.uint32)
-    second_len = second & 15
-    two = second_len <= bits - first_len
-    total = np.where(two, first_len + second_len, first_len)
-    second_sym = np.where(two, (second >> 4) << 16, 0)
-    return (total | (two.astype(np.uint32) << 4) | ((first >> 4) << 5) | second_sym).astype(
-        np.uint32
-    )
-
-
 def pack_lengths(lengths: np.ndarray) -> tuple[int, np.ndarray]:
     """(first used symbol, 4-bit lengths from it to the last used symbol, two per byte with
     the low nibble first) - the stored form of a code table."""
