@@ -16,6 +16,8 @@ from shared.codec.format import (
     DTYPES_BY_NAME,
     FORMAT_NAME,
     FORMAT_VERSION,
+    HUFFMAN,
+    RAW,
     CodedPlanes,
     EncodedTensor,
 )
@@ -43,12 +45,12 @@ def write_shard(path: Path, tensors: list[EncodedTensor], original_metadata: dic
     for enc in tensors:
         entry = {"dtype": DTYPE_NAMES[enc.dtype], "shape": list(enc.shape), "crc32": enc.crc32}
         if enc.planes is None:
-            entry["encoding"] = "raw"
+            entry["encoding"] = RAW
             stored[enc.name] = enc.data.contiguous()
         else:
             p = enc.planes
             entry.update(
-                encoding="huffman",
+                encoding=HUFFMAN,
                 k=p.k,
                 total_bits=p.total_bits,
                 first_symbol=p.first_symbol,
@@ -88,11 +90,7 @@ class ShardReader:
         except Exception as e:  # safetensors' own error types on truncated data
             raise self._error(name, f"unreadable ({e})") from e
 
-    def names(self) -> list[str]:
-        self._open(None)
-        return list(self._entries)
-
-    def _open(self, name: str | None) -> None:
+    def _open(self, name: str) -> None:
         if self._handle is not None:
             return
         try:
@@ -110,6 +108,8 @@ class ShardReader:
         try:
             self._entries = json.loads(metadata["tensors"])
             self.original_metadata = json.loads(metadata.get("original_metadata", "null"))
+            if not isinstance(self._entries, dict):
+                raise ValueError("the tensor table is not a JSON object")
         except (KeyError, ValueError) as e:
             raise self._error(name, f"invalid header metadata ({e})") from e
         self._handle = handle
@@ -118,12 +118,12 @@ class ShardReader:
         dtype = DTYPES_BY_NAME[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])
         crc = int(entry["crc32"])
-        if entry["encoding"] == "raw":
+        if entry["encoding"] == RAW:
             data = self._handle.get_tensor(name)
             if data.dtype != dtype or tuple(data.shape) != shape:
                 raise ValueError(f"stored as {data.dtype}{list(data.shape)}")
             return EncodedTensor(name, str(self.path), dtype, shape, crc, None, data)
-        if entry["encoding"] != "huffman":
+        if entry["encoding"] != HUFFMAN:
             raise ValueError(f"unknown encoding {entry['encoding']!r}")
         planes = {p: self._handle.get_tensor(f"{name}{PLANE_SEP}{p}") for p in PLANES}
         coded = CodedPlanes(
@@ -135,9 +135,8 @@ class ShardReader:
         )
         return EncodedTensor(name, str(self.path), dtype, shape, crc, coded, None)
 
-    def _error(self, name: str | None, problem: str) -> ModelFolderError:
-        where = f"tensor {name!r}: " if name is not None else ""
-        return ModelFolderError(str(self.path), where + problem)
+    def _error(self, name: str, problem: str) -> ModelFolderError:
+        return ModelFolderError(str(self.path), f"tensor {name!r}: {problem}")
 
     def close(self) -> None:
         self._handle = None

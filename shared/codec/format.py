@@ -16,7 +16,6 @@ FORMAT_VERSION = 1
 MAX_CODE_LEN = 12  # longest Huffman code; decode tables have at most 2**12 entries
 SEG_BITS = 2048  # the code stream is cut into segments of this many bits...
 SEGS_PER_BLOCK = 32  # ...and segments into blocks; each block records its first symbol index
-BLOCK_BITS = SEG_BITS * SEGS_PER_BLOCK
 MAX_SYMBOL_BITS = 11  # widest coded field: at most 2048 symbols, well under 2**MAX_CODE_LEN
 MIN_CODED_ELEMENTS = 1024  # smaller tensors are stored raw: the code table would not pay off
 HUFFMAN = "huffman"

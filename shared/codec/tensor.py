@@ -41,37 +41,13 @@ def encode_tensor(
     layout = LAYOUTS.get(tensor.dtype)
     if k is not None and (layout is None or not valid_split(layout, k)):
         raise ValueError(f"{name}: cannot code {tensor.dtype} with split point k={k}")
+    shape, crc = tuple(tensor.shape), checksum(tensor)
     small = tensor.dim() < 2 or tensor.numel() < MIN_CODED_ELEMENTS
-    choice = None
     if layout is not None and tensor.numel() and (k is not None or not small):
-        lib = _library(backend)
-        flat = _bits(tensor).reshape(-1)
-        choice = _choose_split(lib, flat, layout, k)
-    raw = EncodedTensor(
-        name, "<memory>", tensor.dtype, tuple(tensor.shape), checksum(tensor), None, tensor
-    )
-    if choice is None:
-        return raw
-    k, lengths, sizes = choice
-    if lib is None:
-        planes = reference.encode(flat, layout.width, k, lengths)
-    else:
-        planes = native.encode(lib, flat, k, lengths, sizes)
-    first_symbol, packed = pack_lengths(lengths)
-    block_first = torch.from_numpy(planes["block_first"]).to(block_index_dtype(flat.size))
-    coded = CodedPlanes(
-        stream=torch.from_numpy(planes["stream"]),
-        raw=torch.from_numpy(planes["raw"]),
-        lengths=torch.from_numpy(packed),
-        gaps=torch.from_numpy(planes["gaps"]),
-        block_first=block_first,
-        k=k,
-        total_bits=sizes["total_bits"],
-        first_symbol=first_symbol,
-        crc32=0,
-    )
-    coded = dataclasses.replace(coded, crc32=coded.planes_crc32())
-    return EncodedTensor(name, "<memory>", tensor.dtype, raw.shape, raw.crc32, coded, None)
+        planes = _encode_planes(tensor, layout, k, _library(backend))
+        if planes is not None:
+            return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, planes, None)
+    return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, None, tensor)
 
 
 def decode_tensor(
@@ -175,6 +151,34 @@ def _decode_planes(encoded: EncodedTensor, backend: str, num_threads: int, verif
     width = LAYOUTS[encoded.dtype].width
     flat[:] = reference.decode(planes, width, k, total_bits, flat.size).astype(flat.dtype)
     return out, zlib.crc32(flat.view(np.uint8)) if verify else None
+
+
+def _encode_planes(
+    tensor: torch.Tensor, layout: FloatLayout, k: int | None, lib
+) -> CodedPlanes | None:
+    """The planes at the chosen split point, or None if raw storage is no bigger."""
+    flat = _bits(tensor).reshape(-1)
+    choice = _choose_split(lib, flat, layout, k)
+    if choice is None:
+        return None
+    k, lengths, sizes = choice
+    if lib is None:
+        planes = reference.encode(flat, layout.width, k, lengths)
+    else:
+        planes = native.encode(lib, flat, k, lengths, sizes)
+    first_symbol, packed = pack_lengths(lengths)
+    coded = CodedPlanes(
+        stream=torch.from_numpy(planes["stream"]),
+        raw=torch.from_numpy(planes["raw"]),
+        lengths=torch.from_numpy(packed),
+        gaps=torch.from_numpy(planes["gaps"]),
+        block_first=torch.from_numpy(planes["block_first"]).to(block_index_dtype(flat.size)),
+        k=k,
+        total_bits=sizes["total_bits"],
+        first_symbol=first_symbol,
+        crc32=0,
+    )
+    return dataclasses.replace(coded, crc32=coded.planes_crc32())
 
 
 def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None):
