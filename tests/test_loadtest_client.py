@@ -1,0 +1,190 @@
+"""The load generator's client and runner against a real in-process aiohttp server whose SSE
+timing and failures are scripted by the prompt text."""
+
+import asyncio
+import json
+import math
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+from loadtest.client import send
+from loadtest.runner import Load, run_load
+from loadtest.target import Target, check_loopback
+from loadtest.workloads import RequestSpec
+from shared.errors import InvalidRequestError
+
+FIRST_S, GAP_S = 0.05, 0.02  # the scripted stream: first chunk after 50 ms, then every 20 ms
+
+
+def sse(payload) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def chunk(text: str) -> bytes:
+    return sse({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
+
+
+class Scripted:
+    """Counts requests in flight; answers by the prompt's first word."""
+
+    def __init__(self):
+        self.in_flight = self.max_in_flight = 0
+        self.release = asyncio.Event()  # ends the "hang" answers
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request, body["prompt"].split()[0], body)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request, mode: str, body: dict) -> web.StreamResponse:
+        if mode == "busy":
+            return web.json_response({"error": {"message": "queue full"}}, status=429)
+        if mode == "hang":
+            await self.release.wait()
+        usage = {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+        if not body.get("stream"):
+            await asyncio.sleep(FIRST_S)
+            return web.json_response({"choices": [{"text": "abcd"}], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(FIRST_S)
+        await resp.write(chunk("a"))
+        if mode == "broken":
+            await resp.write(sse({"error": {"message": "worker died"}}))
+        if mode in ("broken", "cut"):
+            return resp
+        for text in "bcd":
+            await asyncio.sleep(GAP_S)
+            await resp.write(chunk(text))
+        await resp.write(sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n")
+        return resp
+
+
+@pytest.fixture
+async def server():
+    scripted = Scripted()
+    app = web.Application()
+    app.router.add_post("/v1/completions", scripted.completions)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    scripted.url = f"http://127.0.0.1:{port}"
+    yield scripted
+    scripted.release.set()
+    await runner.cleanup()
+
+
+def spec(mode: str) -> RequestSpec:
+    return RequestSpec(f"{mode} please", max_tokens=4, prompt_len=2)
+
+
+async def one(target: Target, mode: str):
+    async with aiohttp.ClientSession() as session:
+        return await send(session, target, spec(mode), run_start=0.0)
+
+
+async def test_stream_timings_and_usage(server):
+    r = await one(Target(server.url, "m"), "ok")
+    assert r.ok, r.detail
+    assert (r.prompt_len, r.output_len) == (7, 4)  # the server's usage wins
+    assert FIRST_S <= r.ttft_s < FIRST_S + 0.5
+    assert len(r.itl_s) == 3 and all(GAP_S * 0.9 <= gap < GAP_S + 0.5 for gap in r.itl_s)
+    assert r.latency_s >= r.ttft_s + sum(r.itl_s) - 1e-6
+    assert r.tpot_s == pytest.approx((r.latency_s - r.ttft_s) / 3)
+
+
+async def test_not_streamed_ttft_is_the_whole_latency(server):
+    r = await one(Target(server.url, "m", stream=False), "ok")
+    assert r.ok and r.output_len == 4 and r.itl_s == ()
+    assert r.ttft_s == r.latency_s >= FIRST_S
+
+
+@pytest.mark.parametrize(
+    "mode, kind",
+    [("busy", "http_429"), ("broken", "stream_error"), ("cut", "bad_response")],
+)
+async def test_errors_by_kind(server, mode, kind):
+    r = await one(Target(server.url, "m"), mode)
+    assert not r.ok and r.error == kind and r.output_len == 0
+
+
+async def test_timeout_and_refused_connection(server):
+    r = await one(Target(server.url, "m", timeout_s=0.2), "hang")
+    assert (r.ok, r.error) == (False, "timeout") and 0.2 <= r.latency_s < 2
+    closed = server.url.rsplit(":", 1)[0] + ":1"
+    r = await one(Target(closed, "m"), "ok")
+    assert (r.ok, r.error) == (False, "connect")
+
+
+async def test_concurrency_cap_is_respected(server):
+    out = await run_load(Target(server.url, "m"), [spec("ok")] * 12, Load(concurrency=3), 30)
+    assert [r.ok for r in out.results] == [True] * 12
+    assert server.max_in_flight == 3
+    # 12 requests, 3 at a time, each >= 110 ms: at least 4 rounds.
+    assert out.duration_s >= 4 * (FIRST_S + 3 * GAP_S) * 0.9
+
+
+async def test_rate_spreads_the_sends(server):
+    out = await run_load(Target(server.url, "m"), [spec("ok")] * 8, Load(rate=20.0), 30, seed=3)
+    starts = sorted(r.start_s for r in out.results)
+    expected = Load(rate=20.0).arrival_offsets(8, np.random.default_rng(3))
+    assert starts[0] < 0.05
+    assert all(s >= e - 1e-3 for s, e in zip(starts, expected))  # never early
+    assert starts[-1] >= expected[-1]
+
+
+async def test_time_limit_cuts_what_is_in_flight(server):
+    load = Load(rate=10.0)
+    out = await run_load(Target(server.url, "m"), [spec("hang")] * 8, load, max_duration_s=0.3)
+    due = sum(t < 0.3 for t in load.arrival_offsets(8, np.random.default_rng(0)))
+    assert due - 1 <= len(out.results) <= due < 8  # the others were never sent
+    assert {r.error for r in out.results} == {"time_limit"}
+    assert 0.3 <= out.duration_s <= 1.0
+
+
+def test_poisson_gaps_have_the_rate_and_a_unit_coefficient_of_variation():
+    offsets = Load(rate=50.0).arrival_offsets(5000, np.random.default_rng(0))
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0
+    assert gaps.mean() == pytest.approx(1 / 50, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.07)
+    bursty = np.diff(
+        Load(rate=50.0, burstiness=0.25).arrival_offsets(5000, np.random.default_rng(0))
+    )
+    assert bursty.mean() == pytest.approx(1 / 50, rel=0.1)
+    assert bursty.std() / bursty.mean() > 1.6  # gamma shape k: CV = 1/sqrt(k) = 2
+    assert Load(concurrency=4).arrival_offsets(3, np.random.default_rng(0)) == [0.0] * 3
+    assert math.isinf(Load().rate)
+
+
+def test_bodies_for_both_apis():
+    s = RequestSpec("tail", 5, 9, prefix="system text ")
+    chat = Target("http://127.0.0.1:1/v1", "m", api="chat", ignore_eos=True).body(s)
+    assert chat["messages"] == [
+        {"role": "system", "content": "system text "},
+        {"role": "user", "content": "tail"},
+    ]
+    assert chat["ignore_eos"] is True and chat["stream_options"] == {"include_usage": True}
+    plain = Target("http://127.0.0.1:1", "m", stream=False).body(s)
+    assert plain["prompt"] == "system text tail" and "stream" not in plain
+    assert Target("http://127.0.0.1:1/v1/", "m", api="chat").url.endswith(":1/v1/chat/completions")
+
+
+def test_only_loopback_targets_unless_allowed():
+    check_loopback("http://127.0.0.1:8000")
+    check_loopback("http://localhost:8000/v1")
+    check_loopback("http://[::1]:8000")
+    with pytest.raises(InvalidRequestError, match="allow-remote"):
+        check_loopback("http://10.1.2.3:8000")
+    check_loopback("http://10.1.2.3:8000", allow_remote=True)
+    with pytest.raises(InvalidRequestError):
+        Target("ftp://127.0.0.1", "m")
