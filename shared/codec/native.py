@@ -53,10 +53,10 @@ def load() -> ctypes.CDLL | None:
 def _build_and_load() -> ctypes.CDLL | None:
     if sys.byteorder != "little":
         return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"tison_codec_{key}.so"
     try:
+        source = _SOURCE.read_bytes()
+        key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"tison_codec_{key}.so"
         if not target.exists():
             _compile(target)
         lib = ctypes.CDLL(str(target))
