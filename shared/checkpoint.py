@@ -51,8 +51,42 @@ class Checkpoint:
         except Exception as e:  # safetensors raises its own error types on truncated data
             raise ModelFolderError(str(path), f"tensor {name!r} unreadable ({e})") from e
 
+    def get_slice(self, name: str) -> "TensorSlice":
+        """The tensor, unread: `narrow` reads only the rows or columns asked for."""
+        path = self._files[name]
+        handle = self._handles.get(path) or self._handles.setdefault(path, _open(path))
+        return TensorSlice(handle.get_slice(name), f"{path}: tensor {name!r}")
+
     def close(self) -> None:
         self._handles.clear()
+
+
+class TensorSlice:
+    """A checkpoint tensor read lazily from its memory-mapped file (a TP rank's shard only)."""
+
+    def __init__(self, lazy, what: str):
+        self._lazy = lazy  # safetensors PySafeSlice
+        self._what = what
+        self.shape = tuple(lazy.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._read(tuple(index))
+
+    def read(self) -> torch.Tensor:
+        return self._read(tuple(slice(None) for _ in self.shape))
+
+    def _read(self, index: tuple) -> torch.Tensor:
+        try:
+            return self._lazy[index]
+        except Exception as e:  # safetensors raises its own error types on truncated data
+            raise ModelFolderError(self._what, f"unreadable ({e})") from e
+
+
+def materialize(tensor) -> torch.Tensor:
+    """A whole tensor from a TensorSlice or a tensor."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()
 
 
 def _open_compressed(model_dir: Path):

@@ -1,11 +1,13 @@
 """EngineConfig: everything one engine instance needs, validated at construction."""
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.errors import InvalidRequestError
+from shared.parallel.shape import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -25,6 +27,10 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output cap; default: max_position_embeddings
     seed: int = 0  # seeds of requests that set none are drawn from this
     kv_shm_path: Path | None = None  # put the KV pool in this /dev/shm file (decode workers)
+    tp: int = 1  # tensor-parallel ranks per stage
+    pp: int = 1  # pipeline stages
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
+    allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -37,6 +43,18 @@ class EngineConfig:
                 raise InvalidRequestError(name, "must be >= 1")
         if self.num_pages is not None and self.num_pages < 1:
             raise InvalidRequestError("num_pages", "must be >= 1")
+        if self.kv_shm_path is not None:
+            object.__setattr__(self, "kv_shm_path", Path(self.kv_shm_path))
+        object.__setattr__(self, "pp_layers", self.parallel.pp_layers)  # validates the shape
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tp, self.pp, self.pp_layers, self.allow_oversubscribe)
+
+    def to_json_dict(self) -> dict:
+        """Plain values (paths as strings), for the other ranks' command line."""
+        fields = dataclasses.asdict(self)
+        return {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}
 
     def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         if self.dtype == "auto":

@@ -1,24 +1,20 @@
 """LLMEngine: requests in, tokens out, one step at a time (continuous batching)."""
 
 import itertools
-import logging
 import random
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
+from shared.engine.executor import StepResult, start_executor
+from shared.engine.micro_batch import schedule_micro_batch, split_launched
 from shared.engine.request import FinishReason, Request, TokenLogprobs, check_stop
-from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import Scheduler
+from shared.engine.shard import shard_kv_spec
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
-from shared.kv.cache import KVCache
-from shared.kv.spec import MHAKVSpec
 from shared.models.config import ModelConfig, generation_eos_ids
-from shared.models.loader import load_model
 from shared.sampling.batch import request_stop_token_ids
 from shared.sampling.params import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,18 +35,19 @@ class LLMEngine:
         self.config = config
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         self.dtype = config.torch_dtype(cfg.torch_dtype)
-        self.model = load_model(config.model_dir, cfg, self.dtype)
-        attn = self.model.model.layers[0].self_attn
-        spec = MHAKVSpec(
-            cfg.num_layers, config.page_size, attn.num_kv_heads, cfg.head_dim, self.dtype
-        )
+        shape = config.parallel
+        shape.validate(cfg.num_heads, cfg.num_kv_heads, cfg.num_layers)  # before any process
+        # rank 0's pool sizes every rank's: page ids are the same everywhere
+        spec = shard_kv_spec(cfg, config, self.dtype, shape.tp, shape.stage_of(0, cfg.num_layers))
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
-        self.kv = KVCache(spec, num_pages, config.kv_shm_path)
+        self.executor = start_executor(config, cfg, num_pages)
+        self.runner = self.executor.runner  # rank 0's part of the model
+        self.model, self.kv = self.runner.model, self.runner.kv
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
         )
-        self.runner = ModelRunner(self.model, self.kv, cfg.vocab_size, cfg.sliding_window)
+        self._in_flight: set[Request] = set()  # requests whose sampled token is on its way
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
@@ -155,22 +152,36 @@ class LLMEngine:
         return self.allocator.num_used
 
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        """Launches micro-batches until `depth` are in flight, then applies the oldest one's
+        results. Without pipeline stages: schedule, run, update, as one step."""
+        while self.executor.num_in_flight < self.executor.depth:
+            out = schedule_micro_batch(self.scheduler, self._in_flight, self.executor.depth)
+            if not out.scheduled:
+                break
+            self._launch(out)
+        if not self.executor.num_in_flight:
             return []
-        try:
-            sample_index, samples = self.runner.execute(out)
-        except Exception:
-            log.exception("step failed; failing its %d requests", len(out.scheduled))
-            failed = [s.request for s in out.scheduled]
+        return self._apply(self.executor.collect())
+
+    def _launch(self, out) -> None:
+        self.executor.launch(out)
+        early, _ = split_launched(out)
+        self.scheduler.update(early, {})  # chunks that sample nothing count as computed now
+        self._in_flight.update(s.request for s in out.scheduled if s.samples)
+
+    def _apply(self, result: StepResult) -> list[StepOutput]:
+        _, out = split_launched(result.out)
+        self._in_flight.difference_update(s.request for s in out.scheduled)
+        if result.error is not None:
+            failed = [s.request for s in result.out.scheduled]
             for req in failed:
                 self.finish(req.request_id, FinishReason.ERROR)
             return [StepOutput(req, [], []) for req in failed]
-        sampled, logprobs = {}, {}
+        samples, sampled, logprobs = result.samples, {}, {}
         if samples is not None:
             tokens = samples.token_ids.tolist()
-            for row, i in enumerate(sample_index):
-                req = out.scheduled[i].request
+            for row, i in enumerate(result.sample_index):
+                req = result.out.scheduled[i].request
                 sampled[req] = tokens[row]
                 if req.params.logprobs is not None:
                     logprobs[req] = _logprobs(samples, row, req.params.logprobs)
@@ -183,6 +194,10 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return results
+
+    def close(self) -> None:
+        """Stops the other ranks and releases the KV pool (unlinks its shm file)."""
+        self.executor.close()
 
 
 def _logprobs(samples, row: int, n: int) -> TokenLogprobs:

@@ -14,7 +14,8 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """A tokenizer and an engine over one model folder. Engine options: see EngineConfig."""
+    """A tokenizer and an engine over one model folder. Engine options: see EngineConfig
+    (tp=T, pp=P run the model as T x P ranks; `close()` or a `with` block stops them)."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", **engine_options):
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -92,6 +93,15 @@ class LLM:
     def run(self, outputs: list[CompletionOutput]) -> None:
         while any(o.finish_reason is None for o in outputs):
             self.step()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _is_token_list(p) -> bool:

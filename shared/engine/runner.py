@@ -1,4 +1,6 @@
-"""ModelRunner: one forward pass and sampling for a scheduled batch, on this rank's shards."""
+"""ModelRunner: one rank's share of a forward pass (its layers and heads) and, on the last
+stage, sampling. With pipeline stages, hidden states arrive from the previous stage's rank of
+the same TP rank and leave for the next one."""
 
 from collections.abc import Callable
 
@@ -7,36 +9,71 @@ import torch
 from shared.engine.batch import build_batch
 from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
+from shared.parallel.comm import HIDDEN, RankComm
+from shared.parallel.group import SINGLE, TPGroup
+from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 from shared.sampling.batch import SamplingBatch, SamplingRow
 from shared.sampling.sampler import SamplerOutput, sample
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv: KVCache, vocab_size: int, sliding_window: int | None
+        self,
+        model: torch.nn.Module,
+        kv: KVCache,
+        vocab_size: int,
+        sliding_window: int | None,
+        tp: TPGroup = SINGLE,
+        stage: PPStage = WHOLE_MODEL,
+        comm: RankComm | None = None,  # needed when stage.size > 1
     ):
         self.model = model
         self.kv = kv
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
+        self.tp, self.stage, self.comm = tp, stage, comm
+        self.hidden_size = model.config.hidden_size
+        self.dtype = kv.spec.dtype
         # after each layer of a forward pass: (global layer index, the step) -> push its new KV
         self.on_layer_done: Callable[[int, SchedulerOutput], None] | None = None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int], SamplerOutput | None]:
-        """Runs the step; returns (indices into out.scheduled that sampled, their samples)."""
+    def execute(
+        self, out: SchedulerOutput, rows: list[SamplingRow] | None = None
+    ) -> tuple[list[int], SamplerOutput | None]:
+        """Runs this rank's part of the step; returns (indices into out.scheduled that sampled,
+        their samples). Samples only on TP rank 0 of the last stage (None elsewhere).
+        rows: sampling states when out holds planned (not engine) requests."""
         batch = build_batch(out, self.kv.spec.page_size, self.sliding_window)
         hook = self.on_layer_done
         after_layer = None if hook is None else (lambda layer: hook(layer, out))
-        hidden, _ = self.model(
-            batch.input_ids, batch.positions, self.kv, batch.meta, after_layer=after_layer
+        hidden = residual = None
+        if not self.stage.is_first:
+            hidden, residual = self._recv_hidden(len(batch.input_ids))
+        hidden, residual = self.model(
+            batch.input_ids, batch.positions, self.kv, batch.meta, hidden, residual, after_layer
         )
+        if not self.stage.is_last:
+            self._send_hidden(hidden, residual)
+            return [], None
         if not batch.sample_index:
             return [], None
         logits = self.model.compute_logits(hidden[batch.logits_rows])  # (N, vocab)
-        rows = [_sampling_row(out.scheduled[i].request) for i in batch.sample_index]
+        if self.tp.rank != 0:
+            return batch.sample_index, None
+        if rows is None:
+            rows = [_sampling_row(out.scheduled[i].request) for i in batch.sample_index]
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
         return batch.sample_index, sample(logits, sampling)
+
+    def _recv_hidden(self, num_tokens: int):
+        src = self.comm.rank - self.comm.shape.tp  # same TP rank, previous stage
+        both = self.comm.recv_tensor((2, num_tokens, self.hidden_size), self.dtype, src, HIDDEN)
+        return both[0], both[1]  # (T, H) hidden, (T, H) residual
+
+    def _send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        dst = self.comm.rank + self.comm.shape.tp
+        self.comm.send_tensor(torch.stack([hidden, residual]), dst, HIDDEN)  # (2, T, H)
 
 
 def _sampling_row(req) -> SamplingRow:

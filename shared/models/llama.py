@@ -88,7 +88,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage):
         super().__init__()
         self.stage = stage
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        # only the first stage embeds and only the last one normalises: others hold neither
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+            if stage.is_first
+            else None
+        )
         rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
@@ -96,7 +101,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, rotary, dtype, tp) if stage.owns(i) else PPMissingLayer()
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
         self.start = stage.start_layer
         self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
 
@@ -139,9 +144,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, tp, stage)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = None
+        if stage.is_last:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+            if cfg.tie_word_embeddings and stage.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None

@@ -39,9 +39,12 @@ def load_model(
 
 
 def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> None:
+    """Each parameter's weight_loader reads only its rank's slice (memory-mapped) when the
+    checkpoint offers `get_slice`; a stage skips the tensors of layers it does not own."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = model.config.tie_word_embeddings
+    read = getattr(checkpoint, "get_slice", checkpoint.get)
     for name in checkpoint.names():
         if name.endswith(_SKIPPED) or (tied and name == "lm_head.weight"):
             continue
@@ -49,6 +52,8 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
         if layer and not stage.owns(int(layer.group(1))):
             continue
         target, shard_id = _target(name, model.stacked_params)
+        if tied and target == "model.embed_tokens.weight" and target not in params:
+            target = "lm_head.weight"  # a last stage without the embedding: its LM head
         if target not in params:
             if target.startswith(("model.embed_tokens", "model.norm", "lm_head")):
                 continue  # held by another pipeline stage
@@ -56,11 +61,11 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
         param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
-            loader(param, checkpoint.get(name), shard_id)
+            loader(param, read(name), shard_id)
         except ValueError as e:
             raise ModelFolderError(source, f"tensor {name!r}: {e}") from e
         loaded.add(target)
-    if tied:
+    if tied and "model.embed_tokens.weight" in loaded:
         loaded.add("lm_head.weight")  # the same tensor as the embedding
     missing = [n for n in params if n not in loaded]
     if missing:

@@ -3,20 +3,22 @@
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in its tensor-parallel group; collectives are no-ops at size 1."""
+    """This rank's place in its tensor-parallel group; collectives are no-ops at size 1.
+
+    `group` is a torch.distributed ProcessGroup object (gloo or NCCL) of the stage's TP ranks,
+    used directly, so that no process-global default group is needed."""
 
     rank: int = 0
     size: int = 1
-    group: object | None = None  # torch.distributed ProcessGroup when size > 1
+    group: object | None = None  # ProcessGroup when size > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -24,7 +26,7 @@ class TPGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
     def shard(self, total: int, what: str) -> int:

@@ -1,11 +1,13 @@
 """Linear layers that hold one tensor-parallel shard of their weight (Megatron style).
 
-Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that narrows the full
-checkpoint tensor to this rank's shard, so the model loader is a plain loop over tensors."""
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that narrows the
+checkpoint tensor (a lazily read TensorSlice, or a tensor) to this rank's shard, so the model
+loader is a plain loop over tensors."""
 
 import torch
 from torch import nn
 
+from shared.checkpoint import materialize
 from shared.models.layers.cpu_pack import linear
 from shared.parallel.group import SINGLE, TPGroup
 
@@ -106,7 +108,8 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias: added once, on rank 0
-            _copy(param.data, loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
+            bias = materialize(loaded)
+            _copy(param.data, bias if self.tp.rank == 0 else torch.zeros_like(bias))
             return
         cols = param.shape[1]
         _copy(param.data, loaded.narrow(1, self.tp.rank * cols, cols))
@@ -120,9 +123,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     _copy(param.data, loaded)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
+def _copy(dst: torch.Tensor, src) -> None:
+    """src: a tensor or a checkpoint TensorSlice (read here, whole)."""
+    if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(
             f"weight shape {tuple(src.shape)} does not match parameter {tuple(dst.shape)}"
         )
-    dst.copy_(src)
+    dst.copy_(materialize(src))

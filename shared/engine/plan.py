@@ -1,0 +1,116 @@
+"""What rank 0 tells the other ranks of a worker for one micro-batch (a "step plan"), and what
+the last stage sends back (sampled tokens). msgpack bytes, built here and nowhere else.
+
+Every rank rebuilds the same ForwardBatch from a plan: build_batch reads only the chunk's
+tokens, its start, the page ids and whether the request samples."""
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
+from shared.sampling.batch import SamplingRow
+from shared.sampling.params import SamplingParams
+from shared.sampling.sampler import SamplerOutput
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class PlannedSeq:
+    """A scheduled request as a rank other than 0 sees it (duck-types Request for build_batch)."""
+
+    request_id: str
+    start: int  # num_computed_tokens before this step
+    chunk: list[int]  # token ids [start, start + len(chunk)) computed this step
+    page_ids: list[int]
+    samples: bool  # this step computes the request's last pending token
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return self.chunk[start - self.start : end - self.start]
+
+
+@dataclass
+class StepPlan:
+    micro_batch: int  # id, rising; results come back in this order
+    seqs: list[PlannedSeq]
+    rows: list[SamplingRow]  # sampling state of the seqs that sample, in order
+    push: dict  # prefill workers: KV handoff targets (services.worker.rank_push), else {}
+    stop: bool = False  # the worker is shutting down: ranks exit
+
+    def scheduler_output(self) -> SchedulerOutput:
+        return SchedulerOutput(
+            [ScheduledRequest(s, s.start, len(s.chunk), s.samples) for s in self.seqs]
+        )
+
+
+def encode_plan(micro_batch: int, out: SchedulerOutput, push: dict | None = None) -> bytes:
+    seqs, rows = [], []
+    for s in out.scheduled:
+        req, end = s.request, s.start + s.num_tokens
+        seqs.append([req.request_id, s.start, req.token_ids(s.start, end), req.page_ids, s.samples])
+        if s.samples:
+            rows.append(_encode_row(req))
+    body = {"v": PLAN_VERSION, "mb": micro_batch, "seqs": seqs, "rows": rows, "push": push or {}}
+    return msgpack.packb(body)
+
+
+def encode_stop() -> bytes:
+    return msgpack.packb({"v": PLAN_VERSION, "stop": True})
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    body = msgpack.unpackb(data)
+    if body.get("v") != PLAN_VERSION:
+        raise ValueError(f"step plan version {body.get('v')} != {PLAN_VERSION}")
+    if body.get("stop"):
+        return StepPlan(-1, [], [], {}, stop=True)
+    seqs = [
+        PlannedSeq(rid, start, chunk, pages, samples)
+        for rid, start, chunk, pages, samples in body["seqs"]
+    ]
+    return StepPlan(body["mb"], seqs, [_decode_row(r) for r in body["rows"]], body["push"])
+
+
+def _encode_row(req) -> list:
+    params = dataclasses.asdict(req.params)
+    prompt = req.prompt_token_ids if req.params.repetition_penalty != 1.0 else []
+    return [params, req.seed, prompt, req.output_token_ids, sorted(req.stop_token_ids)]
+
+
+def _decode_row(row: list) -> SamplingRow:
+    params, seed, prompt, output, stop = row
+    return SamplingRow(SamplingParams(**params), seed, prompt, output, frozenset(stop))
+
+
+def encode_result(
+    micro_batch: int, sample_index: list[int], samples: SamplerOutput | None
+) -> bytes:
+    """The last stage's answer to one plan; empty when nothing sampled."""
+    body = {"v": PLAN_VERSION, "mb": micro_batch, "index": sample_index}
+    if samples is not None:
+        body["tokens"] = samples.token_ids.tolist()
+        for key in ("logprobs", "top_logprob_ids", "top_logprobs"):
+            value = getattr(samples, key)
+            body[key] = None if value is None else value.tolist()
+    return msgpack.packb(body)
+
+
+def decode_result(data: bytes) -> tuple[int, list[int], SamplerOutput | None]:
+    """(micro-batch id, indices into scheduled that sampled, their samples)."""
+    body = msgpack.unpackb(data)
+    if "tokens" not in body:
+        return body["mb"], body["index"], None
+    samples = SamplerOutput(
+        token_ids=torch.tensor(body["tokens"], dtype=torch.int64),
+        logprobs=_tensor(body["logprobs"], torch.float32),
+        top_logprob_ids=_tensor(body["top_logprob_ids"], torch.int64),
+        top_logprobs=_tensor(body["top_logprobs"], torch.float32),
+    )
+    return body["mb"], body["index"], samples
+
+
+def _tensor(value, dtype):
+    return None if value is None else torch.tensor(value, dtype=dtype)

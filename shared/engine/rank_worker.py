@@ -1,0 +1,75 @@
+"""Rank r > 0 of a worker: builds its shard, then runs every step plan rank 0 sends, in order,
+until told to stop. The last stage's TP rank 0 samples and sends the tokens back to rank 0.
+
+    python -m shared.engine.rank_worker --rank R --port STORE_PORT --threads N --spec JSON"""
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.plan import decode_plan, encode_result
+from shared.engine.runner import ModelRunner
+from shared.engine.shard import build_shard
+from shared.models.config import ModelConfig
+from shared.parallel.comm import PLAN, RESULT, RankComm, open_store
+
+log = logging.getLogger("tison.rank")
+
+
+def build_runner(rank: int, port: int, spec: dict) -> tuple[ModelRunner, RankComm]:
+    config = EngineConfig(**spec["engine"])
+    shape = config.parallel
+    store = open_store("127.0.0.1", port, shape.world_size, is_master=False)
+    store.set(f"joined{rank}", "1")
+    comm = RankComm(store, rank, shape)
+    try:
+        cfg = ModelConfig.from_dir(config.model_dir)
+        stage = shape.stage_of(rank, cfg.num_layers)
+        model, kv = build_shard(config, cfg, comm.tp, stage, spec["num_pages"], rank)
+        runner = ModelRunner(model, kv, cfg.vocab_size, cfg.sliding_window, comm.tp, stage, comm)
+    except Exception as e:
+        store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
+        raise
+    store.set(f"ready{rank}", "ok")
+    return runner, comm
+
+
+def serve(runner: ModelRunner, comm: RankComm, on_plan=None) -> None:
+    """Runs plans until the stop plan. on_plan(plan, runner) is called before each step
+    (prefill workers register the step's KV targets there)."""
+    replies = runner.stage.is_last and runner.tp.rank == 0 and comm.rank != 0
+    while True:
+        plan = decode_plan(comm.recv_bytes(0, PLAN))
+        if plan.stop:
+            break
+        if on_plan is not None:
+            on_plan(plan, runner)
+        index, samples = runner.execute(plan.scheduler_output(), plan.rows)
+        if replies:
+            comm.send_bytes(encode_result(plan.micro_batch, index, samples), 0, RESULT)
+    comm.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rank_worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--spec", required=True, help="JSON: engine config and pool size")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format=f"%(asctime)s rank{args.rank} %(message)s")
+    torch.set_num_threads(args.threads)
+    runner, comm = build_runner(args.rank, args.port, json.loads(args.spec))
+    try:
+        serve(runner, comm)
+    finally:
+        runner.kv.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The links of one rank of a worker: a world group for point-to-point messages (step plans,
+hidden states, results) and its stage's tensor-parallel group. Groups are ProcessGroup objects
+built over a loopback TCPStore, not the process-global default group, so one process may hold
+several engines (tests) one after another. Messages are msgpack bytes or tensors, never pickle."""
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shared.parallel.group import TPGroup
+from shared.parallel.shape import ParallelConfig
+
+PLAN, HIDDEN, RESULT = 1, 2, 3  # message tags: rank 0 -> all, stage -> next stage, last -> 0
+IDLE_TIMEOUT = timedelta(days=30)  # ranks wait for the next plan as long as the worker lives
+
+
+def open_store(host: str, port: int, world_size: int, is_master: bool) -> dist.TCPStore:
+    """Rank 0 passes port 0 and reads `.port`; the others connect to it."""
+    return dist.TCPStore(
+        host, port, world_size, is_master, timeout=timedelta(seconds=120), wait_for_workers=False
+    )
+
+
+class RankComm:
+    """One rank's groups. Sends are asynchronous: rank 0 never waits for a busy later stage."""
+
+    def __init__(self, store: dist.Store, rank: int, shape: ParallelConfig):
+        self.rank, self.shape = rank, shape
+        self.world = _gloo(dist.PrefixStore("world", store), rank, shape.world_size)
+        stage, tp_rank = divmod(rank, shape.tp)
+        group = None
+        if shape.tp > 1:
+            group = _gloo(dist.PrefixStore(f"tp{stage}", store), tp_rank, shape.tp)
+        self.tp = TPGroup(tp_rank, shape.tp, group)
+        self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
+
+    def send_bytes(self, data: bytes, dst: int, tag: int) -> None:
+        self._send(torch.tensor([len(data)], dtype=torch.int64), dst, tag)
+        self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag)
+
+    def recv_bytes(self, src: int, tag: int) -> bytes:
+        header = self.recv_tensor((1,), torch.int64, src, tag)
+        return self.recv_tensor((int(header[0]),), torch.uint8, src, tag).numpy().tobytes()
+
+    def send_tensor(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        self._send(x.contiguous(), dst, tag)
+
+    def recv_tensor(self, shape, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        self.world.recv([out], src, tag).wait()
+        return out
+
+    def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
+        self._sends.append((self.world.send([x], dst, tag), x))
+
+    def flush(self) -> None:
+        """Waits until every send so far was received."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+
+def _gloo(store: dist.Store, rank: int, size: int):
+    return dist.ProcessGroupGloo(store, rank, size, IDLE_TIMEOUT)
