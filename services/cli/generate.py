@@ -14,6 +14,25 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_parallel_options(parser: argparse.ArgumentParser) -> None:
+    """--tp/--pp/--pp-layers/--allow-oversubscribe, shared by every command that runs a model."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument(
+        "--pp-layers", type=_counts, default=None, help="layers per stage, e.g. 3,1 (default: even)"
+    )
+    parser.add_argument(
+        "--allow-oversubscribe", action="store_true", help="allow more ranks than CPU cores"
+    )
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 3,1, got {text!r}") from None
+
+
 def resolve_model(model: str | None) -> str:
     if model is not None:
         return model
@@ -25,6 +44,7 @@ def resolve_model(model: str | None) -> str:
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="complete one prompt offline")
     add_model_options(p)
+    add_parallel_options(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -49,11 +69,17 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        llm = LLM(resolve_model(args.model), dtype=args.dtype)
-        if args.chat:
-            out = llm.chat([[{"role": "user", "content": args.prompt}]], params)[0]
-        else:
-            out = llm.generate(args.prompt, params)[0]
+        parallel = dict(
+            tp=args.tp,
+            pp=args.pp,
+            pp_layers=args.pp_layers,
+            allow_oversubscribe=args.allow_oversubscribe,
+        )
+        with LLM(resolve_model(args.model), dtype=args.dtype, **parallel) as llm:
+            if args.chat:
+                out = llm.chat([[{"role": "user", "content": args.prompt}]], params)[0]
+            else:
+                out = llm.generate(args.prompt, params)[0]
     except TisonError as e:
         print(f"tison generate: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,14 @@ def register(subparsers) -> None:
     )
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size of every worker")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages of every worker")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tp", type=int, default=None, help=f"{role} workers' --tp")
+        p.add_argument(f"--{role}-pp", type=int, default=None, help=f"{role} workers' --pp")
+    p.add_argument(
+        "--allow-oversubscribe", action="store_true", help="workers may use more ranks than cores"
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.set_defaults(func=main)
 
@@ -55,6 +63,8 @@ def main(args: argparse.Namespace) -> int:
             nats_url=args.nats_url,
             kv_cache_bytes=args.kv_cache_bytes,
             threads=args.threads,
+            **_shapes(args),
+            allow_oversubscribe=args.allow_oversubscribe,
         )
         _check_port_free(cfg.host, cfg.port)
     except (TisonError, ValueError, OSError) as e:
@@ -74,6 +84,16 @@ def main(args: argparse.Namespace) -> int:
             if nats is not None:
                 nats.stop()
             log.info("stopped")
+
+
+def _shapes(args: argparse.Namespace) -> dict:
+    """--prefill-tp etc., each defaulting to --tp/--pp, then 1."""
+    shapes = {}
+    for role in ("prefill", "decode"):
+        for dim in ("tp", "pp"):
+            value = getattr(args, f"{role}_{dim}")
+            shapes[f"{role}_{dim}"] = value or getattr(args, dim) or 1
+    return shapes
 
 
 def _serve(cfg: UpConfig, supervisor: Supervisor, stop: list, ready_timeout: float) -> int:

@@ -5,7 +5,7 @@ import functools
 import os
 from pathlib import Path
 
-from services.cli.generate import add_model_options, resolve_model
+from services.cli.generate import add_model_options, add_parallel_options, resolve_model
 from services.runtime import run_service
 from services.worker.config import WorkerConfig
 from services.worker.worker import run_worker
@@ -35,6 +35,7 @@ def register(subparsers) -> None:
         p.add_argument("--kv-transport", choices=["auto", "shm", "tcp"], default=D.kv_transport)
         p.add_argument("--kv-host", default=D.kv_host, help="address of the TCP KV server")
         p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+        add_parallel_options(p)
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=functools.partial(main, role))
 
@@ -61,5 +62,9 @@ def main(role: str, args: argparse.Namespace) -> int:
         kv_secret=os.environ.get("TISON_KV_SECRET", ""),
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
+        tp=args.tp,
+        pp=args.pp,
+        pp_layers=args.pp_layers,
+        allow_oversubscribe=args.allow_oversubscribe,
     )
     return run_service(functools.partial(run_worker, config), args.log_level)

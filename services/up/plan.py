@@ -18,10 +18,18 @@ class UpConfig:
     kv_cache_bytes: int | None = None
     threads: int = 0  # torch threads per worker (0: torch's default)
     worker_args: tuple[str, ...] = ()  # extra flags passed to every worker
+    prefill_tp: int = 1  # shape of each prefill worker (colocated workers take the decode one)
+    prefill_pp: int = 1
+    decode_tp: int = 1  # shape of each decode worker
+    decode_pp: int = 1
+    allow_oversubscribe: bool = False  # workers may run more ranks than CPU cores
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("--prefill-workers and --decode-workers must be >= 1")
+        for flag in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -43,17 +51,21 @@ def plan(cfg: UpConfig) -> list[ChildSpec]:
         worker += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]
     if cfg.threads:
         worker += ["--threads", str(cfg.threads)]
+    if cfg.allow_oversubscribe:
+        worker.append("--allow-oversubscribe")
+    prefill = [*worker, "--tp", str(cfg.prefill_tp), "--pp", str(cfg.prefill_pp)]
+    decode = [*worker, "--tp", str(cfg.decode_tp), "--pp", str(cfg.decode_pp)]
     children = [ChildSpec("scheduler", ("scheduler",))]
     if cfg.colocated:
         children += [
-            ChildSpec(f"colocated-{i}", ("colocated", *worker)) for i in range(cfg.prefill_workers)
+            ChildSpec(f"colocated-{i}", ("colocated", *decode)) for i in range(cfg.prefill_workers)
         ]
     else:
         children += [
-            ChildSpec(f"prefill-{i}", ("prefill", *worker)) for i in range(cfg.prefill_workers)
+            ChildSpec(f"prefill-{i}", ("prefill", *prefill)) for i in range(cfg.prefill_workers)
         ]
         children += [
-            ChildSpec(f"decode-{i}", ("decode", *worker)) for i in range(cfg.decode_workers)
+            ChildSpec(f"decode-{i}", ("decode", *decode)) for i in range(cfg.decode_workers)
         ]
     children.append(
         ChildSpec("gateway", ("gateway", *model, "--host", cfg.host, "--port", str(cfg.port)))

@@ -36,6 +36,10 @@ class WorkerConfig:
     kv_transport: str = "auto"  # prefill: auto | shm | tcp
     kv_host: str = "127.0.0.1"  # decode: address the TCP KV server listens on and advertises
     shm_dir: Path = Path("/dev/shm")
+    tp: int = 1  # tensor-parallel ranks per pipeline stage
+    pp: int = 1  # pipeline stages
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
+    allow_oversubscribe: bool = False  # more ranks than CPU cores
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -12,16 +12,25 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.decode import DecodeRole
+from services.worker.handoff import Handoff
 from services.worker.kv_push import KVPusher
 from services.worker.loop import EngineLoop
 from services.worker.prefill import PrefillRole
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.kv_handoff import (
+    RANKS_ENDPOINT,
+    RankPool,
+    describe_ranks,
+    model_layout,
+    rank_pusher,
+)
+from shared.engine.shard import rank_shm_path
 from shared.protocol import HeartbeatMsg
 from shared.tokenizer.tokenizer import Tokenizer
 from shared.transfer import shm, tcp
-from shared.transfer.base import host_id, layout_id, slots
+from shared.transfer.base import host_id, slots
 
 log = logging.getLogger(__name__)
 SHM_PREFIX = "tison-kv-"
@@ -38,6 +47,11 @@ def build_engine(config: WorkerConfig, shm_path: Path | None) -> LLMEngine:
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
         kv_shm_path=shm_path,
+        tp=config.tp,
+        pp=config.pp,
+        pp_layers=config.pp_layers,
+        allow_oversubscribe=config.allow_oversubscribe,
+        kv_push=config.role != "decode",
     )
     eos = Tokenizer.from_dir(config.model_dir).eos_token_ids
     return LLMEngine(engine_config, extra_eos_ids=eos)
@@ -57,18 +71,22 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     nc = await nats.connect(
         config.nats_url, name=f"tison-{config.worker_id}", max_reconnect_attempts=-1
     )
-    endpoints = {"layout": layout_id(engine.kv), "host": host_id()}
+    layout = model_layout(engine.model_config, engine.config.page_size, engine.dtype)
+    endpoints = {"layout": layout, "host": host_id()}
+    single = engine.config.parallel.world_size == 1
     tcp_server = None
     try:
         if "decode" in ids:
             decode_endpoints = dict(endpoints, **{shm.ENDPOINT: str(shm_path)})
-            if secret:
+            decode_endpoints[RANKS_ENDPOINT] = _rank_pools(engine, shm_path)
+            if secret and single:  # TCP: one-rank decode workers only
                 tcp_server = tcp.TcpKVServer(engine.kv.data, secret, _reserved_check(engine))
                 decode_endpoints[tcp.ENDPOINT] = await tcp_server.start(config.kv_host)
             roles.append(DecodeRole(nc, loop, ids["decode"], decode_endpoints))
         if "prefill" in ids:
-            pusher = KVPusher(engine.kv, secret, config.kv_transport)
+            pusher = _handoff(engine, secret, config.kv_transport, layout)
             engine.runner.on_layer_done = pusher.on_layer
+            engine.executor.plan_extras = pusher.ranks.plan_extras
             roles.append(PrefillRole(nc, loop, ids["prefill"], pusher, ids.get("decode")))
         for role in roles:
             await role.subscribe()
@@ -86,7 +104,27 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
             await tcp_server.close()
         with contextlib.suppress(Exception):
             await nc.drain()
-        engine.kv.close()
+        await asyncio.to_thread(engine.close)
+
+
+def _handoff(engine: LLMEngine, secret, transport: str, layout: str) -> Handoff:
+    shape = engine.config.parallel
+    single = None
+    if shape.world_size == 1:
+        single = KVPusher(engine.kv, secret, transport)
+    ranks = rank_pusher(engine.kv, engine.model_config, shape, 0)
+    return Handoff(single, ranks, layout, transport)
+
+
+def _rank_pools(engine: LLMEngine, shm_path: Path) -> str:
+    """Each rank's layers, heads and pool file, for prefill workers of any shape."""
+    shape, cfg = engine.config.parallel, engine.model_config
+    return describe_ranks(
+        [
+            RankPool.of(cfg, shape, rank, str(rank_shm_path(shm_path, rank)))
+            for rank in range(shape.world_size)
+        ]
+    )
 
 
 async def _dispatch(roles: list, outputs) -> None:

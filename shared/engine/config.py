@@ -31,6 +31,7 @@ class EngineConfig:
     pp: int = 1  # pipeline stages
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
     allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
+    kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -40,6 +40,7 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.plan_extras: Callable[[SchedulerOutput], dict] | None = None  # as RankExecutor's
         self._done: deque[StepResult] = deque()
 
     @property
@@ -47,6 +48,8 @@ class LocalExecutor:
         return len(self._done)
 
     def launch(self, out: SchedulerOutput) -> None:
+        if self.plan_extras is not None:
+            self.plan_extras(out)
         self._done.append(_run(self.runner, out))
 
     def collect(self) -> StepResult:
@@ -69,6 +72,7 @@ class RankExecutor:
         self.plan_extras: Callable[[SchedulerOutput], dict] | None = None
         self._ids = itertools.count()
         self._pending: deque[StepResult] = deque()
+        self.last_stage_wait_s = 0.0  # the last stage's idle seconds, as it last reported
 
     @property
     def num_in_flight(self) -> int:
@@ -84,9 +88,9 @@ class RankExecutor:
     def collect(self) -> StepResult:
         result = self._pending.popleft()
         if self.depth > 1:  # the samples come from the last stage
-            _, result.sample_index, result.samples = decode_result(
-                self.comm.recv_bytes(self.last_rank, RESULT)
-            )
+            reply = decode_result(self.comm.recv_bytes(self.last_rank, RESULT))
+            result.sample_index, result.samples = reply.sample_index, reply.samples
+            self.last_stage_wait_s = reply.wait_s
         return result
 
     def close(self) -> None:

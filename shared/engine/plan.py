@@ -86,10 +86,11 @@ def _decode_row(row: list) -> SamplingRow:
 
 
 def encode_result(
-    micro_batch: int, sample_index: list[int], samples: SamplerOutput | None
+    micro_batch: int, sample_index: list[int], samples: SamplerOutput | None, wait_s: float
 ) -> bytes:
-    """The last stage's answer to one plan; empty when nothing sampled."""
-    body = {"v": PLAN_VERSION, "mb": micro_batch, "index": sample_index}
+    """The last stage's answer to one plan (no samples when nothing sampled); wait_s: the
+    sender's seconds idle so far, for utilisation reports."""
+    body = {"v": PLAN_VERSION, "mb": micro_batch, "index": sample_index, "wait_s": wait_s}
     if samples is not None:
         body["tokens"] = samples.token_ids.tolist()
         for key in ("logprobs", "top_logprob_ids", "top_logprobs"):
@@ -98,18 +99,25 @@ def encode_result(
     return msgpack.packb(body)
 
 
-def decode_result(data: bytes) -> tuple[int, list[int], SamplerOutput | None]:
-    """(micro-batch id, indices into scheduled that sampled, their samples)."""
+@dataclass
+class StepReply:
+    micro_batch: int
+    sample_index: list[int]  # indices into the plan's seqs that sampled
+    samples: SamplerOutput | None
+    wait_s: float  # the last stage's seconds idle so far
+
+
+def decode_result(data: bytes) -> StepReply:
     body = msgpack.unpackb(data)
     if "tokens" not in body:
-        return body["mb"], body["index"], None
+        return StepReply(body["mb"], body["index"], None, body["wait_s"])
     samples = SamplerOutput(
         token_ids=torch.tensor(body["tokens"], dtype=torch.int64),
         logprobs=_tensor(body["logprobs"], torch.float32),
         top_logprob_ids=_tensor(body["top_logprob_ids"], torch.int64),
         top_logprobs=_tensor(body["top_logprobs"], torch.float32),
     )
-    return body["mb"], body["index"], samples
+    return StepReply(body["mb"], body["index"], samples, body["wait_s"])
 
 
 def _tensor(value, dtype):

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.kv_handoff import rank_pusher
 from shared.engine.plan import decode_plan, encode_result
 from shared.engine.runner import ModelRunner
 from shared.engine.shard import build_shard
@@ -20,7 +21,8 @@ from shared.parallel.comm import PLAN, RESULT, RankComm, open_store
 log = logging.getLogger("tison.rank")
 
 
-def build_runner(rank: int, port: int, spec: dict) -> tuple[ModelRunner, RankComm]:
+def build_runner(rank: int, port: int, spec: dict):
+    """(runner, comm, on_plan) of this rank, once rank 0 and its peers are joined."""
     config = EngineConfig(**spec["engine"])
     shape = config.parallel
     store = open_store("127.0.0.1", port, shape.world_size, is_master=False)
@@ -34,8 +36,12 @@ def build_runner(rank: int, port: int, spec: dict) -> tuple[ModelRunner, RankCom
     except Exception as e:
         store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
         raise
+    on_plan = None
+    if config.kv_push:
+        pusher = rank_pusher(kv, cfg, shape, rank)
+        runner.on_layer_done, on_plan = pusher.on_layer, pusher.on_plan
     store.set(f"ready{rank}", "ok")
-    return runner, comm
+    return runner, comm, on_plan
 
 
 def serve(runner: ModelRunner, comm: RankComm, on_plan=None) -> None:
@@ -50,7 +56,8 @@ def serve(runner: ModelRunner, comm: RankComm, on_plan=None) -> None:
             on_plan(plan, runner)
         index, samples = runner.execute(plan.scheduler_output(), plan.rows)
         if replies:
-            comm.send_bytes(encode_result(plan.micro_batch, index, samples), 0, RESULT)
+            reply = encode_result(plan.micro_batch, index, samples, comm.wait_s)
+            comm.send_bytes(reply, 0, RESULT)
     comm.flush()
 
 
@@ -63,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format=f"%(asctime)s rank{args.rank} %(message)s")
     torch.set_num_threads(args.threads)
-    runner, comm = build_runner(args.rank, args.port, json.loads(args.spec))
+    runner, comm, on_plan = build_runner(args.rank, args.port, json.loads(args.spec))
     try:
-        serve(runner, comm)
+        serve(runner, comm, on_plan)
     finally:
         runner.kv.close()
     return 0

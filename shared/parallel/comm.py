@@ -3,6 +3,7 @@ hidden states, results) and its stage's tensor-parallel group. Groups are Proces
 built over a loopback TCPStore, not the process-global default group, so one process may hold
 several engines (tests) one after another. Messages are msgpack bytes or tensors, never pickle."""
 
+import time
 from datetime import timedelta
 
 import torch
@@ -34,6 +35,7 @@ class RankComm:
             group = _gloo(dist.PrefixStore(f"tp{stage}", store), tp_rank, shape.tp)
         self.tp = TPGroup(tp_rank, shape.tp, group)
         self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
+        self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
 
     def send_bytes(self, data: bytes, dst: int, tag: int) -> None:
         self._send(torch.tensor([len(data)], dtype=torch.int64), dst, tag)
@@ -48,7 +50,9 @@ class RankComm:
 
     def recv_tensor(self, shape, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
+        start = time.perf_counter()
         self.world.recv([out], src, tag).wait()
+        self.wait_s += time.perf_counter() - start
         return out
 
     def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:

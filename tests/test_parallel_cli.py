@@ -1,0 +1,36 @@
+"""--tp/--pp on the command lines: `tison up` hands each role its shape; a bad shape fails
+before any rank starts, naming the flag."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from services.up.plan import UpConfig, plan
+
+
+def _worker_args(cfg: UpConfig, name: str) -> list[str]:
+    return list(next(c for c in plan(cfg) if c.name == name).args)
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_up_gives_each_role_its_shape():
+    cfg = UpConfig(model_dir=Path("m"), prefill_tp=2, decode_pp=2, allow_oversubscribe=True)
+    prefill, decode = _worker_args(cfg, "prefill-0"), _worker_args(cfg, "decode-0")
+    assert (_flag(prefill, "--tp"), _flag(prefill, "--pp")) == ("2", "1")
+    assert (_flag(decode, "--tp"), _flag(decode, "--pp")) == ("1", "2")
+    assert "--allow-oversubscribe" in prefill and "--allow-oversubscribe" in decode
+
+
+def test_generate_with_a_bad_shape_names_the_flag(tiny_llama):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--model", str(tiny_llama)]
+        + ["--tp", "3", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--tp: 3 does not divide the model's 4 attention heads" in proc.stderr
