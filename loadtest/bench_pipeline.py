@@ -19,14 +19,14 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling.params import SamplingParams
 
-MODEL = dict(  # ~25M parameters: compute per step well above the per-step Python overhead
+MODEL = dict(  # ~80M parameters: compute per step well above the per-step Python overhead
     architectures=["LlamaForCausalLM"],
     model_type="llama",
     vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=1536,
+    hidden_size=768,
+    intermediate_size=3072,
     num_hidden_layers=8,
-    num_attention_heads=8,
+    num_attention_heads=12,
     num_key_value_heads=4,
     max_position_embeddings=2048,
     rms_norm_eps=1e-5,
@@ -45,11 +45,18 @@ def build_model(out: Path) -> None:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
 
 
-def run_shape(model_dir: Path, pp: int, requests: int, steps: int, cores: list[int]) -> dict:
+def run_shape(
+    model_dir: Path, pp: int, requests: int, steps: int, cores: list[int], pp_layers=None
+) -> dict:
     """Decode tokens/s and per-rank utilisation over `steps` steady-state engine steps."""
     os.sched_setaffinity(0, {cores[0]})
     config = EngineConfig(
-        model_dir=model_dir, dtype="float32", pp=pp, num_pages=requests * 40, page_size=16
+        model_dir=model_dir,
+        dtype="float32",
+        pp=pp,
+        pp_layers=pp_layers,
+        num_pages=requests * 40,
+        page_size=16,
     )
     engine = LLMEngine(config)
     try:
@@ -87,6 +94,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 5,3")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -98,8 +106,10 @@ def main() -> int:
         model_dir = Path(tmp)
         build_model(model_dir)
         single = run_shape(model_dir, 1, args.requests, args.steps, cores[:1])
-        piped = run_shape(model_dir, 2, args.requests, args.steps, cores[:2])
-    report = {"model": MODEL, "requests": args.requests, "(1,1)": single, "(1,2)": piped}
+        split = tuple(int(n) for n in args.pp_layers.split(",")) if args.pp_layers else None
+        piped = run_shape(model_dir, 2, args.requests, args.steps, cores[:2], split)
+    report = {"model": MODEL, "requests": args.requests, "pp_layers": args.pp_layers}
+    report.update({"(1,1)": single, "(1,2)": piped})
     report["speedup"] = piped["tokens_per_s"] / single["tokens_per_s"]
     report["stages_busy_80pct"] = min(piped["utilisation"].values()) >= 0.8
     text = json.dumps(report, indent=1)
