@@ -3,7 +3,7 @@
 // segment, the host turns the counts into output offsets (exclusive cumsum, checked
 // against the stored block index), and tison_codec_decode decodes each segment again,
 // joins every symbol with its raw field and writes the elements. Reference: the CPU
-// decoder in shared/codec (reference.py, _native.c).
+// decoder in shared/codec (reference.py, _decode.c).
 //
 // The file is plain C apart from the qualifiers below, so tests/gpu/kernel_cpu_shim.c can
 // compile it for the CPU and run every thread in turn where no GPU is present.

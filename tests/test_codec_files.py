@@ -82,12 +82,21 @@ def test_reads_back_every_tensor(compressed):
     ckpt.close()
 
 
+def test_reads_many_tensors_in_one_call(compressed):
+    original = make_tensors()
+    ckpt = CompressedCheckpoint(compressed, num_threads=2)
+    for name, got in zip(original, ckpt.get_many(list(original))):
+        assert got.dtype == original[name].dtype and torch.equal(got, original[name])
+
+
 @pytest.mark.parametrize("plane", ["stream", "raw", "lengths", "block_first"])
-def test_corrupt_plane_is_caught_when_decoding(compressed, plane):
+@pytest.mark.parametrize("many", [False, True])
+def test_corrupt_plane_is_caught_when_decoding(compressed, plane, many):
     shard = compressed / "model.tison"
     corrupt_bytes(shard, f"{CODED}{PLANE_SEP}{plane}", count=1 if plane == "lengths" else 3)
+    ckpt = CompressedCheckpoint(compressed)
     with pytest.raises(ModelFolderError) as error:
-        CompressedCheckpoint(compressed).get(CODED)
+        ckpt.get_many(list(make_tensors())) if many else ckpt.get(CODED)
     assert_names_file_and_tensor(error, shard, CODED)
 
 
@@ -113,7 +122,7 @@ def test_checksum_mismatch(compressed):
 
     def wrong_crc(metadata):
         entries = json.loads(metadata["tensors"])
-        entries[CODED]["crc32"] ^= 1
+        entries[CODED]["crc32c"] ^= 1
         return {**metadata, "tensors": json.dumps(entries)}
 
     rewrite(shard, wrong_crc)
@@ -132,10 +141,12 @@ def test_truncated_shard(compressed, cut):
     assert_names_file_and_tensor(error, shard, CODED)
 
 
-def test_unknown_shard_version(compressed):
+@pytest.mark.parametrize("version", ["1", "3"])
+def test_unknown_shard_version(compressed, version):
+    # Version 1 (zlib's CRC-32 checksums) is no longer read: recompress such folders.
     shard = compressed / "model.tison"
-    rewrite(shard, lambda metadata: {**metadata, "version": "2"})
-    with pytest.raises(ModelFolderError, match="version '2' is not supported") as error:
+    rewrite(shard, lambda metadata: {**metadata, "version": version})
+    with pytest.raises(ModelFolderError, match=f"version '{version}' is not supported") as error:
         CompressedCheckpoint(compressed).get(CODED)
     assert_names_file_and_tensor(error, shard, CODED)
 

@@ -1,15 +1,12 @@
 """The pure pieces of the codec: bounded Huffman code lengths, canonical codes, decode
-tables, the stored table form and CRC-32 combination."""
+tables and the stored table form."""
 
 import heapq
-import os
-import zlib
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.codec.crc import crc32_combine
 from shared.codec.format import MAX_CODE_LEN, raw_parts
 from shared.codec.huffman import (
     canonical_codes,
@@ -98,12 +95,6 @@ def test_stored_table_form_round_trips(lengths):
     first, packed = pack_lengths(lengths)
     assert np.array_equal(unpack_lengths(first, packed, len(lengths)), lengths)
     assert unpack_lengths(len(lengths), packed, len(lengths)) is None
-
-
-def test_crc32_combine_matches_zlib():
-    for len_a, len_b in [(0, 0), (1, 5), (100, 0), (0, 100), (1000, 12345), (7, 1 << 20)]:
-        a, b = os.urandom(len_a), os.urandom(len_b)
-        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len_b) == zlib.crc32(a + b)
 
 
 def test_raw_parts_are_the_binary_digits_of_the_field_width():

@@ -8,9 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.codec import decode_tensor, encode_tensor
+from shared.codec import decode_tensor, decode_tensors, encode_tensor
 from shared.codec.format import LAYOUTS, SEGS_PER_BLOCK
 from shared.codec.native import load
+from shared.errors import ModelFolderError
 
 BACKENDS = ["native", "reference"]
 FLOAT_DTYPES = list(LAYOUTS)
@@ -130,3 +131,54 @@ def test_block_index_spacing():
     starts = planes.block_first.numpy()
     assert starts[0] == 0 and np.all(np.diff(starts) > 0)
     assert len(planes.gaps) * 2 >= (len(starts) - 1) * SEGS_PER_BLOCK
+
+
+@needs_native
+def test_a_batch_decodes_like_one_tensor_at_a_time():
+    tensors = [weights((600, 500), torch.bfloat16, seed=s) for s in range(3)]
+    tensors += [weights((64, 40), torch.float8_e4m3fn), torch.randn(300).to(torch.bfloat16)]
+    tensors += [weights((1300, 1100), torch.float16, seed=9), weights((50, 40), torch.float32)]
+    encoded = [encode_tensor(t, f"t{i}") for i, t in enumerate(tensors)]
+    for threads in (1, 2, 5):
+        for backend in BACKENDS:
+            decoded = decode_tensors(encoded, backend=backend, num_threads=threads)
+            for got, tensor in zip(decoded, tensors):
+                assert_identical(got, tensor)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fused_check_catches_a_flipped_raw_bit(backend, threads):
+    # The code stream stays valid, so only the checksum of the output can catch this; on the
+    # C path it is computed tile by tile, per run, and joined across threads.
+    if backend == "native" and load() is None:
+        pytest.skip("no C compiler for the fast path")
+    tensors = [weights((40, 40), torch.bfloat16), weights((1100, 1000), torch.bfloat16, seed=4)]
+    encoded = [encode_tensor(t, f"w{i}") for i, t in enumerate(tensors)]
+    raw = encoded[1].planes.raw
+    raw[raw.numel() // 2 + 5] ^= 4
+    with pytest.raises(ModelFolderError, match="'w1'.*checksum mismatch"):
+        decode_tensors(encoded, backend=backend, num_threads=threads)
+    unchecked = decode_tensors(encoded, backend=backend, num_threads=threads, verify=False)
+    assert_identical(unchecked[0], tensors[0])
+    differs = bits_of(unchecked[1]) != bits_of(tensors[1])
+    assert int(differs.sum()) == 1
+
+
+@needs_native
+@pytest.mark.parametrize("plane", ["stream", "block_first", "gaps", "lengths"])
+def test_damaged_structure_is_named_on_both_paths(plane):
+    tensor = weights((700, 600), torch.bfloat16, seed=8)
+    for backend in BACKENDS:
+        encoded = encode_tensor(tensor, "w")
+        t = encoded.planes.tensors()[plane]
+        if plane == "block_first":
+            t[1] = t[2] + 1  # no longer increasing
+        elif plane == "lengths":
+            t[len(t) // 2] ^= 0x11  # no longer a complete prefix code
+        elif plane == "gaps":
+            t[0] ^= 0x0A  # where the first code starts: every decoder reads it
+        else:
+            t[len(t) // 2 : len(t) // 2 + 4] ^= 0x5A
+        with pytest.raises(ModelFolderError, match="'w'"):
+            decode_tensors([encoded], backend=backend)

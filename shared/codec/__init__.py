@@ -11,7 +11,7 @@ from shared.codec.folder import (
     tensor_class,
 )
 from shared.codec.format import FORMAT_VERSION, CodedPlanes, EncodedTensor
-from shared.codec.tensor import decode_tensor, encode_tensor
+from shared.codec.tensor import decode_tensor, decode_tensors, encode_tensor
 
 __all__ = [
     "FORMAT_VERSION",
@@ -21,6 +21,7 @@ __all__ = [
     "TensorRecord",
     "compress_dir",
     "decode_tensor",
+    "decode_tensors",
     "decompress_dir",
     "encode_tensor",
     "inspect_dir",

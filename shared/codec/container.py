@@ -43,7 +43,7 @@ def write_shard(path: Path, tensors: list[EncodedTensor], original_metadata: dic
     stored: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     for enc in tensors:
-        entry = {"dtype": DTYPE_NAMES[enc.dtype], "shape": list(enc.shape), "crc32": enc.crc32}
+        entry = {"dtype": DTYPE_NAMES[enc.dtype], "shape": list(enc.shape), "crc32c": enc.crc32c}
         if enc.planes is None:
             entry["encoding"] = RAW
             stored[enc.name] = enc.data.contiguous()
@@ -54,7 +54,7 @@ def write_shard(path: Path, tensors: list[EncodedTensor], original_metadata: dic
                 k=p.k,
                 total_bits=p.total_bits,
                 first_symbol=p.first_symbol,
-                planes_crc32=p.crc32,
+                planes_crc32c=p.crc32c,
             )
             for plane, t in p.tensors().items():
                 stored[f"{enc.name}{PLANE_SEP}{plane}"] = t.contiguous()
@@ -117,7 +117,7 @@ class ShardReader:
     def _build(self, name: str, entry: dict) -> EncodedTensor:
         dtype = DTYPES_BY_NAME[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])
-        crc = int(entry["crc32"])
+        crc = int(entry["crc32c"])
         if entry["encoding"] == RAW:
             data = self._handle.get_tensor(name)
             if data.dtype != dtype or tuple(data.shape) != shape:
@@ -131,7 +131,7 @@ class ShardReader:
             k=int(entry["k"]),
             total_bits=int(entry["total_bits"]),
             first_symbol=int(entry["first_symbol"]),
-            crc32=int(entry["planes_crc32"]),
+            crc32c=int(entry["planes_crc32c"]),
         )
         return EncodedTensor(name, str(self.path), dtype, shape, crc, coded, None)
 

@@ -1,4 +1,4 @@
-"""Constants and in-memory types of the Tison weight codec, format version 1 (see FORMAT.md).
+"""Constants and in-memory types of the Tison weight codec, format version 2 (see FORMAT.md).
 
 A float element of `width` bits is split at bit `k`:
   symbol = the `width - 1 - k` bits under the sign (the exponent and the top mantissa bits),
@@ -6,13 +6,12 @@ A float element of `width` bits is split at bit `k`:
   raw    = sign bit above the `k` low mantissa bits (`k + 1` bits), stored verbatim.
 """
 
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 FORMAT_NAME = "tison-codec"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32C checksums (1: zlib's CRC-32)
 MAX_CODE_LEN = 12  # longest Huffman code; decode tables have at most 2**12 entries
 SEG_BITS = 2048  # the code stream is cut into segments of this many bits...
 SEGS_PER_BLOCK = 32  # ...and segments into blocks; each block records its first symbol index
@@ -136,7 +135,7 @@ class CodedPlanes:
     k: int  # split point: bits below it are raw mantissa
     total_bits: int  # length of the code stream in bits
     first_symbol: int  # symbol of the first entry of `lengths`
-    crc32: int  # CRC-32 of the planes' bytes in the order of tensors(): checked on reading
+    crc32c: int  # CRC-32C of the planes' bytes in the order of tensors(): checked on reading
 
     def to(self, device: torch.device | str) -> "CodedPlanes":
         move = lambda t: t.to(device)
@@ -149,7 +148,7 @@ class CodedPlanes:
             self.k,
             self.total_bits,
             self.first_symbol,
-            self.crc32,
+            self.crc32c,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -160,13 +159,6 @@ class CodedPlanes:
             "gaps": self.gaps,
             "block_first": self.block_first,
         }
-
-    def planes_crc32(self) -> int:
-        """CRC-32 of the planes as they are now (compare with crc32)."""
-        crc = 0
-        for t in self.tensors().values():
-            crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
-        return crc
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -180,7 +172,7 @@ class EncodedTensor:
     source: str  # file it was read from (or "<memory>"), named in errors
     dtype: torch.dtype
     shape: tuple[int, ...]
-    crc32: int  # CRC-32 (zlib) of the original tensor's bytes
+    crc32c: int  # CRC-32C of the original tensor's bytes
     planes: CodedPlanes | None  # None for raw tensors
     data: torch.Tensor | None  # the tensor itself for raw tensors, else None
 
@@ -208,7 +200,7 @@ class EncodedTensor:
         planes = None if self.planes is None else self.planes.to(device)
         data = None if self.data is None else self.data.to(device)
         return EncodedTensor(
-            self.name, self.source, self.dtype, self.shape, self.crc32, planes, data
+            self.name, self.source, self.dtype, self.shape, self.crc32c, planes, data
         )
 
 

@@ -1,16 +1,16 @@
-"""Encode one tensor to an EncodedTensor and decode it back, on the C fast path where it
+"""Encode one tensor to an EncodedTensor and decode tensors back, on the C fast path where it
 builds and the numpy reference otherwise. Decoding checks the planes against their metadata
-and the result against the stored CRC-32; any mismatch raises ModelFolderError naming the
+and the result against the stored CRC-32C; any mismatch raises ModelFolderError naming the
 source file and the tensor."""
 
 import dataclasses
 import os
-import zlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from shared.codec import native, reference
+from shared.codec import crc, native, reference
 from shared.codec.format import (
     LAYOUTS,
     MAX_SYMBOL_BITS,
@@ -41,10 +41,11 @@ def encode_tensor(
     layout = LAYOUTS.get(tensor.dtype)
     if k is not None and (layout is None or not valid_split(layout, k)):
         raise ValueError(f"{name}: cannot code {tensor.dtype} with split point k={k}")
-    shape, crc = tuple(tensor.shape), checksum(tensor)
+    lib = _library(backend)
+    shape, crc = tuple(tensor.shape), checksum(tensor, lib)
     small = tensor.dim() < 2 or tensor.numel() < MIN_CODED_ELEMENTS
     if layout is not None and tensor.numel() and (k is not None or not small):
-        planes = _encode_planes(tensor, layout, k, _library(backend))
+        planes = _encode_planes(tensor, layout, k, lib)
         if planes is not None:
             return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, planes, None)
     return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, None, tensor)
@@ -57,29 +58,51 @@ def decode_tensor(
     verify: bool = True,
 ) -> torch.Tensor:
     """The original CPU tensor, bit for bit. Raises ModelFolderError(source) naming the
-    tensor if the planes are inconsistent or (verify) the result fails its CRC-32."""
-    try:
-        if encoded.planes is None:
-            tensor = encoded.data.contiguous()
-            crc = checksum(tensor) if verify else encoded.crc32
+    tensor if the planes are inconsistent or (verify) the result fails its CRC-32C."""
+    return decode_tensors([encoded], backend, num_threads, verify)[0]
+
+
+def decode_tensors(
+    encoded: Sequence[EncodedTensor],
+    backend: str = "auto",
+    num_threads: int | None = None,
+    verify: bool = True,
+) -> list[torch.Tensor]:
+    """decode_tensor of each, in one call to the C decoder: large tensors split across
+    threads and small ones decode side by side, the checksums computed as the output is
+    written. Raises ModelFolderError for the first bad tensor in the list."""
+    lib = _library(backend)
+    out = [torch.empty(e.shape, dtype=e.dtype) if e.planes is not None else None for e in encoded]
+    coded = [(e, t) for e, t in zip(encoded, out) if t is not None]
+    if lib is not None and coded:
+        jobs = [_job(e, t) for e, t in coded]
+        results = native.decode_batch(lib, jobs, num_threads or default_threads(), verify)
+    else:
+        results = [_decode_reference(e, t, verify) for e, t in coded]
+    found = iter(results)
+    for i, e in enumerate(encoded):
+        if e.planes is None:
+            out[i] = e.data.contiguous()
+            found_crc = checksum(out[i], lib) if verify else e.crc32c
         else:
-            threads = num_threads or default_threads()
-            tensor, crc = _decode_planes(encoded, backend, threads, verify)
-    except PlaneError as e:
-        raise _corrupt(encoded, str(e)) from e
-    if verify and crc != encoded.crc32:
-        stored = encoded.crc32
-        raise _corrupt(encoded, f"checksum mismatch (CRC-32 {crc:#010x}, stored {stored:#010x})")
-    return tensor
+            status, found_crc = next(found)
+            if status != 0:
+                raise _corrupt(e, native.PROBLEMS.get(status, f"decoder status {status}"))
+        if verify and found_crc != e.crc32c:
+            raise _corrupt(
+                e, f"checksum mismatch (CRC-32C {found_crc:#010x}, stored {e.crc32c:#010x})"
+            )
+    return out
 
 
 def check_stored(encoded: EncodedTensor) -> None:
-    """ModelFolderError unless the stored bytes (planes, or raw data) still have the CRC-32
+    """ModelFolderError unless the stored bytes (planes, or raw data) still have the CRC-32C
     they were written with: for tensors that will be decoded elsewhere, e.g. on a GPU."""
+    lib = _library("auto")
     if encoded.planes is None:
-        ok = checksum(encoded.data) == encoded.crc32
+        ok = checksum(encoded.data, lib) == encoded.crc32c
     else:
-        ok = encoded.planes.planes_crc32() == encoded.planes.crc32
+        ok = planes_checksum(encoded.planes, lib) == encoded.planes.crc32c
     if not ok:
         raise _corrupt(encoded, "checksum mismatch in the stored bytes")
 
@@ -126,31 +149,65 @@ def valid_split(layout: FloatLayout, k: int) -> bool:
     return 0 <= k and 0 < layout.width - 1 - k <= MAX_SYMBOL_BITS
 
 
-def checksum(tensor: torch.Tensor) -> int:
-    """CRC-32 (zlib) of the tensor's bytes."""
-    flat = tensor.contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return zlib.crc32(b"")
-    return zlib.crc32(flat.view(torch.uint8).numpy())
+def checksum(tensor: torch.Tensor, lib=None) -> int:
+    """CRC-32C of a CPU tensor's bytes (on the C fast path if `lib`)."""
+    return _crc32c(tensor.contiguous().reshape(-1).view(torch.uint8), lib)
+
+
+def planes_checksum(planes: CodedPlanes, lib=None) -> int:
+    """CRC-32C of the planes' bytes, in the order of CodedPlanes.tensors()."""
+    value = 0
+    for t in planes.tensors().values():
+        value = _crc32c(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8), lib, value)
+    return value
+
+
+def _crc32c(flat_bytes: torch.Tensor, lib, value: int = 0) -> int:
+    if lib is not None:
+        return native.crc32c(lib, flat_bytes.data_ptr(), flat_bytes.numel(), value)
+    return crc.crc32c(flat_bytes.numpy(), value)
 
 
 def default_threads() -> int:
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
-def _decode_planes(encoded: EncodedTensor, backend: str, num_threads: int, verify: bool):
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _job(encoded: EncodedTensor, out: torch.Tensor) -> native.Job:
+    """The C decoder's view of one tensor: planes must be 1-D contiguous CPU tensors of
+    their dtypes (their sizes and contents are the C side's to check)."""
+    p = encoded.planes
+    planes = (p.stream, p.raw, p.lengths, p.gaps)
+    if not (
+        all(t.dtype == torch.uint8 and t.dim() == 1 for t in planes)
+        and p.block_first.dtype in _INDEX_DTYPES
+        and p.block_first.dim() == 1
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (*planes, p.block_first))
+    ):
+        raise _corrupt(encoded, planes_problem(encoded) or "planes are not contiguous CPU tensors")
+    return native.Job(
+        *(t.data_ptr() for t in (*planes, p.block_first)),
+        *(t.numel() for t in planes),
+        p.block_first.numel(), p.block_first.element_size(), p.first_symbol, p.total_bits,
+        encoded.num_elements, encoded.dtype.itemsize, p.k, out.data_ptr(), 0, 0,
+    )  # fmt: skip
+
+
+def _decode_reference(encoded: EncodedTensor, out: torch.Tensor, verify: bool):
+    """(0, CRC-32C or None): the numpy reference decoder into `out`."""
     planes = {name: t.cpu().numpy() for name, t in encoded.planes.tensors().items()}
     planes["lengths"] = full_lengths(encoded)
     planes["block_first"] = planes["block_first"].astype(np.int64)
-    k, total_bits = encoded.planes.k, encoded.planes.total_bits
-    out = torch.empty(encoded.shape, dtype=encoded.dtype)
     flat = _bits(out).reshape(-1)
-    lib = _library(backend)
-    if lib is not None:
-        return out, native.decode(lib, planes, k, total_bits, flat, num_threads, verify)
     width = LAYOUTS[encoded.dtype].width
-    flat[:] = reference.decode(planes, width, k, total_bits, flat.size).astype(flat.dtype)
-    return out, zlib.crc32(flat.view(np.uint8)) if verify else None
+    try:
+        k, total_bits = encoded.planes.k, encoded.planes.total_bits
+        flat[:] = reference.decode(planes, width, k, total_bits, flat.size).astype(flat.dtype)
+    except PlaneError as e:
+        raise _corrupt(encoded, str(e)) from e
+    return 0, checksum(out) if verify else None
 
 
 def _encode_planes(
@@ -176,9 +233,9 @@ def _encode_planes(
         k=k,
         total_bits=sizes["total_bits"],
         first_symbol=first_symbol,
-        crc32=0,
+        crc32c=0,
     )
-    return dataclasses.replace(coded, crc32=coded.planes_crc32())
+    return dataclasses.replace(coded, crc32c=planes_checksum(coded, lib))
 
 
 def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None):

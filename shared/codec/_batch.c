@@ -1,0 +1,252 @@
+/* Entry point of the C decoder: tc_decode_batch decodes a list of tensors in one call. It
+ * checks every tensor's planes against its entry, builds its decode tables, cuts its code
+ * stream into runs at block boundaries, and lets up to `threads` threads (the caller's and
+ * fresh pthreads) take work items - up to MAX_LANES runs of one tensor - from a shared
+ * counter, so large tensors split across threads and small ones run side by side. Each
+ * tensor's output CRC-32C is joined from its runs' CRCs. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+
+#include "_codec.h"
+
+#define SEG_BITS 2048
+#define SEGS_PER_BLOCK 32
+#define MAX_SYMBOL_BITS 11
+#define RUN_ELEMENTS (1 << 18) /* aim for runs of about this many elements... */
+#define MIN_ELEMENTS_PER_THREAD (1 << 19) /* ...and give a thread at least this much work */
+
+/* One tensor to decode, laid out as native.py's _Job (all fields 8 bytes). */
+typedef struct {
+    const uint8_t *stream, *raw, *lengths, *gaps;
+    const void *block_first;
+    int64_t stream_len, raw_len, lengths_len, gaps_len, n_blocks, index_width;
+    int64_t first_symbol, total_bits, n, width, k;
+    void *out;
+    int64_t status; /* out: TC_OK or an error code */
+    int64_t crc;    /* out: CRC-32C of the output bytes, if verify */
+} tc_job;
+
+typedef struct {
+    tc_table table;
+    tc_target target;
+    tc_run *runs;
+    int64_t nruns;
+} prepared;
+
+typedef struct {
+    prepared *tensor;
+    int64_t job, run, lanes;
+    int status;
+} work_item;
+
+typedef struct {
+    work_item *items;
+    int64_t nitems, next; /* next: the first item no thread has taken (atomic) */
+    int verify;
+} work_list;
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* The raw plane layout (format.raw_layout); returns its byte size. */
+static int64_t raw_layout(tc_target *t, int64_t n) {
+    static const int widths[MAX_PARTS] = {16, 8, 4, 2, 1};
+    int64_t offset = 0, shift = 0;
+    t->nparts = 0;
+    for (int i = 0; i < MAX_PARTS; i++) {
+        if (!((t->k + 1) & widths[i])) continue;
+        int64_t *part = t->parts + 3 * t->nparts++;
+        part[0] = widths[i], part[1] = shift, part[2] = offset;
+        shift += widths[i];
+        offset += 16 * ceil_div(n * widths[i], 128) + 16;
+    }
+    return offset;
+}
+
+static int check_sizes(const tc_job *job, tc_target *t) {
+    const int64_t symbol_bits = job->width * 8 - 1 - job->k;
+    if (job->k < 0 || symbol_bits <= 0 || symbol_bits > MAX_SYMBOL_BITS || job->total_bits < 0)
+        return TC_BAD_SPLIT;
+    const int64_t n_seg = ceil_div(job->total_bits, SEG_BITS);
+    const int ok = job->stream_len == 4 * ceil_div(job->total_bits, 32) + 8 &&
+                   job->raw_len == raw_layout(t, job->n) && job->gaps_len == ceil_div(n_seg, 2) &&
+                   job->n_blocks == ceil_div(n_seg, SEGS_PER_BLOCK) &&
+                   job->index_width == (job->n < ((int64_t)1 << 31) ? 4 : 8) &&
+                   job->lengths_len >= 1 && job->lengths_len <= ((int64_t)1 << symbol_bits) / 2 + 1;
+    return ok ? TC_OK : TC_BAD_SIZES;
+}
+
+/* The decode tables from the stored 4-bit code lengths (huffman.py: unpack_lengths,
+ * table_problem, decode_table). */
+static int build_table(const tc_job *job, tc_table *t) {
+    const int64_t symbols = (int64_t)1 << (job->width * 8 - 1 - job->k);
+    uint8_t len[1 << MAX_SYMBOL_BITS] = {0};
+    int64_t count[16] = {0}, used = 0, kraft = 0;
+    if (job->first_symbol < 0 || job->first_symbol + 2 * job->lengths_len > symbols + 1)
+        return TC_BAD_ALPHABET;
+    for (int64_t i = 0; i < 2 * job->lengths_len; i++) {
+        int l = (job->lengths[i >> 1] >> ((i & 1) * 4)) & 15;
+        if (l && job->first_symbol + i >= symbols) return TC_BAD_ALPHABET;
+        if (l) len[job->first_symbol + i] = (uint8_t)l, count[l]++, used++;
+    }
+    int bits = 0;
+    for (int l = 1; l < 16; l++)
+        if (count[l]) bits = l, kraft += count[l] << (LUT_MAX_BITS - (l < 13 ? l : 12));
+    if (used == 0 || bits > LUT_MAX_BITS) return TC_BAD_CODE;
+    if (used == 1) {
+        if (bits != 1) return TC_BAD_CODE;
+        for (int64_t s = 0; s < symbols; s++)
+            if (len[s]) t->lut[0] = t->lut[1] = (uint16_t)(s << 4 | 1);
+    } else {
+        if (kraft != 1 << LUT_MAX_BITS) return TC_BAD_CODE;
+        int64_t at[16]; /* canonical codes: by length, then by symbol */
+        at[1] = 0;
+        for (int l = 1; l < bits; l++) at[l + 1] = at[l] + (count[l] << (bits - l));
+        for (int64_t s = 0; s < symbols; s++)
+            for (int64_t r = 0, l = len[s]; l && r < (int64_t)1 << (bits - l); r++)
+                t->lut[at[l]++] = (uint16_t)(s << 4 | l);
+    }
+    t->lut_bits = used == 1 ? 1 : bits;
+    const uint32_t mask = (1u << t->lut_bits) - 1;
+    for (uint32_t w = 0; w <= mask; w++) {
+        uint32_t a = t->lut[w], a_len = a & 15, b = t->lut[(w << a_len) & mask], b_len = b & 15;
+        uint32_t two = a_len + b_len <= (uint32_t)t->lut_bits;
+        uint32_t second = two ? (b >> 4) << 16 : 0;
+        t->pairs[w] = (a >> 4) | (two ? a_len + b_len : a_len) << 11 | two << 15 | second;
+    }
+    return TC_OK;
+}
+
+/* Cuts the block index into runs of about RUN_ELEMENTS (at least MAX_LANES where there are
+ * enough blocks, a multiple of MAX_LANES where possible), each starting on a block. */
+static int cut_runs(const tc_job *job, prepared *p) {
+    const int64_t nb = job->n_blocks;
+    int64_t *elem = malloc((size_t)(nb + 1) * sizeof *elem);
+    if (elem == NULL) return TC_NO_MEMORY;
+    for (int64_t b = 0; b < nb; b++)
+        elem[b] = job->index_width == 4 ? ((const int32_t *)job->block_first)[b]
+                                        : ((const int64_t *)job->block_first)[b];
+    elem[nb] = job->n;
+    int status = nb > 0 && elem[0] == 0 ? TC_OK : TC_BAD_INDEX;
+    for (int64_t b = 0; status == TC_OK && b < nb; b++)
+        if (elem[b + 1] < elem[b]) status = TC_BAD_INDEX;
+    int64_t want = ceil_div(ceil_div(job->n, RUN_ELEMENTS), MAX_LANES) * MAX_LANES;
+    want = want < nb ? want : nb;
+    p->runs = status == TC_OK ? malloc((size_t)want * sizeof *p->runs) : NULL;
+    if (status == TC_OK && p->runs == NULL) status = TC_NO_MEMORY;
+    p->nruns = 0;
+    for (int64_t i = 0, b = 0; status == TC_OK && i < want; i++) {
+        const int64_t target = job->n / want * i + job->n % want * i / want;
+        while (elem[b] < target) b++; /* the first block at or after the target element */
+        if (b == nb || (p->nruns && p->runs[p->nruns - 1].first == elem[b])) continue;
+        const int64_t seg = b * SEGS_PER_BLOCK;
+        tc_run *run = &p->runs[p->nruns++];
+        run->pos = seg * SEG_BITS + ((job->gaps[seg >> 1] >> ((seg & 1) * 4)) & 15);
+        run->first = elem[b];
+        if (p->nruns > 1) p->runs[p->nruns - 2].end = run->pos;
+        if (p->nruns > 1) p->runs[p->nruns - 2].count = run->first - p->runs[p->nruns - 2].first;
+    }
+    if (p->nruns) {
+        p->runs[p->nruns - 1].end = job->total_bits;
+        p->runs[p->nruns - 1].count = job->n - p->runs[p->nruns - 1].first;
+    }
+    free(elem);
+    return status;
+}
+
+static int prepare(const tc_job *job, prepared *p) {
+    tc_target *t = &p->target;
+    p->runs = NULL;
+    p->nruns = 0;
+    t->k = (int)job->k;
+    t->width = (int)job->width;
+    if (job->width != 1 && job->width != 2 && job->width != 4) return TC_BAD_SPLIT;
+    int status = check_sizes(job, t);
+    if (status == TC_OK) status = build_table(job, &p->table);
+    if (status == TC_OK) status = cut_runs(job, p);
+    t->stream = job->stream;
+    t->stream_len = job->stream_len;
+    t->raw = job->raw;
+    t->out = job->out;
+#ifdef MADV_HUGEPAGE
+    /* Fresh output pages fault in 2 MiB at a time, not 4 KiB: a third of a large tensor's
+     * decode time otherwise. Advice only: errors do not matter. */
+    const int64_t huge = 2 << 20, nbytes = job->n * job->width;
+    const int64_t lo = ceil_div((int64_t)(uintptr_t)job->out, huge) * huge;
+    const int64_t hi = ((int64_t)(uintptr_t)job->out + nbytes) / huge * huge;
+    if (status == TC_OK && nbytes >= 2 * huge && hi > lo)
+        madvise((void *)(uintptr_t)lo, (size_t)(hi - lo), MADV_HUGEPAGE);
+#endif
+    return status;
+}
+
+static void *worker(void *arg) {
+    work_list *w = arg;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (i >= w->nitems) return NULL;
+        work_item *it = &w->items[i];
+        it->status = tc_decode_runs(&it->tensor->table, &it->tensor->target,
+                                    it->tensor->runs + it->run, (int)it->lanes, w->verify);
+    }
+}
+
+/* Runs the work list on up to `threads` threads (fewer if pthreads cannot start). */
+static void run_items(work_list *w, int threads) {
+    pthread_t ids[64];
+    int started = 0;
+    threads = threads < 64 ? threads : 64;
+    for (int i = 1; i < threads; i++)
+        if (pthread_create(&ids[started], NULL, worker, w) == 0) started++;
+    worker(w);
+    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+/* Work items: consecutive groups of up to MAX_LANES runs of each prepared tensor. */
+static work_item *make_items(const tc_job *jobs, prepared *p, int64_t njobs, int64_t *nitems,
+                             int64_t *elements) {
+    int64_t total = 0;
+    for (int64_t j = 0; j < njobs; j++) total += ceil_div(p[j].nruns, MAX_LANES);
+    work_item *items = malloc((size_t)(total ? total : 1) * sizeof *items);
+    *nitems = *elements = 0;
+    for (int64_t j = 0; items != NULL && j < njobs; j++) {
+        if (jobs[j].status != TC_OK) continue;
+        *elements += jobs[j].n;
+        for (int64_t r = 0; r < p[j].nruns; r += MAX_LANES) {
+            int64_t lanes = p[j].nruns - r < MAX_LANES ? p[j].nruns - r : MAX_LANES;
+            items[(*nitems)++] = (work_item){&p[j], j, r, lanes, TC_OK};
+        }
+    }
+    return items;
+}
+
+/* Decodes jobs[0 .. njobs - 1]; sets each job's status and (verify) its output's CRC-32C.
+ * Returns TC_NO_MEMORY if it could not allocate its bookkeeping, else TC_OK. */
+int tc_decode_batch(tc_job *jobs, int64_t njobs, int threads, int verify) {
+    prepared *p = malloc((size_t)(njobs ? njobs : 1) * sizeof *p);
+    if (p == NULL) return TC_NO_MEMORY;
+    for (int64_t j = 0; j < njobs; j++) jobs[j].status = prepare(&jobs[j], &p[j]);
+    int64_t nitems, elements;
+    work_item *items = make_items(jobs, p, njobs, &nitems, &elements);
+    if (items != NULL) {
+        work_list w = {items, nitems, 0, verify};
+        int64_t most = elements / MIN_ELEMENTS_PER_THREAD;
+        most = most < nitems ? most : nitems;
+        run_items(&w, (int)(threads < most ? threads : most > 1 ? most : 1));
+        for (int64_t i = 0; i < nitems; i++)
+            if (items[i].status != TC_OK && jobs[items[i].job].status == TC_OK)
+                jobs[items[i].job].status = items[i].status;
+    }
+    for (int64_t j = 0; j < njobs; j++) {
+        uint32_t crc = 0;
+        for (int64_t r = 0; verify && r < p[j].nruns; r++)
+            crc = crc32c_combine(crc, p[j].runs[r].crc, p[j].runs[r].count * jobs[j].width);
+        jobs[j].crc = crc;
+        if (items == NULL && jobs[j].status == TC_OK) jobs[j].status = TC_NO_MEMORY;
+        free(p[j].runs);
+    }
+    const int status = items == NULL ? TC_NO_MEMORY : TC_OK;
+    free(items);
+    free(p);
+    return status;
+}

@@ -1,0 +1,84 @@
+/* Shared declarations of the Tison codec's C fast path (format: FORMAT.md; reference:
+ * reference.py). native.py compiles _encode.c, _decode.c, _crc32c.c and _batch.c into one
+ * library and calls it through ctypes, which releases the GIL. Elements are `width` bytes
+ * (1, 2 or 4); symbol = the bits under the sign down to bit k; raw field = the sign bit over
+ * the k low bits, split into parts of 16, 8, 4, 2 or 1 bits, one byte plane per part;
+ * `parts` lists (bits, shift in field, byte offset of the plane in `raw`) per part. */
+#ifndef TISON_CODEC_H
+#define TISON_CODEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define MAX_PARTS 5
+#define MAX_LANES 4 /* runs one work item decodes interleaved */
+#define LUT_MAX_BITS 12 /* = MAX_CODE_LEN in format.py */
+
+/* Sixteen lanes, for the raw-field loops (GCC vector extensions: SSE2, AVX2, NEON...). */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* Byte and bit of element e in a plane of b-bit parts (b <= 8): 16-byte groups hold 16 * 8/b
+ * elements; byte q of a group holds elements q, q + 16, q + 32, ... at bits 0, b, 2b, ... */
+ALWAYS_INLINE int64_t part_byte(int64_t e, int b, int *bit) {
+    const int log_b = __builtin_ctz((unsigned)b), span_log = 7 - log_b; /* span = 128 / b */
+    const int64_t r = e & ((1 << span_log) - 1);
+    *bit = (int)(r >> 4) << log_b;
+    return ((e >> span_log) << 4) + (r & 15);
+}
+
+/* The decode tables of one tensor's code: lut[w] = symbol << 4 | length for the next
+ * lut_bits stream bits w; pairs[w] = the one or two codes that end inside those bits
+ * (first symbol | total length << 11 | (symbols - 1) << 15 | second symbol << 16). */
+typedef struct {
+    uint16_t lut[1 << LUT_MAX_BITS];
+    uint32_t pairs[1 << LUT_MAX_BITS];
+    int lut_bits;
+} tc_table;
+
+/* One tensor's planes and output, as the decoder reads them. */
+typedef struct {
+    const uint8_t *stream;
+    int64_t stream_len;
+    const uint8_t *raw;
+    int64_t parts[3 * MAX_PARTS];
+    int nparts, width, k;
+    void *out;
+} tc_target;
+
+/* A run of the code stream: `count` elements from element `first`, whose codes start at bit
+ * `pos` and must end exactly at bit `end`. */
+typedef struct {
+    int64_t pos, first, count, end;
+    uint32_t crc; /* CRC-32C of the run's output bytes, if asked for */
+} tc_run;
+
+/* Status codes (native.py turns them into messages). */
+enum {
+    TC_OK = 0,
+    TC_BAD_SPLIT = -1,
+    TC_BAD_SIZES = -2,
+    TC_BAD_ALPHABET = -3,
+    TC_BAD_CODE = -4,
+    TC_BAD_INDEX = -5,
+    TC_OVERRUN = -6,
+    TC_MISMATCH = -7,
+    TC_NO_MEMORY = -8,
+};
+
+/* _decode.c: decodes `lanes` (1..MAX_LANES) runs interleaved, checking that each ends at
+ * its recorded bit; with `verify`, also the CRC-32C of each run's output. */
+int tc_decode_runs(const tc_table *table, const tc_target *target, tc_run *runs, int lanes,
+                   int verify);
+
+/* _crc32c.c: CRC-32C (Castagnoli; iSCSI, ext4) with the usual pre- and post-inversion:
+ * crc32c_update(0, "123456789", 9) == 0xE3069283. */
+uint32_t crc32c_update(uint32_t crc, const uint8_t *p, int64_t n);
+/* crc[j] = crc32c_update(crc[j], p[j], n[j]) for j < lanes, the chains interleaved. */
+void crc32c_update_lanes(uint32_t *crc, const uint8_t *const *p, const int64_t *n, int lanes);
+/* The CRC-32C of A + B from crc1 of A, crc2 of B and len2 = len(B). */
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2);
+
+#endif
