@@ -5,6 +5,7 @@ report = asyncio.run(run_bench(BenchConfig(...), specs))
 write_outputs(report, Path("out/run"))   # run.json, run.md, run-cdf.png, run-load.png
 """
 
+import asyncio
 import datetime
 import math
 import os
@@ -127,6 +128,7 @@ async def run_bench(
 ) -> BenchReport:
     """Run every load point in turn and gather the report."""
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    loadavg = round(os.getloadavg()[0], 2)  # other work on this host skews CPU-bound runs
     runs = []
     for i, load in enumerate(cfg.loads):
         bar = Progress(
@@ -151,9 +153,19 @@ async def run_bench(
         "started": started,
         "host": socket.gethostname(),
         "cpu_count": os.cpu_count(),
+        "loadavg_at_start": loadavg,
         "command": cfg.command,
     }
     return BenchReport(meta, tuple(runs))
+
+
+def run_sync(coro):
+    """Run a coroutine on a fresh event loop, uvloop's where installed (less client overhead)."""
+    try:
+        import uvloop
+    except ImportError:  # not built for every platform
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def write_outputs(report: BenchReport, prefix: Path, plots: bool = True) -> list[Path]:

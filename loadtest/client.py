@@ -71,23 +71,27 @@ async def send(
 
 
 async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[float], dict]:
-    """Arrival times of the chunks that carry a choice, and the usage if one came.
+    """Arrival times of the events that carry a choice, and the usage if one came. Events
+    that arrive in one read share its time: that is when the client could first see them.
 
     Raises _StreamError on an error event, ValueError on a stream cut before `[DONE]`."""
     stamps: list[float] = []
     usage: dict = {}
-    async for line in resp.content:
-        if not line.startswith(b"data:"):
-            continue  # blank separators, comments, event names
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return stamps, usage
+    partial = b""
+    async for data in resp.content.iter_any():
         now = time.perf_counter()
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise _StreamError(str(chunk["error"].get("message", chunk["error"])))
-        if chunk.get("choices"):
-            stamps.append(now)
-        if chunk.get("usage"):
-            usage = chunk["usage"]
+        *lines, partial = (partial + data).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, event names
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return stamps, usage
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise _StreamError(str(chunk["error"].get("message", chunk["error"])))
+            if chunk.get("choices"):
+                stamps.append(now)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
     raise ValueError("the stream ended before [DONE]")

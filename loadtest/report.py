@@ -129,7 +129,8 @@ def describe(meta: dict) -> list[str]:
         f"{meta.get('api')} API, {'streaming' if meta.get('stream') else 'not streaming'}",
         f"- workload: {meta.get('workload')}",
         f"- SLOs for goodput: {', '.join(slos) or 'none'}",
-        f"- host: {meta.get('host')} ({meta.get('cpu_count')} CPUs), started {meta.get('started')}",
+        f"- host: {meta.get('host')} ({meta.get('cpu_count')} CPUs, load average "
+        f"{meta.get('loadavg_at_start')} at start), started {meta.get('started')}",
     ]
     if cost:
         lines.append(f"- price: {cost['gpu_hour_cost']} per device-hour × {cost['num_devices']}")

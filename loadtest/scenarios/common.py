@@ -4,15 +4,20 @@ results beside a Markdown table, and the small model they serve."""
 import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 
-from loadtest.bench import BenchConfig, run_bench, write_outputs
-from loadtest.metrics import Slo
+import aiohttp
+
+from loadtest.bench import BenchConfig, run_bench, run_sync, write_outputs
+from loadtest.client import send
+from loadtest.metrics import RequestResult, Slo
 from loadtest.report import BenchReport
 from loadtest.runner import Load
 from loadtest.target import Target
 from loadtest.workloads import RequestSpec
 from shared.default_model import default_model_dir
+from shared.errors import ProcessStartError
 
 # A small Llama-shaped model (~30M parameters) with the bundled model's 8k-token tokenizer.
 SMALL_LLAMA = dict(
@@ -50,6 +55,22 @@ def build_small_llama(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def wait_serving(target: Target, timeout_s: float = 120.0) -> None:
+    """Send one small request until it succeeds: /health can answer before the scheduler has
+    seen every worker's heartbeat, and the first requests warm the servers up."""
+    spec = RequestSpec("warm up", max_tokens=4, prompt_len=2)
+
+    async def attempt() -> RequestResult:
+        async with aiohttp.ClientSession() as session:
+            return await send(session, target, spec, 0.0)
+
+    deadline = time.monotonic() + timeout_s
+    while not (result := asyncio.run(attempt())).ok:
+        if time.monotonic() > deadline:
+            raise ProcessStartError(f"{target.url} does not serve: {result.detail}")
+        time.sleep(0.5)
+
+
 def bench(
     target: Target,
     specs: list[RequestSpec],
@@ -70,7 +91,7 @@ def bench(
         label=label,
         command=command,
     )
-    return asyncio.run(run_bench(cfg, specs))
+    return run_sync(run_bench(cfg, specs))
 
 
 def save(report: BenchReport, out_dir: Path, name: str) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from loadtest.runner import Load
 from loadtest.scenarios.cluster import Cluster, free_port
-from loadtest.scenarios.common import bench, md_table, save
+from loadtest.scenarios.common import bench, md_table, save, wait_serving
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, random_requests
 from shared.default_model import default_model_dir
@@ -34,7 +34,7 @@ def start_fake_cluster(c: Cluster, model: Path, gateway_cpus: str | None = None)
     c.nats()
     c.tison("scheduler", ["scheduler"])
     for role in ("prefill", "decode"):
-        c.tison(role, ["fake-worker", "--role", role, "--model", str(model), "--heartbeat", "0.2"])
+        c.tison(role, ["fake-worker", "--role", role, "--model", str(model)])
     gateway = ["gateway", "--model", str(model), "--port", str(port), "--log-level", "WARNING"]
     c.tison("gateway", gateway, cpus=gateway_cpus)
     url = f"http://127.0.0.1:{port}"
@@ -62,6 +62,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tison-cp-") as tmp, Cluster(Path(tmp)) as c:
         url = start_fake_cluster(c, model)
         target = Target(url, model.name, "completions", stream=True, ignore_eos=True)
+        wait_serving(target)
         low = bench(
             target,
             low_specs,

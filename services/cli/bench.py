@@ -7,7 +7,6 @@
 """
 
 import argparse
-import asyncio
 import shlex
 import sys
 from pathlib import Path
@@ -108,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_loopback(args.base_url, args.allow_remote)
         config, specs = _bench_config(args)
-        report_ = asyncio.run(bench.run_bench(config, specs, not args.no_progress))
+        report_ = bench.run_sync(bench.run_bench(config, specs, not args.no_progress))
         paths = bench.write_outputs(report_, args.out, plots=not args.no_plots)
     except (TisonError, OSError, ValueError) as e:
         return _fail("run", e)
@@ -127,7 +126,7 @@ def _bench_config(args: argparse.Namespace):
     from services.cli.generate import resolve_model
     from shared.tokenizer.tokenizer import Tokenizer
 
-    model = args.model or asyncio.run(bench.served_model(args.base_url))
+    model = args.model or bench.run_sync(bench.served_model(args.base_url))
     workload = bench.WorkloadConfig(
         kind=args.workload,
         num_prompts=args.num_prompts,

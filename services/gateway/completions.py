@@ -22,7 +22,7 @@ from services.gateway.openai_response import (
     error_body,
     sse_event,
 )
-from services.gateway.request_state import Delta, RequestStream
+from services.gateway.request_state import Delta, RequestStream, coalesce
 from shared import protocol
 from shared.errors import InvalidRequestError
 from shared.protocol import SubmitMsg, SubmitReplyMsg
@@ -115,16 +115,17 @@ class CompletionService:
     async def _deltas(
         self, opened: OpenRequest, stream: RequestStream, arrived: float
     ) -> AsyncIterator[Delta]:
-        """Deltas until the request ends; records TTFT, ITL and E2E."""
+        """Deltas until the request ends; records TTFT, ITL and E2E. Items that queued up while
+        the previous delta was being written leave as one delta (one SSE event)."""
         deadline = arrived + self.config.request_timeout_s
         last_token_at, seen = None, 0
         while not stream.done:
             try:
-                item = await _get(opened, deadline - time.monotonic())
+                items = await _get_queued(opened, deadline - time.monotonic())
             except asyncio.TimeoutError:
                 yield stream.fail(f"no output within {self.config.request_timeout_s} s")
                 return
-            delta = stream.accept(item)
+            deltas = [d for d in map(stream.accept, items) if d is not None]
             now = time.monotonic()
             if stream.num_output > seen:
                 new, seen = stream.num_output - seen, stream.num_output
@@ -134,7 +135,7 @@ class CompletionService:
                     for _ in range(new):
                         self.metrics.itl.observe((now - last_token_at) / new)
                 last_token_at = now
-            if delta is not None:
+            for delta in coalesce(deltas):
                 yield delta
         self.metrics.e2e.observe(time.monotonic() - arrived)
 
@@ -177,8 +178,13 @@ class CompletionService:
         )
 
 
-async def _get(opened: OpenRequest, timeout_s: float):
-    return await asyncio.wait_for(opened.items.get(), max(timeout_s, 0.0))
+async def _get_queued(opened: OpenRequest, timeout_s: float) -> list:
+    """Every item queued now, waiting up to `timeout_s` for one when there is none."""
+    queue = opened.items
+    items = [] if queue.qsize() else [await asyncio.wait_for(queue.get(), max(timeout_s, 0.0))]
+    while queue.qsize():
+        items.append(queue.get_nowait())
+    return items
 
 
 def _refusal(reply: SubmitReplyMsg) -> web.Response:

@@ -26,6 +26,22 @@ class Delta:
     error: str = ""  # with FINISH_ERROR
 
 
+def coalesce(deltas: list[Delta]) -> list[Delta]:
+    """Consecutive deltas merged into one (up to one that finishes); an error or abort delta
+    stays on its own, so what came before it still reaches the client."""
+    merged: list[Delta] = []
+    for delta in deltas:
+        failed = delta.finish_reason in (protocol.FINISH_ERROR, protocol.FINISH_ABORT)
+        if failed or not merged or merged[-1].finish_reason is not None:
+            merged.append(delta)
+            continue
+        prev = merged[-1]
+        merged[-1] = Delta(
+            prev.text + delta.text, prev.logprobs + delta.logprobs, delta.finish_reason
+        )
+    return merged
+
+
 class RequestStream:
     """Turns the TokenItems of one request into Deltas. Pure apart from the tokenizer."""
 
