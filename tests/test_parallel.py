@@ -137,3 +137,23 @@ def test_step_plan_rebuilds_the_same_batch(model4):
     assert [r.params for r in plan.rows] == [r.params for r in sampled]
     assert [list(r.prompt_token_ids) for r in plan.rows] == [r.prompt_token_ids for r in sampled]
     engine.close()
+
+
+def test_abort_while_in_flight_frees_pages_and_emits_nothing(model4, reference):
+    prompts, refs = reference
+    engine = new_engine(model4, pp=2, allow_oversubscribe=True)
+    try:
+        for i, p in enumerate(prompts[:2]):
+            engine.add_request(str(i), p, GREEDY)
+        outputs = {}
+        for s in engine.step():  # both micro-batches launched, the first collected
+            outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
+        assert engine.executor.num_in_flight == 1
+        assert engine.abort("1")
+        while engine.has_unfinished():
+            for s in engine.step():
+                outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
+        assert outputs["0"] == refs[0] and "1" not in outputs
+        assert engine.num_pages_used == 0
+    finally:
+        engine.close()

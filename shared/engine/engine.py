@@ -145,7 +145,8 @@ class LLMEngine:
             self.scheduler.finish(req, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to run, or micro-batches whose results are still to be collected."""
+        return self.scheduler.has_work() or self.executor.num_in_flight > 0
 
     @property
     def num_pages_used(self) -> int:
@@ -182,6 +183,8 @@ class LLMEngine:
             tokens = samples.token_ids.tolist()
             for row, i in enumerate(result.sample_index):
                 req = result.out.scheduled[i].request
+                if req.finished:  # aborted while its micro-batch was in flight
+                    continue
                 sampled[req] = tokens[row]
                 if req.params.logprobs is not None:
                     logprobs[req] = _logprobs(samples, row, req.params.logprobs)
