@@ -30,22 +30,6 @@ class PackedLinear(nn.Module):
         return self.out_features * self.in_features * 2
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Packs the weight of every linear layer (and an untied LM head) of a bf16 CPU model."""
-    from shared.models.layers.embedding import ParallelLMHead
-    from shared.models.layers.linear import LinearBase
-
-    for module in model.modules():
-        tied = isinstance(module, ParallelLMHead) and getattr(
-            model.config, "tie_word_embeddings", False
-        )
-        if isinstance(module, LinearBase) or (isinstance(module, ParallelLMHead) and not tied):
-            module.packed = PackedLinear(module.weight.data, getattr(module, "bias", None))
-            module.weight = nn.Parameter(
-                torch.empty(0, dtype=module.weight.dtype), requires_grad=False
-            )
-
-
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """F.linear, through the packed weight when the module has one."""
     packed = getattr(module, "packed", None)
