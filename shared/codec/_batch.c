@@ -111,8 +111,8 @@ static int build_table(const tc_job *job, tc_table *t) {
     for (uint32_t w = 0; w <= mask; w++) {
         uint32_t a = t->lut[w], a_len = a & 15, b = t->lut[(w << a_len) & mask], b_len = b & 15;
         uint32_t two = a_len + b_len <= (uint32_t)t->lut_bits;
-        uint32_t second = two ? (b >> 4) << 16 : 0;
-        t->pairs[w] = (a >> 4) | (two ? a_len + b_len : a_len) << 11 | two << 15 | second;
+        uint32_t second = two ? ((b >> 4) << 5 | 1) << 16 : 0;
+        t->pairs[w] = (a >> 4) << 5 | (two ? a_len + b_len : a_len) | second;
     }
     return TC_OK;
 }

@@ -30,8 +30,10 @@ ALWAYS_INLINE int64_t part_byte(int64_t e, int b, int *bit) {
 }
 
 /* The decode tables of one tensor's code: lut[w] = symbol << 4 | length for the next
- * lut_bits stream bits w; pairs[w] = the one or two codes that end inside those bits
- * (first symbol | total length << 11 | (symbols - 1) << 15 | second symbol << 16). */
+ * lut_bits stream bits w; pairs[w] = the one or two codes that end inside those bits, as
+ * two 16-bit halves, each a symbol << 5 over five low bits: the low half's hold the total
+ * length, the high half's bit 0 is set if it holds a second symbol. One 32-bit store writes
+ * both symbols; the length is one AND away from the load, off the shift's critical path. */
 typedef struct {
     uint16_t lut[1 << LUT_MAX_BITS];
     uint32_t pairs[1 << LUT_MAX_BITS];

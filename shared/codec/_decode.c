@@ -15,8 +15,6 @@
 #define MULTI_TARGET
 #endif
 
-static _Thread_local uint16_t tile_syms[MAX_LANES][TILE_SLACK];
-
 static inline uint64_t load_be64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);
@@ -47,11 +45,11 @@ ALWAYS_INLINE int64_t group8(const uint8_t *stream, const uint32_t *pairs, int s
     uint64_t w = load_be64(stream + (*pos >> 3)) << (*pos & 7);
     int64_t i = 0, used = 0;
     for (int q = 0; q < 4; q++) {
-        uint32_t e = pairs[w >> shift], len = (e >> 11) & 15;
+        uint32_t e = pairs[w >> shift];
         memcpy(syms + i, &e, sizeof e);
-        i += 1 + ((e >> 15) & 1);
-        w <<= len;
-        used += len;
+        i += 1 + ((e >> 16) & 1);
+        w <<= e & 15;
+        used += e & 15;
     }
     *pos += used;
     return i;
@@ -86,7 +84,7 @@ ALWAYS_INLINE int decode_lanes(int lanes, const tc_table *t, const uint8_t *stre
                 continue;
             }
             uint16_t e = lut[(load_be64(stream + (p[j] >> 3)) << (p[j] & 7)) >> shift];
-            syms[j][i[j]++] = e >> 4;
+            syms[j][i[j]++] = (uint16_t)((e >> 4) << 5);
             p[j] += e & 15;
         }
         pos[j] = p[j];
@@ -126,7 +124,7 @@ ALWAYS_INLINE u8x16 part16(const uint8_t *plane, int b, int64_t e) {
             }                                                                                  \
             u16x16 s16;                                                                        \
             memcpy(&s16, syms + (e - a), sizeof s16);                                          \
-            s16 &= (uint16_t)0x7ff; /* group8 leaves length bits above some symbols */         \
+            s16 >>= 5; /* group8 leaves length bits under the symbols */                        \
             ACC v = ((r >> k) << top) | (__builtin_convertvector(s16, ACC) << k) |             \
                     (r & (LANE_T)((1u << k) - 1));                                             \
             OUTX16 o = __builtin_convertvector(v, OUTX16);                                     \
@@ -144,7 +142,7 @@ static void merge1(void *out, int width, int k, const uint16_t *syms, int64_t lo
     const uint32_t low = (1u << k) - 1;
     for (int64_t e = lo; e < hi; e++) {
         uint32_t r = raw_field(raw, parts, nparts, e);
-        uint32_t v = ((r >> k) << top) | ((uint32_t)(syms[e - lo] & 0x7ff) << k) | (r & low);
+        uint32_t v = ((r >> k) << top) | ((uint32_t)(syms[e - lo] >> 5) << k) | (r & low);
         if (width == 2) ((uint16_t *)out)[e] = (uint16_t)v;
         else if (width == 1) ((uint8_t *)out)[e] = (uint8_t)v;
         else ((uint32_t *)out)[e] = v;
@@ -153,7 +151,7 @@ static void merge1(void *out, int width, int k, const uint16_t *syms, int64_t lo
 
 /* Elements lo .. hi - 1 (syms[0] is element lo): whole 16-element chunks through a merge16
  * specialised for the layout, the ragged ends (and rare layouts) one at a time. */
-static void merge(void *out, int width, int k, const uint16_t *syms, int64_t lo, int64_t hi,
+ALWAYS_INLINE void merge(void *out, int width, int k, const uint16_t *syms, int64_t lo, int64_t hi,
                   const uint8_t *raw, const int64_t *parts, int nparts) {
     const uint8_t *planes[5];
     for (int j = 0; j < nparts; j++) planes[j] = raw + parts[3 * j + 2];
@@ -193,6 +191,7 @@ static void tile_crc(const tc_target *t, tc_run *runs, const int64_t *next, cons
 /* Tiles end on multiples of GROUP so that only a run's two ends take the slow merge path. */
 MULTI_TARGET int tc_decode_runs(const tc_table *table, const tc_target *t, tc_run *runs,
                                 int lanes, int verify) {
+    uint16_t tile_syms[MAX_LANES][TILE_SLACK];
     int64_t pos[MAX_LANES], next[MAX_LANES], m[MAX_LANES];
     for (int j = 0; j < lanes; j++) {
         pos[j] = runs[j].pos;
