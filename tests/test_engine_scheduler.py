@@ -102,3 +102,15 @@ def test_stop_token_and_max_tokens_finish_and_free():
         "b": FinishReason.STOP,
     }
     assert s.allocator.num_used == 0
+
+
+def test_in_flight_requests_are_neither_scheduled_nor_preempted():
+    s = scheduler(num_pages=4)
+    a, b = request("a", 8, 0, max_tokens=20), request("b", 6, 1, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prompts; the pool is full
+    out = s.schedule(exclude={b})  # a needs a 3rd page, but b is in flight: not a victim
+    assert out.scheduled == [] and out.preempted == [] and b.page_ids
+    out = s.schedule(max_requests=1)
+    assert [x.request.request_id for x in out.scheduled] == ["a"] and out.preempted == [b]

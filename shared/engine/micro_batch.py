@@ -10,23 +10,11 @@ def schedule_micro_batch(
     scheduler: Scheduler, in_flight: set[Request], num_stages: int
 ) -> SchedulerOutput:
     """The scheduler's choice among requests not in flight, capped at ceil(all / num_stages)
-    requests. In-flight requests are set aside for the call (neither scheduled nor preempted)
-    and count against max_num_seqs. Requests cut by the cap keep their pages for next time."""
-    if not in_flight:
-        out = scheduler.schedule()
-    else:
-        busy = [r for r in scheduler.running if r in in_flight]
-        scheduler.running = [r for r in scheduler.running if r not in in_flight]
-        scheduler.max_num_seqs -= len(busy)
-        try:
-            out = scheduler.schedule()
-        finally:
-            scheduler.max_num_seqs += len(busy)
-            scheduler.running += busy
+    requests so that num_stages disjoint groups rotate."""
+    cap = None
     if num_stages > 1:
-        total = len(scheduler.running) + len(scheduler.waiting)
-        out.scheduled = out.scheduled[: max(1, -(-total // num_stages))]
-    return out
+        cap = max(1, -(-(len(scheduler.running) + len(scheduler.waiting)) // num_stages))
+    return scheduler.schedule(exclude=in_flight, max_requests=cap)
 
 
 def split_launched(out: SchedulerOutput) -> tuple[SchedulerOutput, SchedulerOutput]:

@@ -86,21 +86,27 @@ class Scheduler:
                     return req
         return None
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, exclude: frozenset | set = frozenset(), max_requests: int | None = None
+    ) -> SchedulerOutput:
+        """The next batch. `exclude`: requests still in flight in a pipeline (neither scheduled
+        nor preempted; they count against max_num_seqs); `max_requests` caps the batch."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        room = max_requests if max_requests is not None else len(self.running) + len(self.waiting)
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if budget == 0:
+            if budget == 0 or len(out.scheduled) == room:
                 break
-            if req not in self.running:  # preempted earlier in this loop
+            if req in exclude or req not in self.running:  # in flight, or preempted just now
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._reserve(req, n, out):
+            if self._reserve(req, n, out, exclude):
                 out.scheduled.append(ScheduledRequest.of(req, n))
                 budget -= n
         while (
             self.waiting
             and budget > 0
+            and len(out.scheduled) < room
             and not out.preempted
             and len(self.running) < self.max_num_seqs
         ):
@@ -116,12 +122,15 @@ class Scheduler:
             budget -= n
         return out
 
-    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Pages for req's next n tokens, preempting the newest running requests if needed.
-        False when req itself was the one preempted."""
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput, exclude) -> bool:
+        """Pages for req's next n tokens, preempting the newest running requests (never one in
+        flight) if needed. False when req itself was preempted or nothing could be."""
         extra = pages_needed(req.num_computed_tokens + n, self.page_size) - len(req.page_ids)
         while not self.allocator.can_allocate(extra):
-            victim = max(self.running, key=lambda r: r.arrival)
+            victims = [r for r in self.running if r not in exclude]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda r: r.arrival)
             self._preempt(victim, out)
             if victim is req:
                 return False
