@@ -110,7 +110,7 @@ def test_in_flight_requests_are_neither_scheduled_nor_preempted():
     s.add(a)
     s.add(b)
     run_step(s)  # both prompts; the pool is full
-    out = s.schedule(exclude={b})  # a needs a 3rd page, but b is in flight: not a victim
-    assert out.scheduled == [] and out.preempted == [] and b.page_ids
-    out = s.schedule(max_requests=1)
-    assert [x.request.request_id for x in out.scheduled] == ["a"] and out.preempted == [b]
+    out = s.schedule(exclude={b})  # a needs a 3rd page; b is in flight, so a yields its own
+    assert out.scheduled == [] and out.preempted == [a] and len(b.page_ids) == 2
+    out = s.schedule(max_requests=1)  # b is back: it runs, a waits
+    assert [x.request.request_id for x in out.scheduled] == ["b"] and s.waiting[0] is a
