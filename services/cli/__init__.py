@@ -21,13 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tison", description="Tison LLM inference engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"services.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"services.cli.{name}":
-                raise
-            continue  # subcommand not built yet
-        module.register(subparsers)
+        importlib.import_module(f"services.cli.{name}").register(subparsers)
     return parser
 
 
