@@ -6,6 +6,8 @@ a service can log and drop a bad message instead of crashing. Unknown extra keys
 (a newer peer may add optional fields). Messages carry ids, counts and page numbers, never tensors.
 """
 
+import functools
+import logging
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -18,6 +20,7 @@ from shared.errors import InvalidRequestError, ProtocolError
 from shared.sampling.params import SamplingParams
 
 SCHEMA_VERSION = 1
+_log = logging.getLogger(__name__)
 
 # Submit reply statuses (SubmitReplyMsg.status); the gateway maps them to HTTP codes.
 ACCEPTED = "accepted"  # 200: the request runs on prefill_worker / decode_worker
@@ -281,3 +284,22 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 def _expect(ok: bool, path: str, what: str, value: Any) -> None:
     if not ok:
         raise ProtocolError(path, f"expected {what}, got {type(value).__name__}")
+
+
+def on_message(cls: type[M]):
+    """Decorates an async NATS callback method `handler(self, body: cls, msg)`: a message that
+    does not decode as `cls` is logged and dropped, so garbage never crashes a service."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def callback(self, msg) -> None:
+            try:
+                body = decode(msg.data, cls)
+            except ProtocolError as e:
+                _log.warning("dropped %s on %s: %s", cls.KIND, msg.subject, e)
+                return
+            await handler(self, body, msg)
+
+        return callback
+
+    return wrap

@@ -10,7 +10,6 @@ from services.fake_worker.batch import DecodeBatch, PageAllocator
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.tokens import FakeModelInfo
 from shared import protocol, subjects
-from shared.errors import ProtocolError
 from shared.protocol import (
     CancelMsg,
     DecodeAssignMsg,
@@ -48,12 +47,8 @@ class FakeDecode:
             total_pages=pages.num_pages,
         )
 
-    async def _on_assign(self, msg: Msg) -> None:
-        try:
-            assign = protocol.decode(msg.data, DecodeAssignMsg)
-        except ProtocolError as e:
-            log.warning("dropped decode assignment: %s", e)
-            return
+    @protocol.on_message(DecodeAssignMsg)
+    async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:
         page_ids = self.batch.reserve(assign)
         if page_ids is None:
             reply = DecodeAssignReplyMsg(assign.request_id, False, reason="KV pool full")
@@ -64,23 +59,15 @@ class FakeDecode:
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
 
-    async def _on_kv(self, msg: Msg) -> None:
-        try:
-            ready = protocol.decode(msg.data, KvReadyMsg)
-        except ProtocolError as e:
-            log.warning("dropped kv message: %s", e)
-            return
+    @protocol.on_message(KvReadyMsg)
+    async def _on_kv(self, ready: KvReadyMsg, msg: Msg) -> None:
         finished = self.batch.kv_ready(ready)
         if finished is not None:
             await self._publish(*finished)
         self._work.set()
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = protocol.decode(msg.data, CancelMsg)
-        except ProtocolError as e:
-            log.warning("dropped cancel: %s", e)
-            return
+    @protocol.on_message(CancelMsg)
+    async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         self.batch.cancel(cancel.request_id)
 
     async def _publish(self, gateway_id: str, *items: TokenItem) -> None:

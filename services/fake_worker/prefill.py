@@ -11,7 +11,6 @@ from services.fake_worker.batch import PageAllocator
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token, prompt_digest
 from shared import protocol, subjects
-from shared.errors import ProtocolError
 from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
 
 log = logging.getLogger(__name__)
@@ -48,12 +47,8 @@ class FakePrefill:
             total_pages=self.pages.num_pages,
         )
 
-    async def _on_assign(self, msg: Msg) -> None:
-        try:
-            assign = protocol.decode(msg.data, PrefillAssignMsg)
-        except ProtocolError as e:
-            log.warning("dropped prefill assignment: %s", e)
-            return
+    @protocol.on_message(PrefillAssignMsg)
+    async def _on_assign(self, assign: PrefillAssignMsg, msg: Msg) -> None:
         num_pages = -(-len(assign.prompt_token_ids) // self.config.page_size)
         page_ids = self.pages.reserve(num_pages)
         if page_ids is None:
@@ -65,12 +60,8 @@ class FakePrefill:
         self._jobs[assign.request_id] = _Job(assign, page_ids)
         self._work.set()
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = protocol.decode(msg.data, CancelMsg)
-        except ProtocolError as e:
-            log.warning("dropped cancel: %s", e)
-            return
+    @protocol.on_message(CancelMsg)
+    async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         job = self._jobs.pop(cancel.request_id, None)
         if job is not None:
             self.pages.release(job.page_ids)

@@ -112,12 +112,8 @@ class ControlPlane:
                 subjects.gateway_cancel(), protocol.encode(CancelMsg(request_id, reason))
             )
 
-    async def _on_tokens(self, msg: Msg) -> None:
-        try:
-            tokens = protocol.decode(msg.data, TokensMsg)
-        except ProtocolError as e:
-            log.warning("dropped tokens message: %s", e)
-            return
+    @protocol.on_message(TokensMsg)
+    async def _on_tokens(self, tokens: TokensMsg, msg: Msg) -> None:
         for item in tokens.items:
             request = self._open.get(item.request_id)
             if request is None:
@@ -126,12 +122,8 @@ class ControlPlane:
                 request.decode_started = True
             request.items.put_nowait(item)
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            beat = protocol.decode(msg.data, HeartbeatMsg)
-        except ProtocolError as e:
-            log.warning("dropped heartbeat on %s: %s", msg.subject, e)
-            return
+    @protocol.on_message(HeartbeatMsg)
+    async def _on_heartbeat(self, beat: HeartbeatMsg, msg: Msg) -> None:
         self.registry.observe(beat, time.time())
         self.metrics.observe_worker(beat)
 

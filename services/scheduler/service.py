@@ -88,31 +88,19 @@ class Scheduler:
             with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
                 await nc.drain()
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            beat = protocol.decode(msg.data, HeartbeatMsg)
-        except ProtocolError as e:
-            log.warning("dropped heartbeat on %s: %s", msg.subject, e)
-            return
+    @protocol.on_message(HeartbeatMsg)
+    async def _on_heartbeat(self, beat: HeartbeatMsg, msg: Msg) -> None:
         self.router.observe(beat, time.time())
         self._wake.set()
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = protocol.decode(msg.data, CancelMsg)
-        except ProtocolError as e:
-            log.warning("dropped cancel: %s", e)
-            return
+    @protocol.on_message(CancelMsg)
+    async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         self.queue.remove(cancel.request_id)
         if cancel.request_id in self._placing:
             self._placing[cancel.request_id] = True
 
-    async def _on_submit(self, msg: Msg) -> None:
-        try:
-            submit = protocol.decode(msg.data, SubmitMsg)
-        except ProtocolError as e:
-            log.warning("dropped submit: %s", e)
-            return
+    @protocol.on_message(SubmitMsg)
+    async def _on_submit(self, submit: SubmitMsg, msg: Msg) -> None:
         if not msg.reply:
             log.warning("dropped submit %s without a reply subject", submit.request_id)
             return

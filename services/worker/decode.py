@@ -11,7 +11,7 @@ from services.worker.messages import from_wire_logprob, token_item
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
-from shared.errors import ProtocolError, TisonError
+from shared.errors import TisonError
 from shared.protocol import (
     CancelMsg,
     DecodeAssignMsg,
@@ -38,12 +38,8 @@ class DecodeRole:
         await self.nc.subscribe(subjects.decode_kv(self.worker_id), cb=self._on_kv)
         await self.nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
 
-    async def _on_assign(self, msg: Msg) -> None:
-        try:
-            assign = protocol.decode(msg.data, DecodeAssignMsg)
-        except ProtocolError as e:
-            log.warning("dropped decode assignment: %s", e)
-            return
+    @protocol.on_message(DecodeAssignMsg)
+    async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:
         rid = assign.request_id
         try:
             pages = await self.loop.call(
@@ -61,12 +57,8 @@ class DecodeRole:
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
 
-    async def _on_kv(self, msg: Msg) -> None:
-        try:
-            ready = protocol.decode(msg.data, KvReadyMsg)
-        except ProtocolError as e:
-            log.warning("dropped kv message: %s", e)
-            return
+    @protocol.on_message(KvReadyMsg)
+    async def _on_kv(self, ready: KvReadyMsg, msg: Msg) -> None:
         rid = ready.request_id
         if rid not in self.gateways:
             return  # cancelled meanwhile
@@ -83,12 +75,8 @@ class DecodeRole:
         if req is not None and req.finished:  # the first token already ended it
             await self._publish_items([(rid, token_item(req, [], []))])
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = protocol.decode(msg.data, CancelMsg)
-        except ProtocolError as e:
-            log.warning("dropped cancel: %s", e)
-            return
+    @protocol.on_message(CancelMsg)
+    async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         if self.gateways.pop(cancel.request_id, None) is not None:
             await self.loop.call(self.engine.abort, cancel.request_id)
 

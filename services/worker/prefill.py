@@ -14,7 +14,6 @@ from services.worker.messages import to_wire_logprob
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
-from shared.errors import ProtocolError
 from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
 from shared.transfer.base import KVTarget
 
@@ -42,12 +41,8 @@ class PrefillRole:
         await self.nc.subscribe(subjects.assign("prefill", self.worker_id), cb=self._on_assign)
         await self.nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
 
-    async def _on_assign(self, msg: Msg) -> None:
-        try:
-            assign = protocol.decode(msg.data, PrefillAssignMsg)
-        except ProtocolError as e:
-            log.warning("dropped prefill assignment: %s", e)
-            return
+    @protocol.on_message(PrefillAssignMsg)
+    async def _on_assign(self, assign: PrefillAssignMsg, msg: Msg) -> None:
         rid = assign.request_id
         if assign.decode_worker == self.local_decode_id:
             await self.loop.call(self.engine.start_local, rid)  # pages are ours already
@@ -62,12 +57,8 @@ class PrefillRole:
             return
         self.jobs[rid] = assign
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = protocol.decode(msg.data, CancelMsg)
-        except ProtocolError as e:
-            log.warning("dropped cancel: %s", e)
-            return
+    @protocol.on_message(CancelMsg)
+    async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         if self.jobs.pop(cancel.request_id, None) is not None:
             self.pusher.drop(cancel.request_id)
             await self.loop.call(self.engine.abort, cancel.request_id)
