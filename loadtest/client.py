@@ -70,8 +70,19 @@ async def send(
     )
 
 
+def _carries_output(chunk: dict) -> bool:
+    """A chunk whose first choice has text: a role-only first chunk or an empty closing one is
+    not a token (vLLM's bench counts any chunk with a choice, so a server that sends the role
+    first would get the time of that chunk as its TTFT)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    choice = choices[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
 async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[float], dict]:
-    """Arrival times of the events that carry a choice, and the usage if one came. Events
+    """Arrival times of the events that carry output text, and the usage if one came. Events
     that arrive in one read share its time: that is when the client could first see them.
 
     Raises _StreamError on an error event, ValueError on a stream cut before `[DONE]`."""
@@ -90,7 +101,7 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[float], dict]:
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise _StreamError(str(chunk["error"].get("message", chunk["error"])))
-            if chunk.get("choices"):
+            if _carries_output(chunk):
                 stamps.append(now)
             if chunk.get("usage"):
                 usage = chunk["usage"]

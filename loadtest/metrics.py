@@ -1,6 +1,7 @@
 """Per-request timings → run metrics, with vLLM's definitions (`vllm bench serve`). Pure.
 
-- TTFT: request sent → first streamed chunk carrying a choice.
+- TTFT: request sent → first streamed chunk carrying output text (vLLM takes any chunk with a
+  choice, which times a role-only first chunk; the client skips those and empty closing ones).
 - ITL: the gaps between consecutive such chunks, pooled over all requests.
 - TPOT: per request, (E2E − TTFT) / (output tokens − 1); requests with one token have none.
 - E2E: request sent → response complete.

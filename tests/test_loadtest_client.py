@@ -54,6 +54,7 @@ class Scripted:
             return web.json_response({"choices": [{"text": "abcd"}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        await resp.write(chunk(""))  # a role-only / empty first chunk is not a token
         await asyncio.sleep(FIRST_S)
         await resp.write(chunk("a"))
         if mode == "broken":
@@ -63,7 +64,8 @@ class Scripted:
         for text in "bcd":
             await asyncio.sleep(GAP_S)
             await resp.write(chunk(text))
-        await resp.write(sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n")
+        closing = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+        await resp.write(sse(closing) + sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n")
         return resp
 
 

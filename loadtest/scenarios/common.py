@@ -13,7 +13,7 @@ from loadtest.bench import BenchConfig, run_bench, run_sync, write_outputs
 from loadtest.client import send
 from loadtest.metrics import RequestResult, Slo
 from loadtest.report import BenchReport
-from loadtest.runner import Load
+from loadtest.runner import Load, run_load
 from loadtest.target import Target
 from loadtest.workloads import RequestSpec
 from shared.default_model import default_model_dir
@@ -69,6 +69,11 @@ def wait_serving(target: Target, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise ProcessStartError(f"{target.url} does not serve: {result.detail}")
         time.sleep(0.5)
+
+
+def warm_up(target: Target, specs: list[RequestSpec]) -> None:
+    """Send `specs` two at a time and forget the results (first-use costs of big shapes)."""
+    run_sync(run_load(target, specs, Load(concurrency=2), max_duration_s=600))
 
 
 def bench(
