@@ -114,3 +114,19 @@ def test_in_flight_requests_are_neither_scheduled_nor_preempted():
     assert out.scheduled == [] and out.preempted == [a] and len(b.page_ids) == 2
     out = s.schedule(max_requests=1)  # b is back: it runs, a waits
     assert [x.request.request_id for x in out.scheduled] == ["b"] and s.waiting[0] is a
+
+
+def test_pages_freed_under_in_flight_micro_batches_wait_for_them():
+    pages = PageAllocator(4)
+    a = pages.allocate(2)
+    pages.mark_launched()  # micro-batch 1 may still write into a's pages
+    pages.free(a)  # e.g. aborted while in flight
+    assert pages.num_free == 2 and pages.num_used == 2  # quarantined, not reusable yet
+    pages.mark_launched()  # micro-batch 2
+    pages.mark_collected()  # micro-batch 1 done: a's pages are safe again
+    assert pages.num_free == 4
+    b = pages.allocate(1)
+    pages.free(b)  # micro-batch 2 still in flight
+    assert pages.num_free == 3
+    pages.mark_collected()
+    assert pages.num_free == 4 and pages.num_used == 0

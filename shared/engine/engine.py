@@ -166,11 +166,13 @@ class LLMEngine:
 
     def _launch(self, out) -> None:
         self.executor.launch(out)
+        self.allocator.mark_launched()
         early, _ = split_launched(out)
         self.scheduler.update(early, {})  # chunks that sample nothing count as computed now
         self._in_flight.update(s.request for s in out.scheduled if s.samples)
 
     def _apply(self, result: StepResult) -> list[StepOutput]:
+        self.allocator.mark_collected()
         _, out = split_launched(result.out)
         self._in_flight.difference_update(s.request for s in out.scheduled)
         if result.error is not None:

@@ -4,7 +4,11 @@ from collections import deque
 
 
 class PageAllocator:
-    """Hands out page ids from a fixed pool of `num_pages`; frees return them."""
+    """Hands out page ids from a fixed pool of `num_pages`; frees return them.
+
+    With a pipeline, micro-batches launched earlier may still write into pages freed now (an
+    abort, a preemption). Such pages wait in quarantine until every micro-batch launched before
+    the free has been collected; only then can another request get them."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
@@ -12,6 +16,17 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._used: set[int] = set()
+        self._launched = 0  # micro-batches launched so far
+        self._collected = 0  # ... and collected (in launch order)
+        self._quarantine: deque[tuple[int, list[int]]] = deque()  # (launched at free, pages)
+
+    def mark_launched(self) -> None:
+        self._launched += 1
+
+    def mark_collected(self) -> None:
+        self._collected += 1
+        while self._quarantine and self._quarantine[0][0] <= self._collected:
+            self._release(self._quarantine.popleft()[1])
 
     @property
     def num_free(self) -> int:
@@ -35,6 +50,13 @@ class PageAllocator:
         for page in pages:
             if page not in self._used:
                 raise ValueError(f"KV page {page} freed twice or never allocated")
+        if self._launched > self._collected:
+            self._quarantine.append((self._launched, list(pages)))
+        else:
+            self._release(pages)
+
+    def _release(self, pages: list[int]) -> None:
+        for page in pages:
             self._used.remove(page)
             self._free.append(page)
 
