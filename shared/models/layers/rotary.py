@@ -47,10 +47,14 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, hd)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd)
-        sin = self.sin[positions].unsqueeze(1)
+        if positions is not self._positions:  # every layer of a step shares one lookup
+            self._positions = positions
+            self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = self._cos_sin  # (T, 1, hd) each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
