@@ -85,9 +85,12 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[float], dict]:
     """Arrival times of the events that carry output text, and the usage if one came. Events
     that arrive in one read share its time: that is when the client could first see them.
 
-    Raises _StreamError on an error event, ValueError on a stream cut before `[DONE]`."""
+    The stream ends at `[DONE]`, or when the server closes it after a choice with a finish
+    reason (some servers send no `[DONE]`). Raises _StreamError on an error event, ValueError
+    on a stream cut before either."""
     stamps: list[float] = []
     usage: dict = {}
+    finished = False
     partial = b""
     async for data in resp.content.iter_any():
         now = time.perf_counter()
@@ -103,6 +106,9 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[float], dict]:
                 raise _StreamError(str(chunk["error"].get("message", chunk["error"])))
             if _carries_output(chunk):
                 stamps.append(now)
+            finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or ())
             if chunk.get("usage"):
                 usage = chunk["usage"]
-    raise ValueError("the stream ended before [DONE]")
+    if not finished:
+        raise ValueError("the stream ended before [DONE] or a finish reason")
+    return stamps, usage

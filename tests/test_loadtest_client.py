@@ -61,6 +61,9 @@ class Scripted:
             await resp.write(sse({"error": {"message": "worker died"}}))
         if mode in ("broken", "cut"):
             return resp
+        if mode == "no_done":  # ends after a finish reason without [DONE]: still complete
+            await resp.write(sse({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}))
+            return resp
         for text in "bcd":
             await asyncio.sleep(GAP_S)
             await resp.write(chunk(text))
@@ -102,6 +105,11 @@ async def test_stream_timings_and_usage(server):
     assert len(r.itl_s) == 3 and all(GAP_S * 0.9 <= gap < GAP_S + 0.5 for gap in r.itl_s)
     assert r.latency_s >= r.ttft_s + sum(r.itl_s) - 1e-6
     assert r.tpot_s == pytest.approx((r.latency_s - r.ttft_s) / 3)
+
+
+async def test_a_stream_may_end_after_a_finish_reason_without_done(server):
+    r = await one(Target(server.url, "m"), "no_done")
+    assert r.ok and r.output_len == 1 and r.ttft_s >= FIRST_S
 
 
 async def test_not_streamed_ttft_is_the_whole_latency(server):
