@@ -5,7 +5,7 @@ is the services alone (HTTP + SSE, tokenization and detokenization, NATS hops, s
 the load generator. Two loads: one stream at a time (the TTFT the services add) and many
 concurrent streams (the streamed tokens/s ceiling).
 
-    python -m loadtest.scenarios.control_plane [--streams 256] [--out-dir results/control_plane]
+    python -m loadtest.scenarios.control_plane [--streams 256] [--out-dir DIR]
 """
 
 import argparse
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.report import BenchReport
 from loadtest.runner import Load
 from loadtest.scenarios.cluster import Cluster, free_port
 from loadtest.scenarios.common import bench, md_table, save, wait_serving
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=768, help="requests at high load")
     ap.add_argument("--output-len", type=int, default=256, help="tokens per request, high load")
     ap.add_argument("--low-load-prompts", type=int, default=300)
-    ap.add_argument("--out-dir", type=Path, default=Path("results/control_plane"))
+    ap.add_argument("--out-dir", type=Path, default=Path("loadtest/results/control_plane"))
     args = ap.parse_args()
     command = "python -m loadtest.scenarios.control_plane " + shlex.join(sys.argv[1:])
     model = default_model_dir()
@@ -118,6 +119,12 @@ def main() -> None:
     ]
     print(md_table(["measure", "value", "target", ""], rows))
     print(f"\n`{command}` — results in {args.out_dir}")
+
+
+def per_event(report: BenchReport) -> float:
+    """Output tokens per streamed event: above 1 where the gateway merged queued tokens."""
+    done = [r for r in report.runs[0].requests if r.ok]
+    return sum(r.output_len for r in done) / max(1, sum(len(r.itl_s) + 1 for r in done))
 
 
 def _ok(passed: bool) -> str:

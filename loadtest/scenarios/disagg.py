@@ -5,12 +5,13 @@ answers (prefill-heavy) among short prompts streaming long answers (decode-heavy
 
 - disaggregated: `tison decode` alone on core 1; `tison prefill`, NATS, the scheduler, the
   gateway and the load generator on core 0 (one torch thread per worker);
-- colocated: `taskset -c 0,1 tison up --colocated --threads 2` (one engine does both).
+- colocated: `taskset -c 0,1 tison up --colocated --threads N` (one engine does both; N from
+  `--colocated-threads`, a list runs each).
 
 In the colocated engine a long prefill runs inside the decode loop, so every stream stalls
 for it; disaggregated, decode steps never wait for a prompt.
 
-    python -m loadtest.scenarios.disagg [--rate 2] [--out-dir results/disagg]
+    python -m loadtest.scenarios.disagg [--rate 1] [--colocated-threads 1,2] [--out-dir DIR]
 """
 
 import argparse
@@ -83,18 +84,18 @@ def workload(model: Path, args) -> tuple[list, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rate", type=float, default=2.0, help="offered load, requests/s")
-    ap.add_argument("--num-long", type=int, default=30)
-    ap.add_argument("--num-short", type=int, default=50)
+    ap.add_argument("--rate", type=float, default=1.0, help="offered load, requests/s")
+    ap.add_argument("--num-long", type=int, default=16)
+    ap.add_argument("--num-short", type=int, default=32)
     ap.add_argument("--long-input", default="uniform:1024:2048")
     ap.add_argument("--slo-ttft", type=float, default=2000.0, help="ms")
     ap.add_argument("--slo-tpot", type=float, default=50.0, help="ms")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--colocated-threads", default="1,2", help="torch threads; a list: one run each"
+        "--colocated-threads", default="1", help="torch threads; a list: one run each"
     )
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
-    ap.add_argument("--out-dir", type=Path, default=Path("results/disagg"))
+    ap.add_argument("--out-dir", type=Path, default=Path("loadtest/results/disagg"))
     args = ap.parse_args()
     command = "python -m loadtest.scenarios.disagg " + shlex.join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="tison-disagg-") as tmp:

@@ -6,7 +6,7 @@ Needs `pip install 'transformers[serving]'` (FastAPI, uvicorn); runs offline on 
 - Tison: `tison up --threads 1` (a prefill and a decode worker, one torch thread each);
 - transformers: `transformers serve --continuous-batching --port P MODEL_DIR`.
 
-    python -m loadtest.scenarios.peer [--concurrency 8,32] [--out-dir results/peer]
+    python -m loadtest.scenarios.peer [--concurrency 8,32] [--out-dir loadtest/results/peer]
 """
 
 import argparse
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--input-len", default="uniform:64:192")
     ap.add_argument("--output-len", default="64")
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
-    ap.add_argument("--out-dir", type=Path, default=Path("results/peer"))
+    ap.add_argument("--out-dir", type=Path, default=Path("loadtest/results/peer"))
     args = ap.parse_args()
     command = "python -m loadtest.scenarios.peer " + shlex.join(sys.argv[1:])
     loads = [Load(concurrency=int(n)) for n in args.concurrency.split(",")]
