@@ -111,6 +111,12 @@ def main() -> None:
             "",
         ],
         [
+            "tokens per SSE event, 1 / N streams",
+            f"{per_event(low):.2f} / {per_event(high):.2f}",
+            "",
+            "",
+        ],
+        [
             "requests ok",
             f"{lo.completed}/{lo.num_requests}, {hi.completed}/{hi.num_requests}",
             "",
