@@ -91,9 +91,7 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=2000.0, help="ms")
     ap.add_argument("--slo-tpot", type=float, default=50.0, help="ms")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--colocated-threads", default="1", help="torch threads; a list: one run each"
-    )
+    ap.add_argument("--colocated-threads", default="1", help="torch threads; a list: one run each")
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
     ap.add_argument("--out-dir", type=Path, default=Path("loadtest/results/disagg"))
     args = ap.parse_args()
