@@ -47,7 +47,7 @@ def build_batch(
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         decode_rows=None,
-        decode_slots=None,
+        decode_pages=None,
         decode_mask=None,
         all_decode=len(decode) == len(ids),
         prefills=prefills,
@@ -72,14 +72,12 @@ def _decode_metadata(
         [t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.long
     )  # (Bd, pages)
     ctx = torch.tensor(contexts, dtype=torch.long)  # (Bd,)
-    key_pos = torch.arange(max(contexts))  # (Lmax,)
-    meta.decode_slots = (
-        table[:, key_pos // page_size] * page_size + key_pos % page_size
-    )  # (Bd, Lmax)
+    key_pos = torch.arange(max_pages * page_size)  # (Pmax * S,)
+    meta.decode_pages = table
     visible = key_pos < ctx[:, None]
     if window is not None:
         visible &= key_pos > ctx[:, None] - 1 - window
-    meta.decode_mask = visible[:, None, None, :]  # (Bd, 1, 1, Lmax)
+    meta.decode_mask = visible[:, None, None, :]  # (Bd, 1, 1, Pmax * S)
     meta.decode_rows = torch.tensor(rows, dtype=torch.long)
 
 
@@ -88,12 +86,11 @@ def _prefill_span(
 ) -> PrefillSpan:
     ctx = start + n
     key_pos = torch.arange(ctx)
-    pages = torch.tensor(page_ids, dtype=torch.long)
-    slots = pages[key_pos // page_size] * page_size + key_pos % page_size  # (ctx,)
+    pages = torch.tensor(page_ids[: -(-ctx // page_size)], dtype=torch.long)  # (ceil(ctx / S),)
     mask = None
     if start > 0 or (window is not None and ctx > window):
         query_pos = torch.arange(start, ctx)[:, None]  # (n, 1)
         mask = key_pos[None, :] <= query_pos  # (n, ctx)
         if window is not None:
             mask &= key_pos[None, :] > query_pos - window
-    return PrefillSpan(start=row, end=row + n, slots=slots, mask=mask)
+    return PrefillSpan(start=row, end=row + n, pages=pages, ctx=ctx, mask=mask)

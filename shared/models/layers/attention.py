@@ -17,7 +17,8 @@ class PrefillSpan:
 
     start: int  # first row of this chunk in the flat (T, ...) batch
     end: int  # one past its last row
-    slots: torch.Tensor  # (ctx,) pool slots of the whole context, cached prefix + this chunk
+    pages: torch.Tensor  # (ceil(ctx / S),) pages of the whole context, cached prefix + chunk
+    ctx: int  # context length: cached prefix + this chunk
     mask: torch.Tensor | None  # (n, ctx) bool; None when the chunk is the whole context (causal)
 
 
@@ -27,8 +28,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # (T,) pool slot (page * page_size + offset) of each new token
     decode_rows: torch.Tensor | None  # (Bd,) rows of T that are single decode tokens; None: none
-    decode_slots: torch.Tensor | None  # (Bd, Lmax) pool slots of each decode row's context
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) True where the key is visible
+    decode_pages: torch.Tensor | None  # (Bd, Pmax) page table of each decode row (0-padded)
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Pmax * S) True where the key is visible
     all_decode: bool  # every row of T is a decode row, in order (skip gathers)
     prefills: list[PrefillSpan]
 
@@ -42,40 +43,45 @@ class PagedAttention(nn.Module):
 
     def forward(self, q, k, v, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd), kv_layer (2, P, S, nkv, hd) -> (T, nh, hd)."""
-        k_pool = kv_layer[0].view(-1, self.num_kv_heads, self.head_dim)  # (P*S, nkv, hd)
-        v_pool = kv_layer[1].view(-1, self.num_kv_heads, self.head_dim)
-        k_pool.index_copy_(0, meta.slot_mapping, k)
-        v_pool.index_copy_(0, meta.slot_mapping, v)
+        kv_layer.view(2, -1, self.num_kv_heads, self.head_dim).index_copy_(
+            1, meta.slot_mapping, torch.stack((k, v))
+        )  # new tokens into their slots of the (2, P*S, nkv, hd) pool
+        k_pages, v_pages = kv_layer[0], kv_layer[1]  # (P, S, nkv, hd): gathered page by page
         if meta.all_decode:
-            return self._decode(q, k_pool, v_pool, meta)
+            return self._decode(q, k_pages, v_pages, meta)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_pool, v_pool, meta)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_pages, v_pages, meta)
         for span in meta.prefills:
             out[span.start : span.end] = self._prefill(
-                q[span.start : span.end], k_pool, v_pool, span
+                q[span.start : span.end], k_pages, v_pages, span
             )
         return out
 
-    def _decode(self, q, k_pool, v_pool, meta) -> torch.Tensor:
-        keys = k_pool[meta.decode_slots].transpose(1, 2)  # (Bd, nkv, Lmax, hd)
-        values = v_pool[meta.decode_slots].transpose(1, 2)
+    def _decode(self, q, k_pages, v_pages, meta) -> torch.Tensor:
+        # whole pages are copied (S * nkv * hd contiguous elements each), not token slots;
+        # index_select copies rows with memcpy, ~3x faster than advanced indexing on CPU
+        shape = (*meta.decode_pages.shape[:1], -1, *k_pages.shape[2:])  # (Bd, Pmax*S, nkv, hd)
+        pages = meta.decode_pages.flatten()
+        keys = k_pages.index_select(0, pages).view(shape).transpose(1, 2)  # (Bd, nkv, L, hd)
+        values = v_pages.index_select(0, pages).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
+            q.unsqueeze(2),  # (Bd, nh, 1, hd)
             keys,
-            values,  # q: (Bd, nh, 1, hd)
+            values,
             attn_mask=meta.decode_mask,
             scale=self.scale,
             enable_gqa=self.gqa,
         )  # (Bd, nh, 1, hd)
         return out.squeeze(2)
 
-    def _prefill(self, q, k_pool, v_pool, span: PrefillSpan) -> torch.Tensor:
+    def _prefill(self, q, k_pages, v_pages, span: PrefillSpan) -> torch.Tensor:
         # 4-D inputs: the CPU flash kernel takes only (B, heads, L, hd); 3-D falls back to math
-        keys = k_pool[span.slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, hd)
-        values = v_pool[span.slots].transpose(0, 1).unsqueeze(0)
+        keys = k_pages.index_select(0, span.pages).flatten(0, 1)[: span.ctx]  # (ctx, nkv, hd)
+        values = v_pages.index_select(0, span.pages).flatten(0, 1)[: span.ctx]
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # (1, nh, n, hd)
+            q.transpose(0, 1).unsqueeze(0),  # (1, nh, n, hd); keys (1, nkv, ctx, hd)
             keys,
             values,
             attn_mask=span.mask,
