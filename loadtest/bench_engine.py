@@ -108,17 +108,12 @@ def hf_prefill(model, batch: int, prompt_len: int) -> float:
         return batch * prompt_len / (time.perf_counter() - t)
 
 
-def measure_all(engine, hf, new_tokens: int) -> dict[str, tuple[float, float]]:
+def measure_all(engine, hf, prompt_len: int, new_tokens: int) -> dict[str, tuple[float, float]]:
     """One round of every measure, Tison then transformers: {name: (tison, transformers)}."""
+    p, n = prompt_len, new_tokens
     return {
-        "batch-1 decode tok/s": (
-            tison_decode(engine, 1, 32, new_tokens),
-            hf_decode(hf, 1, 32, new_tokens),
-        ),
-        "batch-32 decode tok/s": (
-            tison_decode(engine, 32, 32, new_tokens),
-            hf_decode(hf, 32, 32, new_tokens),
-        ),
+        "batch-1 decode tok/s": (tison_decode(engine, 1, p, n), hf_decode(hf, 1, p, n)),
+        "batch-32 decode tok/s": (tison_decode(engine, 32, p, n), hf_decode(hf, 32, p, n)),
         "prefill tok/s (8 x 512)": (tison_prefill(engine, 8, 512), hf_prefill(hf, 8, 512)),
     }
 
@@ -127,6 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--prompt-len", type=int, default=32, help="decode measures: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds; the best of each is kept"
@@ -149,12 +145,13 @@ def main() -> None:
         gbs = 0.0
         for _ in range(args.rounds):  # the machine is shared: interleave, keep each one's best
             gbs = max(gbs, memory_bandwidth_gbs(1.0))
-            for name, values in measure_all(engine, hf, args.new_tokens).items():
+            for name, values in measure_all(engine, hf, args.prompt_len, args.new_tokens).items():
                 best[name] = [max(a, b) for a, b in zip(best.get(name, [0.0, 0.0]), values)]
     roofline = gbs * 1e9 / weight_bytes  # batch-1 tokens/s if every step reads all weights once
     print(
         f"model: {weight_bytes / 1e6:.0f} MB of {args.dtype} weights; memory read {gbs:.1f} GB/s; "
-        f"{args.threads} threads; best of {args.rounds} rounds; "
+        f"{args.threads} threads; best of {args.rounds} rounds; decode after a "
+        f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens; "
         f"torch {torch.__version__}, transformers {transformers.__version__}"
     )
     print(f"| {'measure':26} | {'Tison':>9} | {'transformers':>12} | {'ratio':>6} | roofline |")

@@ -5,13 +5,9 @@ no compiler works (or on a big-endian or 32-bit host); callers then use the nump
 reference."""
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -19,6 +15,7 @@ import numpy as np
 
 from shared.codec.format import SEG_BITS, SEGS_PER_BLOCK, raw_layout
 from shared.codec.huffman import canonical_codes
+from shared.native_build import build_library
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +79,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     if sys.byteorder != "little" or ctypes.sizeof(ctypes.c_void_p) != 8:
         return None
     try:
-        digest = hashlib.sha256(" ".join(_FLAGS).encode())
-        for path in [_HEADER, *_SOURCES]:
-            digest.update(path.read_bytes())
-        target = _cache_dir() / f"tison_codec_{digest.hexdigest()[:16]}.so"
-        if not target.exists():
-            _compile(target)
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(build_library("tison_codec", _SOURCES, _FLAGS, (_HEADER,))))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("codec: no C fast path (%s); using the numpy reference decoder", e)
         return None
@@ -96,35 +87,6 @@ def _build_and_load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
-
-
-def _cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tison"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        return base
-    except OSError:
-        return Path(tempfile.gettempdir())
-
-
-def _compile(target: Path) -> None:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    # Build beside the target and rename: concurrent builders never see a partial file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)],
-            check=True,
-            capture_output=True,
-            timeout=180,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _addr(array: np.ndarray) -> int:

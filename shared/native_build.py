@@ -1,0 +1,51 @@
+"""Build C sources shipped with Tison into a shared library on first use: compiled with the
+system C compiler into a cache folder, keyed by a hash of the sources and flags, so an edit
+rebuilds and concurrent builders never see a partial file."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def build_library(
+    name: str, sources: list[Path], flags: list[str], headers: list[Path] = ()
+) -> Path:
+    """Path of the built library; raises OSError or SubprocessError when it cannot be built."""
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in [*headers, *sources]:
+        digest.update(path.read_bytes())
+    target = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        _compile(target, sources, flags)
+    return target
+
+
+def _cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tison"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        return base
+    except OSError:
+        return Path(tempfile.gettempdir())
+
+
+def _compile(target: Path, sources: list[Path], flags: list[str]) -> None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *flags, "-o", tmp, *map(str, sources)],
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
+        os.replace(tmp, target)  # atomic: a concurrent builder sees all or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
