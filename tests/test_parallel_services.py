@@ -50,3 +50,40 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(cluster, model4):
             )
             assert out.choices[0].text == ref.text, cluster.logs()
             assert out.usage.completion_tokens == len(ref.token_ids)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+async def test_colocated_worker_of_each_shape_equals_offline(tmp_path_factory, model4, tp, pp):
+    with LLM(model4, dtype="float32") as llm:
+        expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+    s = Services(tmp_path_factory.mktemp(f"colocated-{tp}x{pp}"), model4)
+    s.__enter__()
+    try:
+        s.scheduler()
+        s.start(
+            "colocated",
+            "colocated",
+            "--model",
+            str(model4),
+            "--dtype",
+            "float32",
+            "--heartbeat",
+            "0.2",
+            "--allow-oversubscribe",
+            "--threads",
+            "1",
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+        )
+        s.gateway()
+        s.wait_healthy(120)
+        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
+            for prompt, ref in zip(PROMPTS, expected):
+                out = await c.completions.create(
+                    model=model4.name, prompt=prompt, max_tokens=16, temperature=0
+                )
+                assert out.choices[0].text == ref.text, s.logs()
+    finally:
+        s.stop_all()
