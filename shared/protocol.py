@@ -10,6 +10,7 @@ import functools
 import logging
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from functools import cache
 from typing import Any, ClassVar, TypeVar
@@ -230,60 +231,116 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+class _Bad(Exception):
+    """A value of the wrong shape. The field path is collected as it propagates, so the happy
+    path builds no strings."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+        self.where: list[str] = []
 
 
-def _from_wire(cls: type, body: Any, path: str) -> Any:
-    if not isinstance(body, dict):
-        raise ProtocolError(path, f"expected a map for {cls.__name__}")
-    hints = _hints(cls)
-    kwargs = {}
-    for f in fields(cls):
-        if f.name in body:
-            kwargs[f.name] = _convert(hints[f.name], body[f.name], f"{path}.{f.name}")
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ProtocolError(path, f"missing field {f.name!r}")
+def _from_wire(cls: type, body: Any, kind: str) -> Any:
     try:
-        return cls(**kwargs)
-    except InvalidRequestError as e:  # SamplingParams validates itself
-        raise ProtocolError(path, str(e)) from None
+        return _converter(cls)(body)
+    except _Bad as e:
+        path = ".".join([kind, *reversed(e.where)])
+        raise ProtocolError(path, e.problem) from None
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
+@cache
+def _converter(tp: Any) -> Callable[[Any], Any]:
+    """A function checking and converting a msgpack value to `tp`, built once per type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _convert(inner, value, path)
+        inner = _converter(next(a for a in args if a is not type(None)))
+        return lambda v: None if v is None else inner(v)
     if origin is tuple:
-        item_tp = typing.get_args(tp)[0]
-        _expect(isinstance(value, list), path, "a list", value)
-        return tuple(_convert(item_tp, v, f"{path}[]") for v in value)
+        return _sequence(_converter(args[0]))
     if origin is dict:
-        _, item_tp = typing.get_args(tp)
-        _expect(isinstance(value, dict), path, "a map", value)
-        _expect(all(isinstance(k, str) for k in value), path, "string keys", value)
-        return {k: _convert(item_tp, v, f"{path}.{k}") for k, v in value.items()}
+        return _mapping(_converter(args[1]))
     if is_dataclass(tp):
-        return _from_wire(tp, value, path)
+        return _record(tp)
     if tp is float:
-        _expect(
-            isinstance(value, (int, float)) and not isinstance(value, bool), path, "a number", value
-        )
-        return float(value)
-    if tp is int:
-        _expect(isinstance(value, int) and not isinstance(value, bool), path, "an integer", value)
+        return _number
+    return _exact(tp)
+
+
+def _sequence(item: Callable) -> Callable:
+    def convert(value):
+        if type(value) is not list:
+            raise _Bad(f"expected a list, got {type(value).__name__}")
+        try:
+            return tuple(map(item, value))
+        except _Bad as e:
+            e.where.append("[]")
+            raise
+
+    return convert
+
+
+def _mapping(item: Callable) -> Callable:
+    def convert(value):
+        if type(value) is not dict or not all(type(k) is str for k in value):
+            raise _Bad(f"expected a map with string keys, got {type(value).__name__}")
+        out = {}
+        for k, v in value.items():
+            try:
+                out[k] = item(v)
+            except _Bad as e:
+                e.where.append(k)
+                raise
+        return out
+
+    return convert
+
+
+def _record(cls: type) -> Callable:
+    hints = typing.get_type_hints(cls)
+    specs = [
+        (f.name, _converter(hints[f.name]), f.default is MISSING and f.default_factory is MISSING)
+        for f in fields(cls)
+    ]
+
+    def convert(body):
+        if type(body) is not dict:
+            raise _Bad(f"expected a map for {cls.__name__}, got {type(body).__name__}")
+        kwargs = {}
+        for name, field_converter, required in specs:
+            if name in body:
+                try:
+                    kwargs[name] = field_converter(body[name])
+                except _Bad as e:
+                    e.where.append(name)
+                    raise
+            elif required:
+                raise _Bad(f"missing field {name!r}")
+        try:
+            return cls(**kwargs)
+        except InvalidRequestError as e:  # SamplingParams validates itself
+            raise _Bad(str(e)) from None
+
+    return convert
+
+
+def _number(value):
+    if type(value) is float:
         return value
-    _expect(isinstance(value, tp), path, tp.__name__, value)
-    return value
+    if type(value) is int:
+        return float(value)
+    raise _Bad(f"expected a number, got {type(value).__name__}")
 
 
-def _expect(ok: bool, path: str, what: str, value: Any) -> None:
-    if not ok:
-        raise ProtocolError(path, f"expected {what}, got {type(value).__name__}")
+def _exact(tp: type) -> Callable:
+    """int, str, bool: the exact type (a bool is not an int here)."""
+
+    def convert(value):
+        if type(value) is not tp:
+            raise _Bad(f"expected {tp.__name__}, got {type(value).__name__}")
+        return value
+
+    return convert
 
 
 def on_message(cls: type[M]):
