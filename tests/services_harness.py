@@ -112,6 +112,13 @@ class Services:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gateway not healthy after {timeout_s} s:\n{self.logs()}")
             time.sleep(0.1)
+        # The gateway hears the workers; make sure the scheduler is subscribed and has too.
+        log = self.tmp_path / "scheduler.log"
+        while "scheduler" in self.procs and "scheduler up" not in log.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"scheduler not up after {timeout_s} s:\n{self.logs()}")
+            time.sleep(0.05)
+        time.sleep(2.5 * self.heartbeat_s)  # at least two heartbeats since it subscribed
 
     def kill(self, name: str) -> None:
         """kill -9 one process."""

@@ -208,3 +208,34 @@ async def test_queue_full_and_cancel_frees_pages(tmp_path, tiny_llama):
             await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("c")))
             await c.wait_for(lambda: c.pages_used() == 0)
             assert not c.finished("a")
+
+
+async def test_requests_sent_before_workers_report_wait_for_them(tmp_path, tiny_llama):
+    """Right after start the scheduler queues requests until workers' first heartbeats
+    (grace period) instead of answering "no workers"; after it, it answers at once."""
+    with NatsServer(tmp_path / "nats") as server:
+        stop = asyncio.Event()
+        scheduler = Scheduler(SchedulerConfig(nats_url=server.url, startup_grace_s=1.5))
+        tasks = [asyncio.create_task(scheduler.run(stop))]
+        nc = await nats.connect(server.url)
+        try:
+            await asyncio.sleep(0.3)  # the scheduler is up, no worker yet
+            msg = SubmitMsg("early", "gw", (5, 6), SamplingParams(max_tokens=4), time.time() + 30)
+            early = asyncio.create_task(
+                nc.request(subjects.scheduler_submit(), protocol.encode(msg), timeout=10)
+            )
+            await asyncio.sleep(0.3)
+            worker = FakeWorkerConfig(
+                role="both",
+                model_dir=tiny_llama,
+                nats_url=server.url,
+                heartbeat_s=0.1,
+                worker_id="late",
+            )
+            tasks.append(asyncio.create_task(run_fake_worker(worker, stop)))
+            reply = protocol.decode((await early).data, SubmitReplyMsg)
+            assert (reply.status, reply.decode_worker) == ("accepted", "late-decode")
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            await nc.close()

@@ -46,6 +46,7 @@ class SchedulerConfig:
     retry_after_s: float = 1.0  # Retry-After suggested with QUEUE_FULL
     assign_timeout_s: float = 5.0  # a decode worker answers reservations between engine steps
     miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
+    startup_grace_s: float = 2.0  # after start, queue requests until workers' first heartbeats
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0 or self.retry_after_s <= 0 or self.assign_timeout_s <= 0:
@@ -61,6 +62,7 @@ class Scheduler:
         self.config = config
         self.router = Router(WorkerRegistry(config.miss_limit))
         self.queue = AdmissionQueue(config.max_waiting)
+        self._started = time.time()
         self._wake = asyncio.Event()
         self._nc: nats.NATS | None = None
         # Requests being placed (chosen, reservation under way) → cancelled meanwhile?
@@ -106,6 +108,8 @@ class Scheduler:
             return
         pending, now = Pending(submit, msg.reply), time.time()
         status, limit = self.router.admission_status(submit, now)
+        if status == protocol.NO_WORKERS and self._starting(now):
+            status = protocol.ACCEPTED  # workers are up but not heard from yet: wait for them
         if status == protocol.ACCEPTED:
             # Placed at once when nothing waits ahead of it; only the rest counts against
             # the queue bound, so a burst that fits the workers is never refused.
@@ -152,14 +156,23 @@ class Scheduler:
         for pending in self.queue.take_expired(now):
             await self._reply(pending, self._refusal(protocol.EXPIRED, 0))
         while (pending := self.queue.head()) is not None:
-            status, _ = self.router.admission_status(pending.submit, now)
+            status, limit = self.router.admission_status(pending.submit, now)
             if status == protocol.NO_WORKERS:
+                if self._starting(now):
+                    return
                 for stranded in self.queue.take_all():
                     await self._reply(stranded, self._refusal(status, 0))
                 return
+            if status == protocol.TOO_LONG:  # queued while no worker had reported its pool yet
+                self.queue.pop()
+                await self._reply(pending, self._refusal(status, limit))
+                continue
             if not self._start_placing(pending, now):
                 return  # wait for pages to free up (next heartbeat)
             self.queue.pop()
+
+    def _starting(self, now: float) -> bool:
+        return now < self._started + self.config.startup_grace_s
 
     def _start_placing(self, pending: Pending, now: float) -> bool:
         """Pick workers and start placing the request; False when no decode worker has room."""
