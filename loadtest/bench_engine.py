@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.random_model import save_random_llama
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling.params import SamplingParams
@@ -32,17 +33,6 @@ MODEL = dict(  # ~150M parameters, Llama-shaped
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-def build_model(out: Path, dtype: torch.dtype) -> int:
-    """Random-weight model saved as safetensors; returns its weight bytes."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})
-    model = transformers.LlamaForCausalLM(config).to(dtype)
-    model.save_pretrained(out, safe_serialization=True)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def memory_bandwidth_gbs(seconds: float = 2.0) -> float:
@@ -134,7 +124,7 @@ def main() -> None:
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
-        weight_bytes = build_model(Path(tmp), dtype)
+        weight_bytes = save_random_llama(Path(tmp), MODEL, dtype)
         engine = LLMEngine(
             EngineConfig(model_dir=Path(tmp), dtype=args.dtype, kv_cache_bytes=2 << 30)
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.random_model import save_random_llama
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling.params import SamplingParams
@@ -34,15 +35,6 @@ MODEL = dict(  # ~80M parameters: compute per step well above the per-step Pytho
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-def build_model(out: Path) -> None:
-    import transformers
-
-    cfg = dict(MODEL)
-    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
 
 
 def run_shape(
@@ -104,7 +96,7 @@ def main() -> int:
         raise SystemExit("needs two cores to pin two pipeline ranks apart")
     with tempfile.TemporaryDirectory(prefix="tison-bench-pp-") as tmp:
         model_dir = Path(tmp)
-        build_model(model_dir)
+        save_random_llama(model_dir, MODEL, torch.float32)
         single = run_shape(model_dir, 1, args.requests, args.steps, cores[:1])
         split = tuple(int(n) for n in args.pp_layers.split(",")) if args.pp_layers else None
         piped = run_shape(model_dir, 2, args.requests, args.steps, cores[:2], split)

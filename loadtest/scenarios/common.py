@@ -12,6 +12,7 @@ import aiohttp
 from loadtest.bench import BenchConfig, run_bench, run_sync, write_outputs
 from loadtest.client import send
 from loadtest.metrics import RequestResult, Slo
+from loadtest.random_model import save_random_llama
 from loadtest.report import BenchReport
 from loadtest.runner import Load, run_load
 from loadtest.target import Target
@@ -39,14 +40,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def build_small_llama(out: Path, seed: int = 0) -> Path:
     """Random-weight SMALL_LLAMA (bfloat16 safetensors) plus the bundled tokenizer in `out`."""
     import torch
-    import transformers
 
     out = Path(out)
     if (out / "model.safetensors").is_file():
         return out
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_LLAMA))
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    save_random_llama(out, SMALL_LLAMA, torch.bfloat16, seed)
     for name in TOKENIZER_FILES:
         shutil.copy(default_model_dir() / name, out / name)
     config = json.loads((out / "tokenizer_config.json").read_text())
