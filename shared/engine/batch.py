@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.scheduler import SchedulerOutput
-from shared.models.layers.attention import AttentionMetadata, PrefillSpan
+from shared.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
 @dataclass
@@ -44,16 +44,13 @@ def build_batch(
             prefills.append(
                 _prefill_span(row, s.start, s.num_tokens, req.page_ids, page_size, sliding_window)
             )
+    groups = [_decode_group(g, page_size, sliding_window) for g in group_by_context(decode)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        decode_rows=None,
-        decode_pages=None,
-        decode_mask=None,
-        all_decode=len(decode) == len(ids),
+        decode=groups,
+        all_decode=len(decode) == len(ids) and len(groups) == 1,
         prefills=prefills,
     )
-    if decode:
-        _decode_metadata(meta, decode, page_size, sliding_window)
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
@@ -63,22 +60,36 @@ def build_batch(
     )
 
 
-def _decode_metadata(
-    meta, decode: list[tuple[int, int, list[int]]], page_size: int, window
-) -> None:
+def group_by_context(decode: list[tuple[int, int, list[int]]]) -> list[list]:
+    """Decode rows (row, context, page ids) in groups whose longest context is at most twice
+    the shortest (plus 64 tokens, so short contexts are not split for nothing). In row order
+    when there is one group, so a pure decode batch needs no gathers."""
+    if not decode:
+        return []
+    ordered = sorted(decode, key=lambda d: d[1])
+    groups, first = [[ordered[0]]], ordered[0][1]
+    for d in ordered[1:]:
+        if d[1] > 2 * first + 64:
+            groups.append([])
+            first = d[1]
+        groups[-1].append(d)
+    return [decode] if len(groups) == 1 else groups
+
+
+def _decode_group(decode: list[tuple[int, int, list[int]]], page_size: int, window) -> DecodeGroup:
     rows, contexts, tables = zip(*decode)
     max_pages = max(len(t) for t in tables)
-    table = torch.tensor(
-        [t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.long
-    )  # (Bd, pages)
-    ctx = torch.tensor(contexts, dtype=torch.long)  # (Bd,)
+    table = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.long)
+    ctx = torch.tensor(contexts, dtype=torch.long)  # (Bg,)
     key_pos = torch.arange(max_pages * page_size)  # (Pmax * S,)
-    meta.decode_pages = table
     visible = key_pos < ctx[:, None]
     if window is not None:
         visible &= key_pos > ctx[:, None] - 1 - window
-    meta.decode_mask = visible[:, None, None, :]  # (Bd, 1, 1, Pmax * S)
-    meta.decode_rows = torch.tensor(rows, dtype=torch.long)
+    return DecodeGroup(
+        rows=torch.tensor(rows, dtype=torch.long),
+        pages=table,  # (Bg, Pmax)
+        mask=visible[:, None, None, :],  # (Bg, 1, 1, Pmax * S)
+    )
 
 
 def _prefill_span(

@@ -23,14 +23,22 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows (one query token each) whose contexts are within 2x of each other, so one
+    padded attention call wastes little on padding."""
+
+    rows: torch.Tensor  # (Bg,) rows of the flat batch
+    pages: torch.Tensor  # (Bg, Pmax) page table of each row, 0-padded
+    mask: torch.Tensor  # (Bg, 1, 1, Pmax * S) True where the key is visible
+
+
+@dataclass
 class AttentionMetadata:
     """Where each token's K/V lives; built once per step, read by every layer."""
 
     slot_mapping: torch.Tensor  # (T,) pool slot (page * page_size + offset) of each new token
-    decode_rows: torch.Tensor | None  # (Bd,) rows of T that are single decode tokens; None: none
-    decode_pages: torch.Tensor | None  # (Bd, Pmax) page table of each decode row (0-padded)
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Pmax * S) True where the key is visible
-    all_decode: bool  # every row of T is a decode row, in order (skip gathers)
+    decode: list[DecodeGroup]
+    all_decode: bool  # one decode group holding every row of T, in order (no row gathers)
     prefills: list[PrefillSpan]
 
 
@@ -48,28 +56,28 @@ class PagedAttention(nn.Module):
         )  # new tokens into their slots of the (2, P*S, nkv, hd) pool
         k_pages, v_pages = kv_layer[0], kv_layer[1]  # (P, S, nkv, hd): gathered page by page
         if meta.all_decode:
-            return self._decode(q, k_pages, v_pages, meta)
+            return self._decode(q, k_pages, v_pages, meta.decode[0])
         out = torch.empty_like(q)
-        if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_pages, v_pages, meta)
+        for group in meta.decode:
+            out[group.rows] = self._decode(q[group.rows], k_pages, v_pages, group)
         for span in meta.prefills:
             out[span.start : span.end] = self._prefill(
                 q[span.start : span.end], k_pages, v_pages, span
             )
         return out
 
-    def _decode(self, q, k_pages, v_pages, meta) -> torch.Tensor:
+    def _decode(self, q, k_pages, v_pages, group: DecodeGroup) -> torch.Tensor:
         # whole pages are copied (S * nkv * hd contiguous elements each), not token slots;
         # index_select copies rows with memcpy, ~3x faster than advanced indexing on CPU
-        shape = (*meta.decode_pages.shape[:1], -1, *k_pages.shape[2:])  # (Bd, Pmax*S, nkv, hd)
-        pages = meta.decode_pages.flatten()
+        shape = (*group.pages.shape[:1], -1, *k_pages.shape[2:])  # (Bg, Pmax*S, nkv, hd)
+        pages = group.pages.flatten()
         keys = k_pages.index_select(0, pages).view(shape).transpose(1, 2)  # (Bd, nkv, L, hd)
         values = v_pages.index_select(0, pages).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (Bd, nh, 1, hd)
             keys,
             values,
-            attn_mask=meta.decode_mask,
+            attn_mask=group.mask,
             scale=self.scale,
             enable_gqa=self.gqa,
         )  # (Bd, nh, 1, hd)
