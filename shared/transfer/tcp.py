@@ -51,6 +51,8 @@ class TcpKVServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._server = await asyncio.start_server(self._serve, host, port)
         bound = self._server.sockets[0].getsockname()
+        if bound[0] in ("0.0.0.0", "::"):  # listening everywhere: advertise a routable address
+            return f"{socket.gethostbyname(socket.gethostname())}:{bound[1]}"
         return f"{bound[0]}:{bound[1]}"
 
     async def close(self) -> None:
