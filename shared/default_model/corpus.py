@@ -5,7 +5,8 @@ import hashlib
 import sysconfig
 from pathlib import Path
 
-SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib"})
+# encodings/ is mostly generated codec tables, pydoc_data one huge string: neither teaches code
+SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "encodings", "pydoc_data"})
 MAX_FILE_BYTES = 200_000  # skips huge generated files (pydoc_data/topics.py, ...)
 HELD_OUT_PERCENT = 2
 

@@ -32,6 +32,7 @@ class TrainConfig:
 
     seed: int = 0
     minutes: float = 45.0  # wall-clock budget of the training loop
+    threads: int = 1  # torch threads (the machine may be shared)
     max_steps: int = 20_000
     vocab_size: int = 8192
     hidden_size: int = 256
@@ -167,7 +168,7 @@ def save(model: LlamaForCausalLM, tok, cfg: TrainConfig, out: Path, report: dict
 def run(cfg: TrainConfig, out: Path, log=print) -> dict:
     """Tokenizer, data, model, training, final held-out evaluation, saved folder."""
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg.threads)
     wall_start = time.monotonic()
     train_texts, held_texts = corpus.split(corpus.source_files())
     tok = train_tokenizer(train_texts, cfg.vocab_size)
@@ -208,8 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=TrainConfig.minutes)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
+    parser.add_argument("--threads", type=int, default=TrainConfig.threads)
     args = parser.parse_args(argv)
-    cfg = TrainConfig(seed=args.seed, minutes=args.minutes, max_steps=args.max_steps)
+    cfg = TrainConfig(
+        seed=args.seed, minutes=args.minutes, max_steps=args.max_steps, threads=args.threads
+    )
     run(cfg, args.out, log=lambda msg: print(msg, flush=True))
 
 
