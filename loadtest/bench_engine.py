@@ -13,26 +13,12 @@ from pathlib import Path
 
 import torch
 
-from loadtest.random_model import save_random_llama
+from loadtest.random_model import llama_fields, save_random_llama
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling.params import SamplingParams
 
-MODEL = dict(  # ~150M parameters, Llama-shaped
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=32000,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+MODEL = llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4)  # ~150M parameters
 
 
 def memory_bandwidth_gbs(seconds: float = 2.0) -> float:

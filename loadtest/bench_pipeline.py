@@ -15,26 +15,13 @@ from pathlib import Path
 
 import torch
 
-from loadtest.random_model import save_random_llama
+from loadtest.random_model import llama_fields, save_random_llama
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling.params import SamplingParams
 
-MODEL = dict(  # ~80M parameters: compute per step well above the per-step Python overhead
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=4096,
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=8,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# ~80M parameters: compute per step well above the per-step Python overhead
+MODEL = llama_fields(4096, 768, 3072, layers=8, heads=12, kv_heads=4)
 
 
 def run_shape(

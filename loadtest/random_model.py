@@ -4,13 +4,37 @@ from pathlib import Path
 
 import torch
 
+# Fields every benchmark model shares; each picks its size on top (llama_fields(...)).
+_COMMON = dict(
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+def llama_fields(
+    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **extra
+) -> dict:
+    """LlamaConfig fields of a benchmark model."""
+    sizes = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+    return {**_COMMON, **sizes, **extra}
+
 
 def save_random_llama(out: Path, fields: dict, dtype: torch.dtype, seed: int = 0) -> int:
     """Saves LlamaForCausalLM(LlamaConfig(**fields)) in `dtype` to `out`; returns weight bytes."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+    config = transformers.LlamaConfig(**fields)
     model = transformers.LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     return sum(p.numel() * p.element_size() for p in model.parameters())

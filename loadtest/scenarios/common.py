@@ -12,7 +12,7 @@ import aiohttp
 from loadtest.bench import BenchConfig, run_bench, run_sync, write_outputs
 from loadtest.client import send
 from loadtest.metrics import RequestResult, Slo
-from loadtest.random_model import save_random_llama
+from loadtest.random_model import llama_fields, save_random_llama
 from loadtest.report import BenchReport
 from loadtest.runner import Load, run_load
 from loadtest.target import Target
@@ -21,15 +21,14 @@ from shared.default_model import default_model_dir
 from shared.errors import ProcessStartError
 
 # A small Llama-shaped model (~30M parameters) with the bundled model's 8k-token tokenizer.
-SMALL_LLAMA = dict(
-    vocab_size=8192,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
+SMALL_LLAMA = llama_fields(
+    8192,
+    512,
+    1408,
+    layers=8,
+    heads=8,
+    kv_heads=4,
     max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
     tie_word_embeddings=True,
     bos_token_id=0,
     eos_token_id=0,
