@@ -2,6 +2,8 @@
 
 import ctypes
 import signal
+import subprocess
+import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -13,3 +15,20 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> list[subprocess.Popen]:
+    """SIGTERM to each (in the given order), then SIGKILL whatever is still running after
+    `timeout_s`. Returns the processes that had to be killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline, killed = time.monotonic() + timeout_s, []
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            killed.append(proc)
+    return killed

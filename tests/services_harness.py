@@ -25,8 +25,11 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import nats
+import openai
 
 from shared.nats_server import NatsServer
+from shared.proc import stop_processes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LAUNCH = "import sys; from services.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -128,16 +131,7 @@ class Services:
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         procs, self.procs = list(self.procs.values()), {}
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs, timeout_s)
         self.nats.stop()
 
     def logs(self, tail_chars: int = 3000) -> str:
@@ -166,3 +160,34 @@ async def wait_pages_free(cluster, timeout_s=5.0):
             return
         await asyncio.sleep(0.1)
     raise AssertionError("KV pages still in use")
+
+
+async def nats_bytes_per_request(cluster, send) -> int:
+    """Bytes published on NATS (heartbeats aside) while `await send()` runs to completion."""
+    nc = await nats.connect(cluster.nats.url)
+    counted: list[int] = []
+
+    async def count(msg):
+        if ".heartbeat." not in msg.subject:
+            counted.append(len(msg.data))
+
+    await nc.subscribe(">", cb=count)
+    await nc.flush()
+    await send()
+    await asyncio.sleep(0.2)  # the last messages (cancel, finish) are on their way
+    await nc.close()
+    return sum(counted)
+
+
+async def stream_until_error(client, model: str, started: asyncio.Event, **kw):
+    """Streams one completion; (time it ended, error text or None). Sets `started` on the
+    first chunk."""
+    stream = await client.completions.create(
+        model=model, prompt="Once upon a time", stream=True, **kw
+    )
+    try:
+        async for _ in stream:
+            started.set()
+    except openai.APIError as e:
+        return time.monotonic(), str(e)
+    return time.monotonic(), None

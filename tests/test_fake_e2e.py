@@ -4,14 +4,13 @@ worker, driven with the official `openai` client (and aiohttp for malformed requ
 import asyncio
 
 import aiohttp
-import nats
 import openai
 import pytest
 
 from services.fake_worker.tokens import FakeModelInfo, fake_token, prompt_digest
 from shared.tokenizer.tokenizer import Tokenizer
 
-from services_harness import Services, metric, wait_pages_free
+from services_harness import Services, metric, nats_bytes_per_request, wait_pages_free
 
 STEP_S = 0.01  # decode step time of the fake decode worker
 
@@ -168,24 +167,16 @@ async def test_client_disconnect_frees_pages_on_both_workers(cluster, tiny_llama
 async def test_nats_bytes_do_not_grow_with_kv_size(cluster, client, tiny_llama):
     """Only token ids and page numbers cross NATS: bytes per extra prompt token stay far below the
     KV size of a token (tiny model: 2 layers x 2 KV heads x 16 dims x K,V x 4 B = 512 B)."""
-    nc = await nats.connect(cluster.nats.url)
-    counted = []
-
-    async def count(msg):
-        if ".heartbeat." not in msg.subject:
-            counted.append(len(msg.data))
-
-    await nc.subscribe(">", cb=count)
 
     async def nats_bytes(num_words):
-        await nc.flush()
-        counted.clear()
-        await client.completions.create(model=tiny_llama.name, prompt=[7] * num_words, max_tokens=4)
-        await asyncio.sleep(0.2)
-        return sum(counted)
+        async def send():
+            await client.completions.create(
+                model=tiny_llama.name, prompt=[7] * num_words, max_tokens=4
+            )
+
+        return await nats_bytes_per_request(cluster, send)
 
     short, long = await nats_bytes(10), await nats_bytes(210)
-    await nc.close()
     per_token = (long - short) / 200
     assert short > 0 and per_token <= 8, (short, long)
 

@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import pytest
 
-from services_harness import Services, metric, wait_pages_free
+from services_harness import Services, metric, stream_until_error, wait_pages_free
 
 FAILURE_BOUND_S = 10.0
 
@@ -48,19 +48,11 @@ async def test_full_queue_answers_429_with_retry_after(cluster, tiny_llama):
 async def test_kill_decode_mid_stream_fails_streams_then_recovers(cluster, tiny_llama):
     client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
 
-    async def stream_until_error(started: asyncio.Event):
-        stream = await client.completions.create(
-            model=tiny_llama.name, prompt="Once upon a time", max_tokens=200, stream=True
-        )
-        try:
-            async for _ in stream:
-                started.set()
-        except openai.APIError as e:
-            return time.monotonic(), str(e)
-        return time.monotonic(), None
-
     starts = [asyncio.Event() for _ in range(4)]
-    tasks = [asyncio.create_task(stream_until_error(s)) for s in starts]
+    tasks = [
+        asyncio.create_task(stream_until_error(client, tiny_llama.name, s, max_tokens=200))
+        for s in starts
+    ]
     await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 10)
     cluster.kill("decode")
     killed_at = time.monotonic()

@@ -7,7 +7,7 @@ import time
 import openai
 from test_services_e2e import cluster_for
 
-from services_harness import metric, wait_pages_free
+from services_harness import metric, stream_until_error, wait_pages_free
 
 FAILURE_BOUND_S = 10.0
 
@@ -16,24 +16,19 @@ async def test_kill_decode_mid_stream_then_recover(tmp_path_factory, tiny_llama)
     cluster = cluster_for(tmp_path_factory, tiny_llama, "auto")
     client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0)
     try:
-
-        async def stream_until_error(started: asyncio.Event):
-            stream = await client.completions.create(
-                model=tiny_llama.name,
-                prompt="Once upon a time",
-                max_tokens=240,
-                stream=True,
-                extra_body={"ignore_eos": True, "min_tokens": 240},
-            )
-            try:
-                async for _ in stream:
-                    started.set()
-            except openai.APIError as e:
-                return time.monotonic(), str(e)
-            return time.monotonic(), None
-
         starts = [asyncio.Event() for _ in range(4)]
-        tasks = [asyncio.create_task(stream_until_error(s)) for s in starts]
+        tasks = [
+            asyncio.create_task(
+                stream_until_error(
+                    client,
+                    tiny_llama.name,
+                    s,
+                    max_tokens=240,
+                    extra_body={"ignore_eos": True, "min_tokens": 240},
+                )
+            )
+            for s in starts
+        ]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 30)
         cluster.kill("decode")
         killed_at = time.monotonic()

@@ -5,14 +5,13 @@ running the tiny model, driven by the official `openai` client. Outputs must equ
 import asyncio
 
 import aiohttp
-import nats
 import openai
 import pytest
 
 from shared.engine.llm import LLM
 from shared.sampling.params import SamplingParams
 
-from services_harness import Services, metric, wait_pages_free
+from services_harness import Services, metric, nats_bytes_per_request, wait_pages_free
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"]
 
@@ -145,27 +144,20 @@ async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama
 async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llama):
     """Per extra prompt token, NATS carries a few bytes of token ids while the KV transport
     moves the token's KV (2 layers x 2 KV heads x 16 dims x K,V x 4 B = 512 B)."""
-    nc = await nats.connect(cluster.nats.url)
-    counted = []
-
-    async def count(msg):
-        if ".heartbeat." not in msg.subject:
-            counted.append(len(msg.data))
-
-    await nc.subscribe(">", cb=count)
 
     async def measure(num_tokens):
-        await nc.flush()
-        counted.clear()
         before = await metric(cluster, "tison_kv_transfer_bytes", "prefill")
-        await client.completions.create(
-            model=tiny_llama.name, prompt=[7] * num_tokens, max_tokens=4
-        )
-        await asyncio.sleep(0.6)  # two heartbeats carry the transfer counters
-        return sum(counted), await metric(cluster, "tison_kv_transfer_bytes", "prefill") - before
+
+        async def send():
+            await client.completions.create(
+                model=tiny_llama.name, prompt=[7] * num_tokens, max_tokens=4
+            )
+
+        sent = await nats_bytes_per_request(cluster, send)
+        await asyncio.sleep(0.4)  # two heartbeats carry the transfer counters
+        return sent, await metric(cluster, "tison_kv_transfer_bytes", "prefill") - before
 
     (short_nats, short_kv), (long_nats, long_kv) = await measure(10), await measure(210)
-    await nc.close()
     assert (long_nats - short_nats) / 200 <= 8, (short_nats, long_nats)
     assert (long_kv - short_kv) / 200 == 512, (short_kv, long_kv)
 

@@ -12,7 +12,8 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 CORPUS = [
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n",
     "The quick brown fox jumps over the lazy dog. Über naïve café — 東京 and ünïcödé ✓ 🙂.",
     "import os\nimport sys\nfor i in range(10):\n    print(i, os.path.join('a', 'b'))\n",
     "Once upon a time there was a tiny language model that served tokens all day long.",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shared.errors import ProcessStartError
 from shared.nats_server import NatsServer
-from shared.proc import die_with_parent
+from shared.proc import die_with_parent, stop_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,16 +112,7 @@ class Cluster:
     def stop_all(self, timeout_s: float = 20.0) -> None:
         """SIGTERM everything (SIGKILL after `timeout_s`), then the NATS server."""
         procs, self.procs = list(self.procs.values()), {}
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs, timeout_s)
         if self._nats is not None:
             self._nats.stop()
             self._nats = None

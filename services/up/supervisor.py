@@ -4,7 +4,6 @@ gets SIGKILL from the kernel if this process dies first)."""
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -12,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from services.up.plan import ChildSpec, RestartPolicy
-from shared.proc import die_with_parent
+from shared.proc import die_with_parent, stop_processes
 
 log = logging.getLogger("tison.up")
 
@@ -70,17 +69,11 @@ class Supervisor:
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """SIGTERM to all (gateway first), then SIGKILL whatever is left after the timeout."""
-        for child in reversed(list(self.children.values())):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children.values():
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s; killing it", child.spec.name, timeout_s)
-                child.proc.kill()
-                child.proc.wait()
+        children = list(reversed(self.children.values()))
+        killed = stop_processes([c.proc for c in children], timeout_s)
+        for child in children:
+            if child.proc in killed:
+                log.warning("%s did not stop in %.0f s; killed it", child.spec.name, timeout_s)
 
     def pids(self) -> dict[str, int]:
         return {name: c.proc.pid for name, c in self.children.items() if c.proc.poll() is None}

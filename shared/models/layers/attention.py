@@ -51,9 +51,9 @@ class PagedAttention(nn.Module):
 
     def forward(self, q, k, v, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd), kv_layer (2, P, S, nkv, hd) -> (T, nh, hd)."""
-        kv_layer.view(2, -1, self.num_kv_heads, self.head_dim).index_copy_(
-            1, meta.slot_mapping, torch.stack((k, v))
-        )  # new tokens into their slots of the (2, P*S, nkv, hd) pool
+        pool = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, P*S, nkv, hd)
+        pool[0].index_copy_(0, meta.slot_mapping, k)  # new tokens into their slots
+        pool[1].index_copy_(0, meta.slot_mapping, v)
         k_pages, v_pages = kv_layer[0], kv_layer[1]  # (P, S, nkv, hd): gathered page by page
         if meta.all_decode:
             return self._decode(q, k_pages, v_pages, meta.decode[0])
