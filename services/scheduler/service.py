@@ -62,7 +62,7 @@ class Scheduler:
         self.config = config
         self.router = Router(WorkerRegistry(config.miss_limit))
         self.queue = AdmissionQueue(config.max_waiting)
-        self._started = time.time()
+        self._started = float("inf")  # set once heartbeats are heard: the grace counts from then
         self._wake = asyncio.Event()
         self._nc: nats.NATS | None = None
         # Requests being placed (chosen, reservation under way) → cancelled meanwhile?
@@ -73,10 +73,11 @@ class Scheduler:
         """Serve until `stop` is set."""
         self._nc = await nats.connect(self.config.nats_url, name="tison-scheduler")
         nc = self._nc
+        await nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
+        self._started = time.time()
         await nc.subscribe(
             subjects.scheduler_submit(), subjects.SCHEDULER_QUEUE_GROUP, cb=self._on_submit
         )
-        await nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         await nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
         log.info("scheduler up on %s", self.config.nats_url)
         dispatcher = asyncio.create_task(self._dispatch_loop())
