@@ -1,6 +1,8 @@
 """Engine benchmark: batch-1 decode, batch-32 decode and prefill throughput of Tison's engine
 beside Hugging Face transformers `generate` on the same random-weight ~150M Llama-shaped model,
-in the same run, and beside this machine's memory-bandwidth roofline (weight bytes / GB/s).
+in the same run, and beside this machine's memory-bandwidth roofline: a decode step reads every
+weight once, so at most batch x GB/s / weight bytes tokens/s, with GB/s measured just before
+and after that very measure (the bandwidth of this shared machine drifts by 2x in minutes).
 
     python -m loadtest.bench_engine [--dtype bfloat16] [--threads 2] [--out results.json]
 """
@@ -84,14 +86,25 @@ def hf_prefill(model, batch: int, prompt_len: int) -> float:
         return batch * prompt_len / (time.perf_counter() - t)
 
 
-def measure_all(engine, hf, prompt_len: int, new_tokens: int) -> dict[str, tuple[float, float]]:
-    """One round of every measure, Tison then transformers: {name: (tison, transformers)}."""
+def measure_round(engine, hf, prompt_len: int, new_tokens: int) -> dict[str, tuple]:
+    """One round of every measure, Tison then transformers, each decode measure between two
+    bandwidth readings: {name: (tison, transformers, GB/s around it or None)}."""
     p, n = prompt_len, new_tokens
-    return {
-        "batch-1 decode tok/s": (tison_decode(engine, 1, p, n), hf_decode(hf, 1, p, n)),
-        "batch-32 decode tok/s": (tison_decode(engine, 32, p, n), hf_decode(hf, 32, p, n)),
-        "prefill tok/s (8 x 512)": (tison_prefill(engine, 8, 512), hf_prefill(hf, 8, 512)),
-    }
+    result: dict[str, tuple] = {}
+    for batch in (1, 32):
+        before = memory_bandwidth_gbs(0.3)
+        ours, theirs = tison_decode(engine, batch, p, n), hf_decode(hf, batch, p, n)
+        gbs = (before + memory_bandwidth_gbs(0.3)) / 2
+        result[f"batch-{batch} decode tok/s"] = (ours, theirs, gbs)
+    prefill = (tison_prefill(engine, 8, 512), hf_prefill(hf, 8, 512), None)
+    result["prefill tok/s (8 x 512)"] = prefill
+    return result
+
+
+def roofline(tokens_per_s: float, batch: int, gbs: float, weight_bytes: int) -> float:
+    """Share of the decode roofline: each step reads every weight byte once (compute and KV
+    reads ignored), so `batch` tokens per weight_bytes / GB/s seconds at best."""
+    return tokens_per_s / (batch * gbs * 1e9 / weight_bytes)
 
 
 def main() -> None:
@@ -117,27 +130,34 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         tison_decode(engine, 1, 8, 4)  # warm-up
         hf_decode(hf, 1, 8, 4)
-        best: dict[str, list[float]] = {}
-        gbs = 0.0
-        for _ in range(args.rounds):  # the machine is shared: interleave, keep each one's best
-            gbs = max(gbs, memory_bandwidth_gbs(1.0))
-            for name, values in measure_all(engine, hf, args.prompt_len, args.new_tokens).items():
-                best[name] = [max(a, b) for a, b in zip(best.get(name, [0.0, 0.0]), values)]
-    roofline = gbs * 1e9 / weight_bytes  # batch-1 tokens/s if every step reads all weights once
+        rounds = [
+            measure_round(engine, hf, args.prompt_len, args.new_tokens) for _ in range(args.rounds)
+        ]
     print(
-        f"model: {weight_bytes / 1e6:.0f} MB of {args.dtype} weights; memory read {gbs:.1f} GB/s; "
-        f"{args.threads} threads; best of {args.rounds} rounds; decode after a "
-        f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens; "
-        f"torch {torch.__version__}, transformers {transformers.__version__}"
+        f"model: {weight_bytes / 1e6:.0f} MB of {args.dtype} weights; {args.threads} threads; "
+        f"best of {args.rounds} interleaved rounds; decode after a {args.prompt_len}-token "
+        f"prompt, {args.new_tokens} new tokens; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}"
     )
+    print_table(rounds, weight_bytes)
+    if args.out:
+        args.out.write_text(json.dumps({"weight_bytes": weight_bytes, "rounds": rounds}, indent=1))
+
+
+def print_table(rounds: list[dict[str, tuple]], weight_bytes: int) -> None:
+    """Best of the rounds for each side; the roofline share is the best of the rounds', each
+    against the bandwidth measured around it."""
     print(f"| {'measure':26} | {'Tison':>9} | {'transformers':>12} | {'ratio':>6} | roofline |")
     print(f"|{'-' * 28}|{'-' * 11}|{'-' * 14}|{'-' * 8}|----------|")
-    for name, (ours, theirs) in best.items():
-        note = f"{ours / roofline:.0%} of {roofline:.0f}" if name.startswith("batch-1") else ""
+    for name in rounds[0]:
+        ours, theirs = (max(r[name][i] for r in rounds) for i in (0, 1))
+        note = ""
+        if rounds[0][name][2] is not None:
+            batch = int(name.split()[0].removeprefix("batch-"))
+            shares = [roofline(r[name][0], batch, r[name][2], weight_bytes) for r in rounds]
+            gbs = [r[name][2] for r in rounds]
+            note = f"{max(shares):.0%} (at {min(gbs):.1f}-{max(gbs):.1f} GB/s)"
         print(f"| {name:26} | {ours:9.1f} | {theirs:12.1f} | {ours / theirs:5.2f}x | {note} |")
-    if args.out:
-        record = {"weight_bytes": weight_bytes, "gbs": gbs, "best": best}
-        args.out.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from shared.models.layers import cpu_kernels
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import GREEDY_32, hf_greedy, make_prompts, new_engine, run_all
@@ -34,8 +35,12 @@ def test_batched_prompts_match_transformers(references, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_staggered_arrivals_match_transformers(references, family):
-    """Requests join while others run (mixed prefill + decode steps), with chunked prefill."""
+@pytest.mark.parametrize("kernels", ["C kernels", "torch ops"])
+def test_staggered_arrivals_match_transformers(references, family, kernels, monkeypatch):
+    """Requests join while others run (mixed prefill + decode steps), with chunked prefill;
+    on the C CPU kernels and on the layers' torch code (other devices, no C compiler)."""
+    if kernels == "torch ops":
+        monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
     model_dir, prompts, refs = references(family)
     engine = new_engine(model_dir, max_num_batched_tokens=24)
     outputs: dict = {}
@@ -62,8 +67,10 @@ def test_preemption_with_tiny_pool_matches_transformers(references, family):
 
 def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
     """bf16: the engine's raw logprobs (top 5 at each of 8 steps) vs transformers' bf16
-    log_softmax on the same tokens. Tolerance: 0.1 nats absolute (bf16 keeps 8 mantissa bits;
-    logits here reach ~|20|, so one rounding step is ~0.08)."""
+    log_softmax on the same tokens. Tolerance: 0.15 nats absolute. bf16 keeps 8 mantissa bits
+    and logits here reach ~|20|, where one rounding step is 0.125, so two bf16 computations
+    in a different order differ by about that. The engine must also be as close to the
+    float32 result as transformers' bf16 is (it rounds less often: float32 attention)."""
     model_dir = tiny_model_factory("llama")
     prompt = make_prompts([12])[0]
     engine = new_engine(model_dir, dtype="bfloat16")
@@ -71,15 +78,21 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
         "a", prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     )
     run_all(engine)
-    hf = load_hf(model_dir, dtype=torch.bfloat16)
-    tokens = prompt + req.output_token_ids
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
-    worst = 0.0
+    tokens = torch.tensor([prompt + req.output_token_ids])
+    ref = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        with torch.no_grad():
+            logits = load_hf(model_dir, dtype=dtype)(tokens).logits[0].float()
+        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (8 + 1, V)
+    ours = torch.full_like(ref[torch.float32], float("nan"))
     for step, lp in enumerate(req.output_logprobs):
-        row = ref[len(prompt) - 1 + step]
-        chosen = req.output_token_ids[step]
-        worst = max(worst, abs(lp.logprob - row[chosen].item()))
-        for token, value in lp.top:
-            worst = max(worst, abs(value - row[token].item()))
-    assert worst < 0.1, f"max |logprob difference| {worst:.3f}"
+        for token, value in [(req.output_token_ids[step], lp.logprob), *lp.top]:
+            ours[step, token] = value
+    seen = ~ours.isnan()
+
+    def worst(a, b):
+        return (a - b)[seen].abs().max().item()
+
+    assert worst(ours, ref[torch.bfloat16]) < 0.15
+    hf_error = worst(ref[torch.bfloat16], ref[torch.float32])
+    assert worst(ours, ref[torch.float32]) <= hf_error + 0.02, "less exact than HF bf16"

@@ -130,13 +130,3 @@ def test_pages_freed_under_in_flight_micro_batches_wait_for_them():
     assert pages.num_free == 3
     pages.mark_collected()
     assert pages.num_free == 4 and pages.num_used == 0
-
-
-def test_decode_rows_are_grouped_by_context_length():
-    from shared.engine.batch import group_by_context
-
-    rows = [(0, 70, [0]), (1, 2000, [1]), (2, 64, [2]), (3, 150, [3]), (4, 5000, [4])]
-    groups = group_by_context(rows)
-    assert [[r for r, _, _ in g] for g in groups] == [[2, 0, 3], [1], [4]]
-    assert group_by_context(rows[:1] + rows[2:4]) == [rows[:1] + rows[2:4]]  # one group: row order
-    assert group_by_context([]) == []

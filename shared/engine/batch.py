@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.scheduler import SchedulerOutput
-from shared.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
 
 
 @dataclass
@@ -44,11 +44,9 @@ def build_batch(
             prefills.append(
                 _prefill_span(row, s.start, s.num_tokens, req.page_ids, page_size, sliding_window)
             )
-    groups = [_decode_group(g, page_size, sliding_window) for g in group_by_context(decode)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        decode=groups,
-        all_decode=len(decode) == len(ids) and len(groups) == 1,
+        decode=_decode_rows(decode, len(ids), page_size, sliding_window) if decode else None,
         prefills=prefills,
     )
     return ForwardBatch(
@@ -60,35 +58,18 @@ def build_batch(
     )
 
 
-def group_by_context(decode: list[tuple[int, int, list[int]]]) -> list[list]:
-    """Decode rows (row, context, page ids) in groups whose longest context is at most twice
-    the shortest (plus 64 tokens, so short contexts are not split for nothing). In row order
-    when there is one group, so a pure decode batch needs no gathers."""
-    if not decode:
-        return []
-    ordered = sorted(decode, key=lambda d: d[1])
-    groups, first = [[ordered[0]]], ordered[0][1]
-    for d in ordered[1:]:
-        if d[1] > 2 * first + 64:
-            groups.append([])
-            first = d[1]
-        groups[-1].append(d)
-    return [decode] if len(groups) == 1 else groups
-
-
-def _decode_group(decode: list[tuple[int, int, list[int]]], page_size: int, window) -> DecodeGroup:
+def _decode_rows(
+    decode: list[tuple[int, int, list[int]]], num_tokens: int, page_size: int, window
+) -> DecodeRows:
     rows, contexts, tables = zip(*decode)
-    max_pages = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.long)
-    ctx = torch.tensor(contexts, dtype=torch.long)  # (Bg,)
-    key_pos = torch.arange(max_pages * page_size)  # (Pmax * S,)
-    visible = key_pos < ctx[:, None]
-    if window is not None:
-        visible &= key_pos > ctx[:, None] - 1 - window
-    return DecodeGroup(
-        rows=torch.tensor(rows, dtype=torch.long),
-        pages=table,  # (Bg, Pmax)
-        mask=visible[:, None, None, :],  # (Bg, 1, 1, Pmax * S)
+    max_pages = max(-(-ctx // page_size) for ctx in contexts)
+    table = [t[:max_pages] + [0] * (max_pages - len(t)) for t in tables]
+    return DecodeRows(
+        rows=None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long),
+        block_table=torch.tensor(table, dtype=torch.int32),  # (B, Pmax)
+        context_lens=torch.tensor(contexts, dtype=torch.int32),  # (B,)
+        page_size=page_size,
+        window=window,
     )
 
 

@@ -1,14 +1,18 @@
 """Paged attention over the KV pool, for a flat batch that mixes prefill chunks and decode tokens.
 
 The new tokens' K/V are written into their pages first (slot_mapping); then each query reads
-its whole context straight from the pages. Decode rows (one query each) run as one padded
-batch; each prefill chunk runs on its own with a causal mask offset by its cached prefix."""
+its whole context straight from the pages. Decode rows (one query each) run together: on CPU
+in a C kernel that reads the pages in place, elsewhere as one padded torch batch. Each prefill
+chunk runs on its own, with a causal mask offset by its cached prefix."""
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared.models.layers import cpu_kernels
 
 
 @dataclass
@@ -23,13 +27,24 @@ class PrefillSpan:
 
 
 @dataclass
-class DecodeGroup:
-    """Decode rows (one query token each) whose contexts are within 2x of each other, so one
-    padded attention call wastes little on padding."""
+class DecodeRows:
+    """The rows of the flat batch that decode (one query token each), in the kernel's layout."""
 
-    rows: torch.Tensor  # (Bg,) rows of the flat batch
-    pages: torch.Tensor  # (Bg, Pmax) page table of each row, 0-padded
-    mask: torch.Tensor  # (Bg, 1, 1, Pmax * S) True where the key is visible
+    rows: torch.Tensor | None  # (B,) int64 rows of T; None when all T rows decode, in order
+    block_table: torch.Tensor  # (B, Pmax) int32: each row's pages, 0-padded
+    context_lens: torch.Tensor  # (B,) int32: keys each row attends to, its own token included
+    page_size: int
+    window: int | None  # sliding window: only the last `window` keys are visible
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, 1, Pmax * S) True where a key is visible: the torch path's padding mask."""
+        key_pos = torch.arange(self.block_table.shape[1] * self.page_size)
+        ctx = self.context_lens.long()[:, None]
+        visible = key_pos < ctx
+        if self.window is not None:
+            visible &= key_pos >= ctx - self.window
+        return visible[:, None, None, :]
 
 
 @dataclass
@@ -37,8 +52,7 @@ class AttentionMetadata:
     """Where each token's K/V lives; built once per step, read by every layer."""
 
     slot_mapping: torch.Tensor  # (T,) pool slot (page * page_size + offset) of each new token
-    decode: list[DecodeGroup]
-    all_decode: bool  # one decode group holding every row of T, in order (no row gathers)
+    decode: DecodeRows | None
     prefills: list[PrefillSpan]
 
 
@@ -48,39 +62,50 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.gqa = num_heads != num_kv_heads
+        self.kernel_ok = cpu_kernels.attention_supported(num_heads, num_kv_heads, head_dim)
 
     def forward(self, q, k, v, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd), kv_layer (2, P, S, nkv, hd) -> (T, nh, hd)."""
-        pool = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, P*S, nkv, hd)
-        pool[0].index_copy_(0, meta.slot_mapping, k)  # new tokens into their slots
-        pool[1].index_copy_(0, meta.slot_mapping, v)
-        k_pages, v_pages = kv_layer[0], kv_layer[1]  # (P, S, nkv, hd): gathered page by page
-        if meta.all_decode:
-            return self._decode(q, k_pages, v_pages, meta.decode[0])
-        out = torch.empty_like(q)
-        for group in meta.decode:
-            out[group.rows] = self._decode(q[group.rows], k_pages, v_pages, group)
+        fast = self.kernel_ok and cpu_kernels.usable(q)
+        if fast:
+            cpu_kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
+        else:
+            pool = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, P*S, nkv, hd)
+            pool[0].index_copy_(0, meta.slot_mapping, k)  # new tokens into their slots
+            pool[1].index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        d = meta.decode
+        if d is not None and fast:
+            cpu_kernels.decode_attention(
+                q, kv_layer, d.block_table, d.context_lens, d.rows, d.window, self.scale, out
+            )
+        elif d is not None:
+            rows = q if d.rows is None else q[d.rows]
+            decoded = self._decode(rows, kv_layer[0], kv_layer[1], d)
+            if d.rows is None:
+                return decoded
+            out[d.rows] = decoded
         for span in meta.prefills:
             out[span.start : span.end] = self._prefill(
-                q[span.start : span.end], k_pages, v_pages, span
+                q[span.start : span.end], kv_layer[0], kv_layer[1], span
             )
         return out
 
-    def _decode(self, q, k_pages, v_pages, group: DecodeGroup) -> torch.Tensor:
+    def _decode(self, q, k_pages, v_pages, d: DecodeRows) -> torch.Tensor:
         # whole pages are copied (S * nkv * hd contiguous elements each), not token slots;
         # index_select copies rows with memcpy, ~3x faster than advanced indexing on CPU
-        shape = (*group.pages.shape[:1], -1, *k_pages.shape[2:])  # (Bg, Pmax*S, nkv, hd)
-        pages = group.pages.flatten()
-        keys = k_pages.index_select(0, pages).view(shape).transpose(1, 2)  # (Bd, nkv, L, hd)
+        shape = (*d.block_table.shape[:1], -1, *k_pages.shape[2:])  # (B, Pmax*S, nkv, hd)
+        pages = d.block_table.flatten().long()
+        keys = k_pages.index_select(0, pages).view(shape).transpose(1, 2)  # (B, nkv, L, hd)
         values = v_pages.index_select(0, pages).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # (Bd, nh, 1, hd)
+            q.unsqueeze(2),  # (B, nh, 1, hd)
             keys,
             values,
-            attn_mask=group.mask,
+            attn_mask=d.mask,
             scale=self.scale,
             enable_gqa=self.gqa,
-        )  # (Bd, nh, 1, hd)
+        )  # (B, nh, 1, hd)
         return out.squeeze(2)
 
     def _prefill(self, q, k_pages, v_pages, span: PrefillSpan) -> torch.Tensor:

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.models.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype=torch.float32):
@@ -12,7 +14,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With it: (norm(x + residual), x + residual); the sum may
+        be written into residual's storage. x (T, [heads,] size); residual (T, size)."""
+        if cpu_kernels.usable(x):  # one pass, no dispatch per op
+            return (
+                cpu_kernels.rms_norm(x, self.weight, self.eps)
+                if residual is None
+                else (cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual)
+            )
         if residual is not None:
             x = x + residual
             residual = x

@@ -5,6 +5,8 @@ import math
 import torch
 from torch import nn
 
+from shared.models.layers import cpu_kernels
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -51,6 +53,11 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if cpu_kernels.usable(q):
+            return (
+                cpu_kernels.rope(q, positions, self.cos, self.sin),
+                cpu_kernels.rope(k, positions, self.cos, self.sin),
+            )
         if positions is not self._positions:  # every layer of a step shares one lookup
             self._positions = positions
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

@@ -1,0 +1,199 @@
+/* The kernels of cpu_kernels.c for one element type T (see there for T, NAME, LOAD, STORE,
+ * ROUND). Included once per type; no include guard on purpose. */
+
+/* x: n rows of `heads` vectors of `dim` (row stride x_stride); out likewise (may be x).
+ * With residual ((n, dim) contiguous, heads == 1): residual = x + residual first, and the
+ * norm is taken of the sum. out = weight * round(v / sqrt(mean(v^2) + eps)), as HF computes
+ * it: statistics in float32, the normalised value rounded to T before the weight. */
+void NAME(tk_rms_norm)(const T *x, int64_t x_stride, T *out, int64_t out_stride, T *residual,
+                       const T *weight, int64_t n, int64_t heads, int64_t dim, float eps,
+                       int threads) {
+    int64_t vectors = n * heads;
+#pragma omp parallel for num_threads(threads) if (vectors * dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < vectors; r++) {
+        int64_t row = r / heads, head = r % heads;
+        const T *v = x + row * x_stride + head * dim;
+        T *o = out + row * out_stride + head * dim;
+        if (residual != NULL) {
+            T *sum = residual + row * dim;
+            for (int64_t d = 0; d < dim; d++) sum[d] = STORE(LOAD(v[d]) + LOAD(sum[d]));
+            v = sum;
+        }
+        float acc[LANES] = {0};
+        int64_t d = 0;
+        for (; d + LANES <= dim; d += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += LOAD(v[d + l]) * LOAD(v[d + l]);
+        for (; d < dim; d++) acc[0] += LOAD(v[d]) * LOAD(v[d]);
+        float inv = 1.0f / sqrtf(sum_lanes(acc) / (float)dim + eps);
+        for (d = 0; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(v[d]) * inv));
+    }
+}
+
+/* One head of hd values, "rotate half" layout: to = x * cos + cat(-x2, x1) * sin, each
+ * product and the sum rounded as torch rounds them. */
+static inline void NAME(rotate)(const T *x, const T *cos, const T *sin, int64_t hd, T *to) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = LOAD(x[i]), x2 = LOAD(x[i + half]);
+        float a = ROUND(x1 * LOAD(cos[i])) + ROUND(-x2 * LOAD(sin[i]));
+        float b = ROUND(x2 * LOAD(cos[i + half])) + ROUND(x1 * LOAD(sin[i + half]));
+        to[i] = STORE(a);
+        to[i + half] = STORE(b);
+    }
+}
+
+/* x: n rows of `heads` vectors of hd (row stride x_stride) -> out (n, heads, hd), contiguous,
+ * rotated by the cos/sin rows (tables (max_positions, hd)) of positions[t]. */
+void NAME(tk_rope)(const T *x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
+                   const int64_t *positions, const T *cos, const T *sin, T *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (n * heads * hd >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n * heads; r++) {
+        int64_t t = r / heads, h = r % heads;
+        const T *c = cos + positions[t] * hd, *s = sin + positions[t] * hd;
+        NAME(rotate)(x + t * x_stride + h * hd, c, s, hd, out + r * hd);
+    }
+}
+
+/* k, v: n rows of nkv*hd values (row strides k_stride, v_stride) -> slot slots[t] of the
+ * pools ((P*S, nkv*hd) each). */
+void NAME(tk_store_kv)(const T *k, int64_t k_stride, const T *v, int64_t v_stride, int64_t n,
+                       int64_t width, const int64_t *slots, T *k_pool, T *v_pool) {
+    for (int64_t t = 0; t < n; t++) {
+        memcpy(k_pool + slots[t] * width, k + t * k_stride, width * sizeof(T));
+        memcpy(v_pool + slots[t] * width, v + t * v_stride, width * sizeof(T));
+    }
+}
+
+/* x: (n, 2*d) gate|up -> out (n, d) = silu(gate) * up, the silu rounded as torch rounds it. */
+void NAME(tk_silu_mul)(const T *x, T *out, int64_t n, int64_t d, int threads) {
+#pragma omp parallel for num_threads(threads) if (n * d >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < n; t++) {
+        const T *gate = x + t * 2 * d, *up = gate + d;
+        T *o = out + t * d;
+        for (int64_t i = 0; i < d; i++) {
+            float g = LOAD(gate[i]);
+            o[i] = STORE(ROUND(g / (1.0f + exp_approx(-g))) * LOAD(up[i]));
+        }
+    }
+}
+
+/* For the `count` keys of one page from `slot` on (pool rows of nkv * hd), KV heads
+ * [g0, g1): scores[(g * group + j) * score_stride + i] = dot(q[g * group + j], key i of head
+ * g), q and scores counted from head g0. */
+static void NAME(page_scores)(const float *restrict q, const T *restrict pool, int64_t slot,
+                              int64_t count, int64_t g0, int64_t g1, int64_t nkv,
+                              int64_t group, int64_t hd, float *restrict scores,
+                              int64_t score_stride, float *restrict key) {
+    for (int64_t i = 0; i < count; i++) {
+        for (int64_t g = g0; g < g1; g++) {
+            const T *restrict k = pool + ((slot + i) * nkv + g) * hd;
+            for (int64_t d = 0; d < hd; d++) key[d] = LOAD(k[d]);
+            for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+                const float *restrict qj = q + j * hd;
+                float lane[LANES] = {0};
+                for (int64_t d = 0; d < hd; d += LANES)
+                    for (int l = 0; l < LANES; l++) lane[l] += qj[d + l] * key[d + l];
+                scores[j * score_stride + i] = sum_lanes(lane);
+            }
+        }
+    }
+}
+
+/* acc[h] += weights[h * weight_stride + i] * value i of h's KV head, for the query heads h of
+ * KV heads [g0, g1) and the `count` values of one page from `slot` on. */
+static void NAME(page_values)(const float *restrict weights, int64_t weight_stride,
+                              const T *restrict pool, int64_t slot, int64_t count, int64_t g0,
+                              int64_t g1, int64_t nkv, int64_t group, int64_t hd,
+                              float *restrict acc, float *restrict value) {
+    for (int64_t i = 0; i < count; i++) {
+        for (int64_t g = g0; g < g1; g++) {
+            const T *restrict v = pool + ((slot + i) * nkv + g) * hd;
+            for (int64_t d = 0; d < hd; d++) value[d] = LOAD(v[d]);
+            for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+                float w = weights[j * weight_stride + i];
+                float *restrict aj = acc + j * hd;
+                for (int64_t d = 0; d < hd; d++) aj[d] += w * value[d];
+            }
+        }
+    }
+}
+
+/* In place: scores (n,) -> e^(score - max); returns their sum. */
+static float NAME(softmax_weights)(float *restrict s, int64_t n) {
+    float best = -INFINITY, lane[LANES] = {0};
+    for (int64_t i = 0; i < n; i++) best = s[i] > best ? s[i] : best;
+    for (int64_t i = 0; i < n; i++) s[i] = exp_approx(s[i] - best);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += s[i + l];
+    for (; i < n; i++) lane[0] += s[i];
+    return sum_lanes(lane);
+}
+
+/* Decode attention, one query token per row b: keys and values read in place from the pages
+ * block_table[b] (row stride table_stride), positions [start, context_lens[b]) where
+ * start = context - window when a sliding window is set (window > 0), else 0.
+ * q: row q_rows[b] (b when q_rows is NULL) of a (?, nh*hd) tensor, row stride q_stride;
+ * out: the same row of a contiguous (?, nh*hd) tensor. Pools: (P*S, nkv, hd).
+ * A task is one row and all its KV heads (pages are read front to back), or, when there are
+ * too few rows to keep the threads busy, one row and one KV head. The query heads that share a
+ * KV head are done together, reading each key once. Scores and softmax in float32, two passes
+ * over the pages (scores; weighted values).
+ * Needs hd % LANES == 0 and nh / nkv <= MAX_GROUP (the wrapper checks).
+ * Returns 0, or -1 when scratch memory cannot be allocated. */
+int NAME(tk_decode_attention)(const T *q, int64_t q_stride, const int64_t *q_rows,
+                              const T *k_pool, const T *v_pool, const int32_t *block_table,
+                              int64_t table_stride, const int32_t *context_lens, int64_t n,
+                              int64_t nh, int64_t nkv, int64_t hd, int64_t page_size,
+                              int64_t window, float scale, T *out, int threads) {
+    int64_t group = nh / nkv, keys = 0, max_ctx = 0;
+    for (int64_t b = 0; b < n; b++) {
+        keys += context_lens[b];
+        if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
+    }
+    int64_t heads_per_task = n >= 4 * threads ? nkv : 1, tasks_per_row = nkv / heads_per_task;
+    int64_t task_heads = heads_per_task * group; /* query heads of one task */
+    /* per thread: scores (task_heads, max_ctx), scaled q and acc (task_heads, hd), a key (hd),
+     * softmax sums (task_heads) */
+    int64_t per_thread = task_heads * (max_ctx + 2 * hd + 1) + hd;
+    float *scratch = malloc(sizeof(float) * per_thread * threads);
+    if (scratch == NULL) return -1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) \
+    if (keys * nkv >= PARALLEL_MIN_KEYS)
+    for (int64_t task = 0; task < n * tasks_per_row; task++) {
+        float *scores = scratch + per_thread * omp_get_thread_num();
+        float *qf = scores + task_heads * max_ctx, *acc = qf + task_heads * hd;
+        float *key = acc + task_heads * hd, *total = key + hd;
+        int64_t b = task / tasks_per_row, g0 = task % tasks_per_row * heads_per_task;
+        int64_t g1 = g0 + heads_per_task, ctx = context_lens[b];
+        int64_t start = window > 0 && ctx > window ? ctx - window : 0;
+        int64_t row = q_rows != NULL ? q_rows[b] : b;
+        const T *qrow = q + row * q_stride + g0 * group * hd;
+        const int32_t *pages = block_table + b * table_stride;
+        for (int64_t i = 0; i < task_heads * hd; i++) qf[i] = LOAD(qrow[i]) * scale;
+        for (int64_t p = start; p < ctx;) {
+            int64_t first = p % page_size, count = page_size - first;
+            count = count < ctx - p ? count : ctx - p;
+            int64_t slot = (int64_t)pages[p / page_size] * page_size + first;
+            NAME(page_scores)(qf, k_pool, slot, count, g0, g1, nkv, group, hd,
+                              scores + p - start, max_ctx, key);
+            p += count;
+        }
+        for (int64_t h = 0; h < task_heads; h++)
+            total[h] = NAME(softmax_weights)(scores + h * max_ctx, ctx - start);
+        memset(acc, 0, sizeof(float) * task_heads * hd);
+        for (int64_t p = start; p < ctx;) {
+            int64_t first = p % page_size, count = page_size - first;
+            count = count < ctx - p ? count : ctx - p;
+            int64_t slot = (int64_t)pages[p / page_size] * page_size + first;
+            NAME(page_values)(scores + p - start, max_ctx, v_pool, slot, count, g0, g1, nkv,
+                              group, hd, acc, key);
+            p += count;
+        }
+        T *o = out + row * nh * hd + g0 * group * hd;
+        for (int64_t h = 0; h < task_heads; h++)
+            for (int64_t d = 0; d < hd; d++) o[h * hd + d] = STORE(acc[h * hd + d] / total[h]);
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,157 @@
+"""The C CPU kernels (shared/models/layers/cpu_kernels.c) against their torch references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.models.layers import cpu_kernels
+from shared.models.layers.attention import DecodeRows, PagedAttention
+from shared.models.layers.rotary import RotaryEmbedding, _rotate
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.usable(torch.zeros(1)), reason="no C compiler: the kernels are not built"
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def assert_close_ulp(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32: a few ulp; bfloat16: at most one rounding step apart (sums in another order)."""
+    if ours.dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=2e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 200, generator=g).to(dtype)
+    residual = torch.randn(37, 200, generator=g).to(dtype)
+    weight = (1 + torch.randn(200, generator=g) / 4).to(dtype)
+    assert_close_ulp(cpu_kernels.rms_norm(x, weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
+    total = x + residual
+    out = cpu_kernels.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(residual, total)  # the sum is left in the residual's storage
+    assert_close_ulp(out, hf_rms_norm(total, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_of_a_strided_view(dtype):
+    """Qwen3's q/k norm: (T, heads, hd) heads inside the wider qkv rows."""
+    qkv = torch.randn(5, 7 * 32).to(dtype)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)  # row stride 7 * 32
+    weight = torch.rand(32).to(dtype)
+    assert_close_ulp(cpu_kernels.rms_norm(q, weight, 1e-5), hf_rms_norm(q, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_the_torch_rotation_bit_for_bit(dtype):
+    rotary = RotaryEmbedding(64, 512, 10000.0, None, dtype)
+    qkv = torch.randn(9, (6 + 2 * 2) * 64).to(dtype)
+    q = qkv[:, : 6 * 64].view(9, 6, 64)
+    positions = torch.tensor([0, 1, 2, 100, 101, 7, 511, 3, 4])
+    cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+    ours = cpu_kernels.rope(q, positions, rotary.cos, rotary.sin)
+    assert ours.is_contiguous()
+    assert torch.equal(ours, _rotate(q, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_each_token_into_its_slot(dtype):
+    kv_layer = torch.zeros(2, 6, 4, 2, 16, dtype=dtype)  # (2, P, S, nkv, hd)
+    qkv = torch.randn(3, 3 * 2 * 16).to(dtype)  # q, k, v of 2 heads each: strided views
+    k = qkv[:, 32:64].view(3, 2, 16)
+    v = qkv[:, 64:].view(3, 2, 16)
+    slots = torch.tensor([5, 22, 0])
+    cpu_kernels.store_kv(k, v, kv_layer, slots)
+    pool = kv_layer.view(2, -1, 2, 16)
+    assert torch.equal(pool[0, slots], k) and torch.equal(pool[1, slots], v)
+    others = torch.ones(24, dtype=torch.bool)
+    others[slots] = False
+    assert not pool[:, others].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    x = (torch.randn(33, 2 * 300) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])  # the exp's clamped ends
+    gate, up = x.chunk(2, dim=-1)
+    assert_close_ulp(cpu_kernels.silu_mul(x), F.silu(gate) * up)
+
+
+def paged_case(contexts, nh, nkv, hd, page_size, dtype, seed=0):
+    """A pool with random K/V and, per row, random distinct pages covering its context."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_row = [-(-c // page_size) for c in contexts]
+    num_pages = sum(pages_per_row) + 3
+    kv_layer = torch.randn(2, num_pages, page_size, nkv, hd, generator=g).to(dtype)
+    order = torch.randperm(num_pages, generator=g).tolist()
+    width = max(pages_per_row)
+    table = []
+    for n in pages_per_row:
+        row, order = order[:n], order[n:]
+        table.append(row + [0] * (width - n))
+    return kv_layer, torch.tensor(table, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "nh,nkv,hd,page_size,window",
+    [(4, 4, 16, 4, None), (12, 4, 64, 16, None), (8, 1, 128, 16, None), (6, 2, 32, 8, 5)],
+)
+def test_decode_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, page_size, window):
+    contexts = [1, 7, 16, 17, 40, 3]  # inside one page, page ends, several pages
+    kv_layer, table = paged_case(contexts, nh, nkv, hd, page_size, dtype)
+    rows = torch.tensor([6, 0, 2, 7, 3, 5])  # decode rows of a mixed batch of 8 tokens
+    q = torch.randn(8, nh, hd).to(dtype)
+    d = DecodeRows(rows, table, torch.tensor(contexts, dtype=torch.int32), page_size, window)
+    ref = PagedAttention(nh, nkv, hd, hd**-0.5)._decode(q[rows], kv_layer[0], kv_layer[1], d)
+    out = torch.full_like(q, 7.0)
+    cpu_kernels.decode_attention(
+        q, kv_layer, d.block_table, d.context_lens, rows, window, hd**-0.5, out
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[rows].float(), ref.float(), rtol=tol, atol=tol)
+    assert (out[[1, 4]] == 7.0).all()  # rows that do not decode are left alone
+
+
+def test_decode_attention_many_rows_uses_whole_row_tasks_alike():
+    """Enough rows for one task per row (all KV heads) on 2 threads: same result."""
+    contexts = [5 + 13 * i for i in range(20)]
+    kv_layer, table = paged_case(contexts, 8, 2, 32, 16, torch.float32, seed=1)
+    q = torch.randn(20, 8, 32)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(torch.empty_like(q))
+            cpu_kernels.decode_attention(q, kv_layer, table, lens, None, None, 0.1, outs[-1])
+    finally:
+        torch.set_num_threads(threads)
+    d = DecodeRows(None, table, lens, 16, None)
+    ref = PagedAttention(8, 2, 32, 0.1)._decode(q, kv_layer[0], kv_layer[1], d)
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_wrappers_name_what_is_wrong():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="rms_norm weight.*bfloat16"):
+        cpu_kernels.rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="rms_norm residual.*shape"):
+        cpu_kernels.rms_norm(x, torch.ones(32), 1e-6, torch.zeros(3, 32))
+    with pytest.raises(ValueError, match="silu_mul: x must be contiguous"):
+        cpu_kernels.silu_mul(torch.randn(8, 16)[:, :8])
+    with pytest.raises(ValueError, match="rope positions.*int64"):
+        cpu_kernels.rope(x.view(4, 2, 16), torch.zeros(4, dtype=torch.int32), x, x)
+    assert not cpu_kernels.attention_supported(8, 8, 24)  # head size not a multiple of 16
+    assert not cpu_kernels.attention_supported(128, 1, 64)  # 128 query heads per KV head
