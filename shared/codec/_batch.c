@@ -93,26 +93,24 @@ static int build_table(const tc_job *job, tc_table *t) {
     for (int l = 1; l < 16; l++)
         if (count[l]) bits = l, kraft += count[l] << (LUT_MAX_BITS - (l < 13 ? l : 12));
     if (used == 0 || bits > LUT_MAX_BITS) return TC_BAD_CODE;
-    if (used == 1) {
+    if (used == 1) { /* the 1-bit code 0; the decoder may read the unused code 1 too */
         if (bits != 1) return TC_BAD_CODE;
         for (int64_t s = 0; s < symbols; s++)
-            if (len[s]) t->lut[0] = t->lut[1] = (uint16_t)(s << 4 | 1);
+            for (int w = 0; len[s] && w < 1 << LUT_MAX_BITS; w++) t->lut[w] = (uint16_t)(s << 4 | 1);
     } else {
         if (kraft != 1 << LUT_MAX_BITS) return TC_BAD_CODE;
-        int64_t at[16]; /* canonical codes: by length, then by symbol */
+        int64_t at[LUT_MAX_BITS + 1]; /* canonical codes: by length, then by symbol */
         at[1] = 0;
-        for (int l = 1; l < bits; l++) at[l + 1] = at[l] + (count[l] << (bits - l));
+        for (int l = 1; l < LUT_MAX_BITS; l++) at[l + 1] = at[l] + (count[l] << (LUT_MAX_BITS - l));
         for (int64_t s = 0; s < symbols; s++)
-            for (int64_t r = 0, l = len[s]; l && r < (int64_t)1 << (bits - l); r++)
+            for (int64_t r = 0, l = len[s]; l && r < (int64_t)1 << (LUT_MAX_BITS - l); r++)
                 t->lut[at[l]++] = (uint16_t)(s << 4 | l);
     }
-    t->lut_bits = used == 1 ? 1 : bits;
-    const uint32_t mask = (1u << t->lut_bits) - 1;
+    const uint32_t mask = (1u << LUT_MAX_BITS) - 1;
     for (uint32_t w = 0; w <= mask; w++) {
         uint32_t a = t->lut[w], a_len = a & 15, b = t->lut[(w << a_len) & mask], b_len = b & 15;
-        uint32_t two = a_len + b_len <= (uint32_t)t->lut_bits;
-        uint32_t second = two ? ((b >> 4) << 5 | 1) << 16 : 0;
-        t->pairs[w] = (a >> 4) << 5 | (two ? a_len + b_len : a_len) | second;
+        uint32_t two = a_len + b_len <= LUT_MAX_BITS;
+        t->pairs[w] = two ? (a + b_len) | (b | 0x8000u) << 16 : a;
     }
     return TC_OK;
 }

@@ -12,7 +12,7 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_PARTS 5
-#define MAX_LANES 4 /* runs one work item decodes interleaved */
+#define MAX_LANES 6 /* runs one work item decodes interleaved */
 #define LUT_MAX_BITS 12 /* = MAX_CODE_LEN in format.py */
 
 /* Sixteen lanes, for the raw-field loops (GCC vector extensions: SSE2, AVX2, NEON...). */
@@ -29,15 +29,16 @@ ALWAYS_INLINE int64_t part_byte(int64_t e, int b, int *bit) {
     return ((e >> span_log) << 4) + (r & 15);
 }
 
-/* The decode tables of one tensor's code: lut[w] = symbol << 4 | length for the next
- * lut_bits stream bits w; pairs[w] = the one or two codes that end inside those bits, as
- * two 16-bit halves, each a symbol << 5 over five low bits: the low half's hold the total
- * length, the high half's bit 0 is set if it holds a second symbol. One 32-bit store writes
- * both symbols; the length is one AND away from the load, off the shift's critical path. */
+/* The decode tables of one tensor's code, indexed by the next LUT_MAX_BITS stream bits w
+ * (codes shorter than that fill several entries). lut[w] = the one code that starts w, as
+ * symbol << 4 | length. pairs[w] = the one or two codes that end inside w, as two 16-bit
+ * halves in the same form: the low half holds the first symbol over the total length, the
+ * high half the second symbol with bit 15 set, or 0 if there is none. One 32-bit store
+ * writes both symbols, `e >> 31` counts the second, `e & 15` is the shift. Symbols have at
+ * most 11 bits (MAX_SYMBOL_BITS), so both forms fit 16 bits. */
 typedef struct {
     uint16_t lut[1 << LUT_MAX_BITS];
     uint32_t pairs[1 << LUT_MAX_BITS];
-    int lut_bits;
 } tc_table;
 
 /* One tensor's planes and output, as the decoder reads them. */

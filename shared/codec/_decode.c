@@ -6,7 +6,7 @@
 #include "_codec.h"
 
 #define TILE 4096 /* symbols decoded per lane before they are merged with their raw fields */
-#define TILE_SLACK (TILE + 16) /* room for the spare symbols group8 writes */
+#define TILE_SLACK (TILE + 16) /* room for the spare symbols a group writes */
 #define GROUP 16 /* elements merged at once; tiles end on multiples of it */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -37,57 +37,79 @@ static uint32_t raw_field(const uint8_t *raw, const int64_t *parts, int nparts, 
     return r;
 }
 
-/* Up to eight codes from one 8-byte window at *pos: four lookups (4 * 12 <= 57 bits) in the
- * pair table, each giving one or two symbols. Writes syms[0 .. 8] (one spare); returns the
- * number of symbols decoded. */
-ALWAYS_INLINE int64_t group8(const uint8_t *stream, const uint32_t *pairs, int shift,
-                             int64_t *pos, uint16_t *syms) {
-    uint64_t w = load_be64(stream + (*pos >> 3)) << (*pos & 7);
-    int64_t i = 0, used = 0;
-    for (int q = 0; q < 4; q++) {
-        uint32_t e = pairs[w >> shift];
-        memcpy(syms + i, &e, sizeof e);
-        i += 1 + ((e >> 16) & 1);
-        w <<= e & 15;
-        used += e & 15;
+#define SHIFT (64 - LUT_MAX_BITS) /* a 64-bit window's top LUT_MAX_BITS bits index the tables */
+
+/* Rounds of one group of four pair-table lookups per lane (4 * 12 <= 57 bits: one 8-byte
+ * window), each lookup giving one or two symbols, the lanes interleaved so that their
+ * dependency chains (window -> table -> shift -> window) overlap. Bit 0 of a window is a
+ * marker the lookups never reach: after the four shifts it sits at bit `bits consumed`, so
+ * one count of trailing zeros advances the position. Runs until some lane has fewer than 8
+ * symbols of room left or nearly reaches the stream's end: a group reads at most 48 bits
+ * and writes at most 8 symbols (o[j] .. o[j] + 7), so a round needs no bounds check. */
+ALWAYS_INLINE void decode_rounds(int lanes, const uint32_t *pairs, const uint8_t *stream,
+                                 int64_t last, int64_t *p, uint16_t **o, uint16_t *const *end) {
+    for (;;) {
+        int64_t rounds = INT64_MAX;
+        for (int j = 0; j < lanes; j++) {
+            int64_t by_syms = (end[j] - o[j]) >> 3, by_bits = p[j] <= last ? (last - p[j]) / 48 + 1 : 0;
+            by_syms = by_syms < by_bits ? by_syms : by_bits;
+            rounds = rounds < by_syms ? rounds : by_syms;
+        }
+        if (rounds <= 0) return;
+        for (int64_t r = 0; r < rounds; r++) {
+            uint64_t w[MAX_LANES];
+            for (int j = 0; j < lanes; j++) w[j] = load_be64(stream + (p[j] >> 3)) << (p[j] & 7) | 1;
+            for (int q = 0; q < 4; q++)
+                for (int j = 0; j < lanes; j++) {
+                    uint32_t e = pairs[w[j] >> SHIFT];
+                    memcpy(o[j] + q, &e, sizeof e);
+                    o[j] += e >> 31;
+                    w[j] <<= e & 15;
+                }
+            for (int j = 0; j < lanes; j++) p[j] += __builtin_ctzll(w[j]), o[j] += 4;
+        }
     }
-    *pos += used;
-    return i;
 }
 
-/* Decodes m[j] symbols of each of `lanes` runs, interleaved so that the runs' dependency
- * chains (window -> table -> length -> window) overlap; the last few symbols of a run go
- * through the single-symbol table. Returns -1 on a stream overrun. */
+/* Decodes m[j] symbols of each of `lanes` runs into syms[j] (starting at bit pos[j], which
+ * it advances): interleaved rounds over the lanes that still have room, so that a lane
+ * finishing early does not hold the others back, then the last few symbols of each run one
+ * at a time through the single-symbol table. Returns -1 on a stream overrun. */
 ALWAYS_INLINE int decode_lanes(int lanes, const tc_table *t, const uint8_t *stream,
                                int64_t stream_len, int64_t *pos, const int64_t *m,
-                               uint16_t (*syms)[TILE_SLACK]) {
-    const uint16_t *lut = t->lut;
-    const uint32_t *pairs = t->pairs;
-    const int shift = 64 - t->lut_bits;
-    int64_t p[4], i[4];
-    for (int j = 0; j < lanes; j++) p[j] = pos[j], i[j] = 0;
+                               uint16_t *const *syms) {
+    const int64_t last = (stream_len - 8) * 8; /* the last bit a window may start at */
+    uint16_t *o[MAX_LANES], *end[MAX_LANES];
+    for (int j = 0; j < lanes; j++) o[j] = syms[j], end[j] = syms[j] + m[j];
     for (;;) {
-        int room = 1, over = 0;
-        for (int j = 0; j < lanes; j++) {
-            room &= i[j] + 8 <= m[j];
-            over |= (p[j] >> 3) + 8 > stream_len;
+        int live[MAX_LANES], n = 0;
+        for (int j = 0; j < lanes; j++)
+            if (end[j] - o[j] >= 8 && pos[j] <= last) live[n++] = j;
+        if (n == 0) break;
+        int64_t lp[MAX_LANES];
+        uint16_t *lo[MAX_LANES], *lend[MAX_LANES];
+        for (int q = 0; q < n; q++) lp[q] = pos[live[q]], lo[q] = o[live[q]], lend[q] = end[live[q]];
+#define ROUNDS(L) decode_rounds(L, t->pairs, stream, last, lp, lo, lend); break
+        switch (n) { /* make the lane count a compile-time constant */
+            case 6: ROUNDS(6);
+            case 5: ROUNDS(5);
+            case 4: ROUNDS(4);
+            case 3: ROUNDS(3);
+            case 2: ROUNDS(2);
+            default: ROUNDS(1);
         }
-        if (!room) break;
-        if (over) return -1;
-        for (int j = 0; j < lanes; j++) i[j] += group8(stream, pairs, shift, &p[j], syms[j] + i[j]);
+#undef ROUNDS
+        for (int q = 0; q < n; q++) pos[live[q]] = lp[q], o[live[q]] = lo[q];
     }
     for (int j = 0; j < lanes; j++) {
-        while (i[j] < m[j]) {
-            if ((p[j] >> 3) + 8 > stream_len) return -1;
-            if (i[j] + 8 <= m[j]) {
-                i[j] += group8(stream, pairs, shift, &p[j], syms[j] + i[j]);
-                continue;
-            }
-            uint16_t e = lut[(load_be64(stream + (p[j] >> 3)) << (p[j] & 7)) >> shift];
-            syms[j][i[j]++] = (uint16_t)((e >> 4) << 5);
-            p[j] += e & 15;
+        int64_t p = pos[j];
+        for (; o[j] < end[j]; o[j]++) {
+            if ((p >> 3) + 8 > stream_len) return -1;
+            uint16_t e = t->lut[(load_be64(stream + (p >> 3)) << (p & 7)) >> SHIFT];
+            *o[j] = e;
+            p += e & 15;
         }
-        pos[j] = p[j];
+        pos[j] = p;
     }
     return 0;
 }
@@ -124,7 +146,7 @@ ALWAYS_INLINE u8x16 part16(const uint8_t *plane, int b, int64_t e) {
             }                                                                                  \
             u16x16 s16;                                                                        \
             memcpy(&s16, syms + (e - a), sizeof s16);                                          \
-            s16 >>= 5; /* group8 leaves length bits under the symbols */                        \
+            s16 = (s16 >> 4) & 2047; /* see tc_table */                         \
             ACC v = ((r >> k) << top) | (__builtin_convertvector(s16, ACC) << k) |             \
                     (r & (LANE_T)((1u << k) - 1));                                             \
             OUTX16 o = __builtin_convertvector(v, OUTX16);                                     \
@@ -142,7 +164,7 @@ static void merge1(void *out, int width, int k, const uint16_t *syms, int64_t lo
     const uint32_t low = (1u << k) - 1;
     for (int64_t e = lo; e < hi; e++) {
         uint32_t r = raw_field(raw, parts, nparts, e);
-        uint32_t v = ((r >> k) << top) | ((uint32_t)(syms[e - lo] >> 5) << k) | (r & low);
+        uint32_t v = ((r >> k) << top) | ((uint32_t)((syms[e - lo] >> 4) & 2047) << k) | (r & low);
         if (width == 2) ((uint16_t *)out)[e] = (uint16_t)v;
         else if (width == 1) ((uint8_t *)out)[e] = (uint8_t)v;
         else ((uint32_t *)out)[e] = v;
@@ -206,13 +228,9 @@ MULTI_TARGET int tc_decode_runs(const tc_table *table, const tc_target *t, tc_ru
             busy |= m[j] > 0;
         }
         if (!busy) break;
-        int bad;
-        switch (lanes) { /* make the lane count a compile-time constant */
-            case 4: bad = decode_lanes(4, table, t->stream, t->stream_len, pos, m, tile_syms); break;
-            case 3: bad = decode_lanes(3, table, t->stream, t->stream_len, pos, m, tile_syms); break;
-            case 2: bad = decode_lanes(2, table, t->stream, t->stream_len, pos, m, tile_syms); break;
-            default: bad = decode_lanes(1, table, t->stream, t->stream_len, pos, m, tile_syms);
-        }
+        uint16_t *syms[MAX_LANES];
+        for (int j = 0; j < lanes; j++) syms[j] = tile_syms[j];
+        int bad = decode_lanes(lanes, table, t->stream, t->stream_len, pos, m, syms);
         if (bad) return TC_OVERRUN;
         for (int j = 0; j < lanes; j++)
             merge(t->out, t->width, t->k, tile_syms[j], next[j], next[j] + m[j], t->raw,
