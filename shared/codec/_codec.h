@@ -19,6 +19,8 @@
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
 
 /* Byte and bit of element e in a plane of b-bit parts (b <= 8): 16-byte groups hold 16 * 8/b
  * elements; byte q of a group holds elements q, q + 16, q + 32, ... at bits 0, b, 2b, ... */

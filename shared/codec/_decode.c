@@ -1,13 +1,16 @@
 /* The decoding loop of the C fast path (see _codec.h): runs of the code stream decoded by
- * table lookups, several runs interleaved so that their dependency chains overlap, then
- * merged with their raw fields sixteen elements at a time; each tile of output is
- * checksummed while it is still in the L1 cache. On x86-64 the loop is also compiled for
+ * table lookups, up to two symbols each, several runs interleaved so that their dependency
+ * chains overlap, then merged with their raw fields 16 or 32 elements at a time; each tile
+ * of output is checksummed while it is still in the cache. On x86-64 the loop is also compiled for
  * AVX2 + BMI2 (one-uop variable shifts, wider merges) and picked at load time. */
 #include "_codec.h"
 
 #define TILE 4096 /* symbols decoded per lane before they are merged with their raw fields */
-#define TILE_SLACK (TILE + 16) /* room for the spare symbols a group writes */
-#define GROUP 16 /* elements merged at once; tiles end on multiples of it */
+#define GROUP 32 /* elements merged at once; tiles end on multiples of it */
+
+/* The 32-byte vectors below never cross a call (all ALWAYS_INLINE); GCC still warns that
+ * their ABI would differ without AVX. */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MULTI_TARGET __attribute__((target_clones("default", "arch=x86-64-v3")))
@@ -114,48 +117,74 @@ ALWAYS_INLINE int decode_lanes(int lanes, const tc_table *t, const uint8_t *stre
     return 0;
 }
 
-/* Sixteen raw-field parts of b bits for elements e .. e + 15 (e a multiple of 16): they sit
- * in one 16-byte column group at one bit slot. */
+/* Raw-field parts of b bits of the sixteen elements e .. e + 15 (e a multiple of 16): for
+ * b <= 4 they sit in one 16-byte column group at one bit slot (shifted as 16-bit lanes, since
+ * x86 has no byte shifts, then masked); for b = 8 they are sixteen consecutive bytes. */
 ALWAYS_INLINE u8x16 part16(const uint8_t *plane, int b, int64_t e) {
-    const int64_t span = 128 / b;
     u8x16 x;
-    memcpy(&x, plane + (e / span) * 16, sizeof x);
-    return (x >> (int)(((e % span) >> 4) * b)) & (uint8_t)((1u << b) - 1);
+    if (b == 8) {
+        memcpy(&x, plane + e, sizeof x);
+        return x;
+    }
+    const int log_span = 7 - __builtin_ctz((unsigned)b); /* 128 / b elements per group */
+    const uint64_t u = (uint64_t)e;
+    memcpy(&x, plane + (u >> log_span) * 16, sizeof x);
+    const int slot = (int)((u & ((1u << log_span) - 1)) >> 4) * b;
+    return (u8x16)((u16x8)x >> slot) & (uint8_t)((1u << b) - 1);
 }
 
-/* Elements a .. z - 1 (multiples of 16) from their symbols (syms[0] is element a) and raw
- * fields of R = k + 1 bits, sixteen at a time with GCC vector extensions (SSE2, NEON...).
- * W and R are compile-time constants at every call, so all shifts are immediates. */
-#define DEFINE_MERGE16(NAME, ACC, LANE_T, OUT_T, OUTX16)                                    \
+/* The same for the 32 elements e .. e + 31 (e a multiple of 32). */
+ALWAYS_INLINE u8x32 part32(const uint8_t *plane, int b, int64_t e) {
+    u8x16 lo = part16(plane, b, e), hi = part16(plane, b, e + 16);
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* Sixteen bytes zero-extended to 16 bits (GCC 12 lowers the equivalent convertvector to
+ * two half-width extensions and an insert on AVX2, this to one vpmovzxbw). */
+ALWAYS_INLINE u16x16 widen_u16(u8x16 x) {
+    return (u16x16)__builtin_shufflevector(x, (u8x16){0}, 0, 16, 1, 16, 2, 16, 3, 16, 4, 16, 5,
+                                           16, 6, 16, 7, 16, 8, 16, 9, 16, 10, 16, 11, 16, 12, 16,
+                                           13, 16, 14, 16, 15, 16);
+}
+ALWAYS_INLINE u32x16 widen_u32(u8x16 x) { return __builtin_convertvector(widen_u16(x), u32x16); }
+#define AS_IS(x) (x)
+
+/* Elements a .. z - 1 (multiples of LANES) from their symbols (syms[0] is element a) and raw
+ * fields of R = k + 1 bits, LANES at a time in lanes of the output's width, with GCC vector
+ * extensions (SSE2, AVX2, NEON...): FP8 32 bytes, wider outputs 16 elements. W and R are
+ * compile-time constants at every call, so all shifts but the planes' bit slots are
+ * immediates. */
+#define DEFINE_MERGE(NAME, ACC, LANE_T, OUT_T, LANES, PART, WIDEN)                                \
     ALWAYS_INLINE void NAME(void *out, int R, const uint16_t *syms, int64_t a, int64_t z,      \
                             const uint8_t *const *planes) {                                    \
+        typedef uint16_t u16xL __attribute__((vector_size(2 * LANES)));                        \
         const int k = R - 1, top = (int)sizeof(OUT_T) * 8 - 1;                                 \
-        for (int64_t e = a; e < z; e += 16) {                                                  \
+        for (int64_t e = a; e < z; e += LANES) {                                               \
             ACC r = {0};                                                                       \
             int j = 0, shift = 0;                                                              \
             if (R & 16) {                                                                      \
-                u16x16 x;                                                                      \
+                u16xL x;                                                                       \
                 memcpy(&x, planes[j++] + 2 * e, sizeof x);                                     \
                 r |= __builtin_convertvector(x, ACC);                                          \
                 shift += 16;                                                                   \
             }                                                                                  \
             for (int b = 8; b >= 1; b >>= 1) {                                                 \
                 if (!(R & b)) continue;                                                        \
-                r |= __builtin_convertvector(part16(planes[j++], b, e), ACC) << shift;         \
+                r |= WIDEN(PART(planes[j++], b, e)) << shift;                                 \
                 shift += b;                                                                    \
             }                                                                                  \
-            u16x16 s16;                                                                        \
-            memcpy(&s16, syms + (e - a), sizeof s16);                                          \
-            s16 = (s16 >> 4) & 2047; /* see tc_table */                         \
-            ACC v = ((r >> k) << top) | (__builtin_convertvector(s16, ACC) << k) |             \
-                    (r & (LANE_T)((1u << k) - 1));                                             \
-            OUTX16 o = __builtin_convertvector(v, OUTX16);                                     \
-            memcpy((OUT_T *)out + e, &o, sizeof o);                                            \
+            u16xL s;                                                                           \
+            memcpy(&s, syms + (e - a), sizeof s);                                              \
+            ACC sym = __builtin_convertvector((s >> 4) & 2047, ACC); /* see tc_table */         \
+            ACC v = ((r >> k) << top) | (sym << k) | (r & (LANE_T)((1u << k) - 1));            \
+            memcpy((OUT_T *)out + e, &v, sizeof v);                                            \
         }                                                                                      \
     }
-DEFINE_MERGE16(merge16_u8, u16x16, uint16_t, uint8_t, u8x16)
-DEFINE_MERGE16(merge16_u16, u16x16, uint16_t, uint16_t, u16x16)
-DEFINE_MERGE16(merge16_u32, u32x16, uint32_t, uint32_t, u32x16)
+DEFINE_MERGE(merge_u8, u8x32, uint8_t, uint8_t, 32, part32, AS_IS)
+DEFINE_MERGE(merge_u16, u16x16, uint16_t, uint16_t, 16, part16, widen_u16)
+DEFINE_MERGE(merge_u32, u32x16, uint32_t, uint32_t, 16, part16, widen_u32)
+#undef AS_IS
 
 /* Elements lo .. hi - 1 one at a time (syms[0] is element lo). */
 static void merge1(void *out, int width, int k, const uint16_t *syms, int64_t lo, int64_t hi,
@@ -171,22 +200,22 @@ static void merge1(void *out, int width, int k, const uint16_t *syms, int64_t lo
     }
 }
 
-/* Elements lo .. hi - 1 (syms[0] is element lo): whole 16-element chunks through a merge16
- * specialised for the layout, the ragged ends (and rare layouts) one at a time. */
+/* Elements lo .. hi - 1 (syms[0] is element lo): whole GROUPs through a merge specialised
+ * for the layout, the ragged ends (and rare layouts) one at a time. */
 ALWAYS_INLINE void merge(void *out, int width, int k, const uint16_t *syms, int64_t lo, int64_t hi,
                   const uint8_t *raw, const int64_t *parts, int nparts) {
     const uint8_t *planes[5];
     for (int j = 0; j < nparts; j++) planes[j] = raw + parts[3 * j + 2];
-    int64_t a = (lo + 15) / 16 * 16, z = hi / 16 * 16;
+    int64_t a = (lo + GROUP - 1) / GROUP * GROUP, z = hi / GROUP * GROUP;
     if (z <= a) a = z = hi;
     const uint16_t *body = syms + (a - lo);
 #define CASE(W, R, FN) case (W) * 32 + (R): FN(out, R, body, a, z, planes); break;
     switch (width * 32 + k + 1) {
-        CASE(1, 1, merge16_u8) CASE(1, 2, merge16_u8) CASE(1, 3, merge16_u8)
-        CASE(1, 4, merge16_u8) CASE(2, 5, merge16_u16) CASE(2, 6, merge16_u16)
-        CASE(2, 7, merge16_u16) CASE(2, 8, merge16_u16) CASE(2, 9, merge16_u16)
-        CASE(2, 10, merge16_u16) CASE(2, 11, merge16_u16) CASE(4, 21, merge16_u32)
-        CASE(4, 22, merge16_u32) CASE(4, 23, merge16_u32) CASE(4, 24, merge16_u32)
+        CASE(1, 1, merge_u8) CASE(1, 2, merge_u8) CASE(1, 3, merge_u8)
+        CASE(1, 4, merge_u8) CASE(2, 5, merge_u16) CASE(2, 6, merge_u16)
+        CASE(2, 7, merge_u16) CASE(2, 8, merge_u16) CASE(2, 9, merge_u16)
+        CASE(2, 10, merge_u16) CASE(2, 11, merge_u16) CASE(4, 21, merge_u32)
+        CASE(4, 22, merge_u32) CASE(4, 23, merge_u32) CASE(4, 24, merge_u32)
         default: a = z = hi;
     }
 #undef CASE
@@ -213,7 +242,7 @@ static void tile_crc(const tc_target *t, tc_run *runs, const int64_t *next, cons
 /* Tiles end on multiples of GROUP so that only a run's two ends take the slow merge path. */
 MULTI_TARGET int tc_decode_runs(const tc_table *table, const tc_target *t, tc_run *runs,
                                 int lanes, int verify) {
-    uint16_t tile_syms[MAX_LANES][TILE_SLACK];
+    uint16_t tile_syms[MAX_LANES][TILE];
     int64_t pos[MAX_LANES], next[MAX_LANES], m[MAX_LANES];
     for (int j = 0; j < lanes; j++) {
         pos[j] = runs[j].pos;
