@@ -1,5 +1,8 @@
 # One image for every Tison process; the command picks the role (see compose.yaml).
 FROM python:3.11-slim
+# a C compiler: the CPU kernels and the codec's decoder are built on first use (for the host CPU)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY shared shared

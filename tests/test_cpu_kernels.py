@@ -14,6 +14,17 @@ pytestmark = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True, params=["native", "portable"])
+def build(request, monkeypatch):
+    """Every test runs on the build for this CPU (AVX-512 code where it has it) and on the
+    portable build that other CPUs get."""
+    if request.param == "portable":
+        kernels = cpu_kernels.load_kernels(cpu_kernels.PORTABLE_FLAGS)
+        assert kernels is not None
+        monkeypatch.setattr(cpu_kernels, "_kernels", kernels)
+    return request.param
+
+
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's LlamaRMSNorm."""
     h = x.float()

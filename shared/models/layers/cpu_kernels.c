@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16 /* float32 lanes of one AVX-512 register; partial sums run this wide */
 #define MAX_GROUP 64 /* query heads per KV head, at most */
@@ -47,6 +50,37 @@ static inline float sum_lanes(const float *acc) { /* pairwise: vectorizes, short
     return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
+#if defined(__AVX512F__)
+/* Sixteen horizontal sums at once: lane k of the result is the sum of the 16 lanes of v[k].
+ * Each round adds the two halves of pairs of vectors (kept side by side), halving the
+ * number of vectors: 15 two-source permutes per round pair instead of 16 separate sums. */
+static inline __m512 sum16x16(__m512 v[16]) {
+    static const int32_t pick[4][2][16] = {
+        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+        {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+         {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
+        {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+         {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+        {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+         {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}},
+    };
+    for (int round = 0, n = 16; round < 4; round++, n /= 2) {
+        __m512i lo = _mm512_loadu_si512(pick[round][0]), hi = _mm512_loadu_si512(pick[round][1]);
+        for (int k = 0; k < n / 2; k++)
+            v[k] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * k], lo, v[2 * k + 1]),
+                                 _mm512_permutex2var_ps(v[2 * k], hi, v[2 * k + 1]));
+    }
+    return v[0];
+}
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const bf16 *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 /* e^x, within 2 ulp of expf for the x that softmax and SiLU meet, in plain arithmetic that
  * the compiler vectorizes (expf from libm does not): e^x = 2^n * e^r with r = x - n ln 2 in
  * [-ln2/2, ln2/2], e^r by the polynomial of Cephes' expf (floorf would not vectorize). */
@@ -68,22 +102,26 @@ static inline float exp_approx(float x) {
 }
 
 /* T: element type; NAME(x): x with the type's suffix; LOAD(v): a T as float; STORE(x): a
- * float as T; ROUND(x): float x as torch stores it in T. */
+ * float as T; ROUND(x): float x as torch stores it in T; LOAD16(p): 16 Ts as an AVX-512
+ * float vector (used only where the compiler targets AVX-512). */
 #define T float
 #define NAME(x) x##_f32
 #define LOAD f32_identity
 #define STORE f32_identity
 #define ROUND f32_identity
+#define LOAD16 load16_f32
 #include "cpu_kernels_impl.h"
 #undef T
 #undef NAME
 #undef LOAD
 #undef STORE
 #undef ROUND
+#undef LOAD16
 
 #define T bf16
 #define NAME(x) x##_bf16
 #define LOAD bf16_to_f32
 #define STORE f32_to_bf16
 #define ROUND bf16_round
+#define LOAD16 load16_bf16
 #include "cpu_kernels_impl.h"

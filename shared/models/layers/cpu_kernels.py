@@ -16,8 +16,9 @@ from shared.native_build import build_library
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
-_FLAGS += ["-march=native", "-mprefer-vector-width=512"]
+PORTABLE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+# this CPU's vector units (AVX-512 where there is one); the portable build where not accepted
+NATIVE_FLAGS = [*PORTABLE_FLAGS, "-march=native", "-mprefer-vector-width=512"]
 LANES = 16  # cpu_kernels.c: head sizes must be a multiple of this
 MAX_GROUP = 64  # cpu_kernels.c: query heads per KV head, at most
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -42,23 +43,30 @@ _built: list[bool] = []  # [whether the library loaded], once it was tried
 def _load() -> bool:
     with _lock:
         if not _built:
-            _built.append(_build_and_bind())
+            kernels = load_kernels(NATIVE_FLAGS) or load_kernels(PORTABLE_FLAGS)
+            if kernels is None:
+                log.warning("no C CPU kernels (no working C compiler): the layers use torch ops")
+            _kernels.update(kernels or {})
+            _built.append(kernels is not None)
         return _built[0]
 
 
-def _build_and_bind() -> bool:
+def load_kernels(flags: list[str]) -> dict | None:
+    """{(name, dtype): ctypes function} of the library built with these flags; None if it
+    cannot be built."""
     try:
         sources, headers = [_HERE / "cpu_kernels.c"], [_HERE / "cpu_kernels_impl.h"]
-        lib = ctypes.CDLL(str(build_library("tison_cpu_kernels", sources, _FLAGS, headers)))
+        lib = ctypes.CDLL(str(build_library("tison_cpu_kernels", sources, flags, headers)))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("no C CPU kernels (%s); the layers use plain torch ops", e)
-        return False
+        log.info("C CPU kernels with %s: %s", " ".join(flags), e)
+        return None
+    kernels = {}
     for name, (restype, argtypes) in _SIGNATURES.items():
         for dtype, suffix in _SUFFIX.items():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
-            _kernels[name, dtype] = fn
-    return True
+            kernels[name, dtype] = fn
+    return kernels
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -31,7 +31,9 @@ void NAME(tk_rms_norm)(const T *x, int64_t x_stride, T *out, int64_t out_stride,
 
 /* One head of hd values, "rotate half" layout: to = x * cos + cat(-x2, x1) * sin, each
  * product and the sum rounded as torch rounds them. */
-static inline void NAME(rotate)(const T *x, const T *cos, const T *sin, int64_t hd, T *to) {
+__attribute__((noinline)) /* inlined into the OpenMP body, it would not vectorize */
+static void NAME(rotate)(const T *restrict x, const T *restrict cos, const T *restrict sin,
+                         int64_t hd, T *restrict to) {
     int64_t half = hd / 2;
     for (int64_t i = 0; i < half; i++) {
         float x1 = LOAD(x[i]), x2 = LOAD(x[i + half]);
@@ -79,11 +81,28 @@ void NAME(tk_silu_mul)(const T *x, T *out, int64_t n, int64_t d, int threads) {
 
 /* For the `count` keys of one page from `slot` on (pool rows of nkv * hd), KV heads
  * [g0, g1): scores[(g * group + j) * score_stride + i] = dot(q[g * group + j], key i of head
- * g), q and scores counted from head g0. */
+ * g), q and scores counted from head g0. count <= 16 with AVX-512. */
 static void NAME(page_scores)(const float *restrict q, const T *restrict pool, int64_t slot,
                               int64_t count, int64_t g0, int64_t g1, int64_t nkv,
                               int64_t group, int64_t hd, float *restrict scores,
                               int64_t score_stride, float *restrict key) {
+#if defined(__AVX512F__)
+    (void)key;
+    for (int64_t g = g0; g < g1; g++) {
+        const T *k = pool + (slot * nkv + g) * hd;
+        for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+            __m512 dots[16]; /* lanes of dot(q[j], key i) */
+            for (int64_t i = 0; i < 16; i++) {
+                dots[i] = _mm512_setzero_ps();
+                for (int64_t d = 0; i < count && d < hd; d += LANES)
+                    dots[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * hd + d),
+                                              LOAD16(k + i * nkv * hd + d), dots[i]);
+            }
+            _mm512_mask_storeu_ps(scores + j * score_stride, (__mmask16)((1u << count) - 1),
+                                  sum16x16(dots));
+        }
+    }
+#else
     for (int64_t i = 0; i < count; i++) {
         for (int64_t g = g0; g < g1; g++) {
             const T *restrict k = pool + ((slot + i) * nkv + g) * hd;
@@ -97,6 +116,7 @@ static void NAME(page_scores)(const float *restrict q, const T *restrict pool, i
             }
         }
     }
+#endif
 }
 
 /* acc[h] += weights[h * weight_stride + i] * value i of h's KV head, for the query heads h of
@@ -105,6 +125,21 @@ static void NAME(page_values)(const float *restrict weights, int64_t weight_stri
                               const T *restrict pool, int64_t slot, int64_t count, int64_t g0,
                               int64_t g1, int64_t nkv, int64_t group, int64_t hd,
                               float *restrict acc, float *restrict value) {
+#if defined(__AVX512F__)
+    (void)value; /* each accumulator stays in a register across the page's values */
+    for (int64_t g = g0; g < g1; g++) {
+        const T *v = pool + (slot * nkv + g) * hd;
+        for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+            const float *w = weights + j * weight_stride;
+            for (int64_t d = 0; d < hd; d += LANES) {
+                __m512 sum = _mm512_loadu_ps(acc + j * hd + d);
+                for (int64_t i = 0; i < count; i++)
+                    sum = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), LOAD16(v + i * nkv * hd + d), sum);
+                _mm512_storeu_ps(acc + j * hd + d, sum);
+            }
+        }
+    }
+#else
     for (int64_t i = 0; i < count; i++) {
         for (int64_t g = g0; g < g1; g++) {
             const T *restrict v = pool + ((slot + i) * nkv + g) * hd;
@@ -116,6 +151,7 @@ static void NAME(page_values)(const float *restrict weights, int64_t weight_stri
             }
         }
     }
+#endif
 }
 
 /* In place: scores (n,) -> e^(score - max); returns their sum. */
@@ -172,8 +208,9 @@ int NAME(tk_decode_attention)(const T *q, int64_t q_stride, const int64_t *q_row
         const int32_t *pages = block_table + b * table_stride;
         for (int64_t i = 0; i < task_heads * hd; i++) qf[i] = LOAD(qrow[i]) * scale;
         for (int64_t p = start; p < ctx;) {
-            int64_t first = p % page_size, count = page_size - first;
+            int64_t first = p % page_size, count = page_size - first; /* keys left in page */
             count = count < ctx - p ? count : ctx - p;
+            count = count < 16 ? count : 16; /* page_scores takes 16 keys at most */
             int64_t slot = (int64_t)pages[p / page_size] * page_size + first;
             NAME(page_scores)(qf, k_pool, slot, count, g0, g1, nkv, group, hd,
                               scores + p - start, max_ctx, key);
