@@ -1,7 +1,8 @@
 """The C decoder's fast paths against the original bits and the numpy reference: the pair
 table (two codes per lookup when both fit its 12 bits, one when not), codes at every length
 from 1 to the 12-bit limit, the widest symbols (11 bits, NaN and inf exponents), runs that end
-mid-tile and mid-group, lanes of unequal length, and the merge of every raw-field layout."""
+mid-tile and mid-group, lanes of unequal length, the merge of every raw-field layout, and the
+helper threads kept between calls (concurrent calls, a forked child)."""
 
 import numpy as np
 import pytest
@@ -93,5 +94,44 @@ def test_runs_of_unequal_length_and_tensors_of_every_small_size():
     encoded = [encode_tensor(t, f"t{i}") for i, t in enumerate(tensors)]
     assert len(encoded[-1].planes.block_first) >= 6
     for threads in (1, 2, 4):
-        for got, want in zip(decode_tensors(encoded, backend="native", num_threads=threads), tensors):
-            assert same_bits(got, want)
+        decoded = decode_tensors(encoded, backend="native", num_threads=threads)
+        assert all(same_bits(got, want) for got, want in zip(decoded, tensors))
+
+
+def test_calls_from_several_threads_at_once():
+    # One call at a time uses the kept helper threads; the others start their own.
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = [skewed(200_000 + 999 * i, torch.float8_e4m3fn, 1, seed=i).reshape(1, -1)
+               for i in range(4)]  # fmt: skip
+    encoded = [encode_tensor(t, f"t{i}") for i, t in enumerate(tensors)]
+
+    def decode_many(i: int) -> bool:
+        return all(same_bits(decode_tensor(encoded[i], num_threads=2), tensors[i])
+                   for _ in range(20))  # fmt: skip
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(decode_many, range(4)))
+
+
+def _decode_in_child(queue, encoded, tensor):
+    queue.put(same_bits(decode_tensor(encoded, num_threads=2), tensor))
+
+
+def test_a_forked_child_decodes_on_its_own_threads():
+    # The parent's helper threads do not exist in a forked child: it must start its own
+    # rather than wait for them.
+    import multiprocessing
+
+    tensor = skewed(300_000, torch.bfloat16, 5).reshape(1, -1)
+    encoded = encode_tensor(tensor, "w")
+    assert same_bits(decode_tensor(encoded, num_threads=2), tensor)  # helpers now exist
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_decode_in_child, args=(queue, encoded, tensor))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0 and queue.get(timeout=5)

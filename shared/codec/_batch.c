@@ -1,10 +1,10 @@
 /* Entry point of the C decoder: tc_decode_batch decodes a list of tensors in one call. It
  * checks every tensor's planes against its entry, builds its decode tables, cuts its code
  * stream into runs at block boundaries, and lets up to `threads` threads (the caller's and
- * fresh pthreads) take work items - up to MAX_LANES runs of one tensor - from a shared
- * counter, so large tensors split across threads and small ones run side by side. Each
- * tensor's output CRC-32C is joined from its runs' CRCs. */
-#include <pthread.h>
+ * the helpers of _pool.c) take work items - up to MAX_LANES runs of one tensor - from a
+ * shared counter, so large tensors split across threads (a lone one too, down to a few
+ * hundred microseconds of work) and small ones run side by side. Each tensor's output
+ * CRC-32C is joined from its runs' CRCs. */
 #include <stdlib.h>
 #include <sys/mman.h>
 
@@ -14,7 +14,7 @@
 #define SEGS_PER_BLOCK 32
 #define MAX_SYMBOL_BITS 11
 #define RUN_ELEMENTS (1 << 18) /* aim for runs of about this many elements... */
-#define MIN_ELEMENTS_PER_THREAD (1 << 19) /* ...and give a thread at least this much work */
+#define MIN_ELEMENTS_PER_THREAD (1 << 16) /* ...and give a thread at least this much work */
 
 /* One tensor to decode, laid out as native.py's _Job (all fields 8 bytes). */
 typedef struct {
@@ -31,7 +31,7 @@ typedef struct {
     tc_table table;
     tc_target target;
     tc_run *runs;
-    int64_t nruns;
+    int64_t nruns, nitems; /* nitems: the work items its runs are dealt into */
 } prepared;
 
 typedef struct {
@@ -115,9 +115,9 @@ static int build_table(const tc_job *job, tc_table *t) {
     return TC_OK;
 }
 
-/* Cuts the block index into runs of about RUN_ELEMENTS (at least MAX_LANES where there are
- * enough blocks, a multiple of MAX_LANES where possible), each starting on a block. */
-static int cut_runs(const tc_job *job, prepared *p) {
+/* Cuts the block index into runs, each starting on a block, for at least `split` work items
+ * of up to MAX_LANES runs of about RUN_ELEMENTS (fewer where there are not enough blocks). */
+static int cut_runs(const tc_job *job, prepared *p, int64_t split) {
     const int64_t nb = job->n_blocks;
     int64_t *elem = malloc((size_t)(nb + 1) * sizeof *elem);
     if (elem == NULL) return TC_NO_MEMORY;
@@ -128,8 +128,9 @@ static int cut_runs(const tc_job *job, prepared *p) {
     int status = nb > 0 && elem[0] == 0 ? TC_OK : TC_BAD_INDEX;
     for (int64_t b = 0; status == TC_OK && b < nb; b++)
         if (elem[b + 1] < elem[b]) status = TC_BAD_INDEX;
-    int64_t want = ceil_div(ceil_div(job->n, RUN_ELEMENTS), MAX_LANES) * MAX_LANES;
-    want = want < nb ? want : nb;
+    int64_t items = ceil_div(job->n, (int64_t)RUN_ELEMENTS * MAX_LANES);
+    items = items > split ? items : split;
+    const int64_t want = items * MAX_LANES < nb ? items * MAX_LANES : nb;
     p->runs = status == TC_OK ? malloc((size_t)want * sizeof *p->runs) : NULL;
     if (status == TC_OK && p->runs == NULL) status = TC_NO_MEMORY;
     p->nruns = 0;
@@ -148,20 +149,21 @@ static int cut_runs(const tc_job *job, prepared *p) {
         p->runs[p->nruns - 1].end = job->total_bits;
         p->runs[p->nruns - 1].count = job->n - p->runs[p->nruns - 1].first;
     }
+    p->nitems = items < p->nruns ? items : p->nruns;
     free(elem);
     return status;
 }
 
-static int prepare(const tc_job *job, prepared *p) {
+static int prepare(const tc_job *job, prepared *p, int64_t split) {
     tc_target *t = &p->target;
     p->runs = NULL;
-    p->nruns = 0;
+    p->nruns = p->nitems = 0;
     t->k = (int)job->k;
     t->width = (int)job->width;
     if (job->width != 1 && job->width != 2 && job->width != 4) return TC_BAD_SPLIT;
     int status = check_sizes(job, t);
     if (status == TC_OK) status = build_table(job, &p->table);
-    if (status == TC_OK) status = cut_runs(job, p);
+    if (status == TC_OK) status = cut_runs(job, p, split);
     t->stream = job->stream;
     t->stream_len = job->stream_len;
     t->raw = job->raw;
@@ -189,48 +191,60 @@ static void *worker(void *arg) {
     }
 }
 
-/* Runs the work list on up to `threads` threads (fewer if pthreads cannot start). */
-static void run_items(work_list *w, int threads) {
-    pthread_t ids[64];
-    int started = 0;
-    threads = threads < 64 ? threads : 64;
-    for (int i = 1; i < threads; i++)
-        if (pthread_create(&ids[started], NULL, worker, w) == 0) started++;
-    worker(w);
-    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
-}
-
-/* Work items: consecutive groups of up to MAX_LANES runs of each prepared tensor. */
-static work_item *make_items(const tc_job *jobs, prepared *p, int64_t njobs, int64_t *nitems,
-                             int64_t *elements) {
+/* Work items: each prepared tensor's runs dealt into its nitems items, consecutive runs of
+ * as equal a count as can be (at most MAX_LANES). */
+static work_item *make_items(const tc_job *jobs, prepared *p, int64_t njobs, int64_t *nitems) {
     int64_t total = 0;
-    for (int64_t j = 0; j < njobs; j++) total += ceil_div(p[j].nruns, MAX_LANES);
+    for (int64_t j = 0; j < njobs; j++) total += p[j].nitems;
     work_item *items = malloc((size_t)(total ? total : 1) * sizeof *items);
-    *nitems = *elements = 0;
+    *nitems = 0;
     for (int64_t j = 0; items != NULL && j < njobs; j++) {
         if (jobs[j].status != TC_OK) continue;
-        *elements += jobs[j].n;
-        for (int64_t r = 0; r < p[j].nruns; r += MAX_LANES) {
-            int64_t lanes = p[j].nruns - r < MAX_LANES ? p[j].nruns - r : MAX_LANES;
-            items[(*nitems)++] = (work_item){&p[j], j, r, lanes, TC_OK};
+        for (int64_t i = 0; i < p[j].nitems; i++) {
+            int64_t r = p[j].nruns * i / p[j].nitems, next = p[j].nruns * (i + 1) / p[j].nitems;
+            items[(*nitems)++] = (work_item){&p[j], j, r, next - r, TC_OK};
         }
     }
     return items;
+}
+
+/* How many work items to cut each tensor into: a tensor larger than a thread's share of
+ * the batch is split so that the threads can share it (a lone tensor: one item per thread),
+ * as long as each piece keeps MIN_ELEMENTS_PER_THREAD elements. Returns the thread count
+ * worth starting. */
+static int plan_split(const tc_job *jobs, int64_t njobs, int threads, int64_t *split) {
+    int64_t total = 0;
+    for (int64_t j = 0; j < njobs; j++) total += jobs[j].n;
+    const int64_t most = total / MIN_ELEMENTS_PER_THREAD;
+    threads = (int)(threads < most ? threads : most);
+    threads = threads > 1 ? threads : 1;
+    const int64_t share = ceil_div(total, threads);
+    for (int64_t j = 0; j < njobs; j++) {
+        int64_t s = ceil_div(jobs[j].n, share > 0 ? share : 1), by_size = jobs[j].n / MIN_ELEMENTS_PER_THREAD;
+        s = s < by_size ? s : by_size;
+        split[j] = s > 1 ? s : 1;
+    }
+    return threads;
 }
 
 /* Decodes jobs[0 .. njobs - 1]; sets each job's status and (verify) its output's CRC-32C.
  * Returns TC_NO_MEMORY if it could not allocate its bookkeeping, else TC_OK. */
 int tc_decode_batch(tc_job *jobs, int64_t njobs, int threads, int verify) {
     prepared *p = malloc((size_t)(njobs ? njobs : 1) * sizeof *p);
-    if (p == NULL) return TC_NO_MEMORY;
-    for (int64_t j = 0; j < njobs; j++) jobs[j].status = prepare(&jobs[j], &p[j]);
-    int64_t nitems, elements;
-    work_item *items = make_items(jobs, p, njobs, &nitems, &elements);
+    int64_t *split = malloc((size_t)(njobs ? njobs : 1) * sizeof *split);
+    if (p == NULL || split == NULL) {
+        free(p);
+        free(split);
+        return TC_NO_MEMORY;
+    }
+    threads = plan_split(jobs, njobs, threads, split);
+    for (int64_t j = 0; j < njobs; j++) jobs[j].status = prepare(&jobs[j], &p[j], split[j]);
+    free(split);
+    int64_t nitems;
+    work_item *items = make_items(jobs, p, njobs, &nitems);
     if (items != NULL) {
         work_list w = {items, nitems, 0, verify};
-        int64_t most = elements / MIN_ELEMENTS_PER_THREAD;
-        most = most < nitems ? most : nitems;
-        run_items(&w, (int)(threads < most ? threads : most > 1 ? most : 1));
+        tc_run_parallel(worker, &w, (int)(threads < nitems ? threads : nitems));
         for (int64_t i = 0; i < nitems; i++)
             if (items[i].status != TC_OK && jobs[items[i].job].status == TC_OK)
                 jobs[items[i].job].status = items[i].status;

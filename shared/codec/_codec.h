@@ -78,6 +78,10 @@ enum {
 int tc_decode_runs(const tc_table *table, const tc_target *target, tc_run *runs, int lanes,
                    int verify);
 
+/* _pool.c: fn(arg) on the calling thread and on up to threads - 1 helper threads kept
+ * between calls; returns when every one of them has returned. */
+void tc_run_parallel(void *(*fn)(void *), void *arg, int threads);
+
 /* _crc32c.c: CRC-32C (Castagnoli; iSCSI, ext4) with the usual pre- and post-inversion:
  * crc32c_update(0, "123456789", 9) == 0xE3069283. */
 uint32_t crc32c_update(uint32_t crc, const uint8_t *p, int64_t n);

@@ -1,7 +1,7 @@
-"""The C fast path (_encode.c, _decode.c, _crc32c.c, _batch.c; declarations in _codec.h):
-built on first use with the system C compiler into a cache folder keyed by the sources'
-hash, loaded with ctypes (which releases the GIL during calls). `load()` returns None where
-no compiler works (or on a big-endian or 32-bit host); callers then use the numpy
+"""The C fast path (_encode.c, _decode.c, _crc32c.c, _batch.c, _pool.c; declarations in
+_codec.h): built on first use with the system C compiler into a cache folder keyed by the
+sources' hash, loaded with ctypes (which releases the GIL during calls). `load()` returns None
+where no compiler works (or on a big-endian or 32-bit host); callers then use the numpy
 reference."""
 
 import ctypes
@@ -20,7 +20,7 @@ from shared.native_build import build_library
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / f for f in ("_encode.c", "_decode.c", "_crc32c.c", "_batch.c")]
+_SOURCES = [_HERE / f for f in ("_encode.c", "_decode.c", "_crc32c.c", "_batch.c", "_pool.c")]
 _HEADER = _HERE / "_codec.h"
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
 _lock = threading.Lock()
