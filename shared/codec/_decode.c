@@ -117,27 +117,35 @@ ALWAYS_INLINE int decode_lanes(int lanes, const tc_table *t, const uint8_t *stre
     return 0;
 }
 
-/* Raw-field parts of b bits of the sixteen elements e .. e + 15 (e a multiple of 16): for
- * b <= 4 they sit in one 16-byte column group at one bit slot (shifted as 16-bit lanes, since
- * x86 has no byte shifts, then masked); for b = 8 they are sixteen consecutive bytes. */
-ALWAYS_INLINE u8x16 part16(const uint8_t *plane, int b, int64_t e) {
-    u8x16 x;
+/* Raw-field parts of b bits of the 16 * `slots` elements from e (a multiple of 16 * slots):
+ * for b <= 4 they sit in one 16-byte column group at consecutive bit slots (shifted as 16-bit
+ * lanes, since x86 has no byte shifts, then masked); for b = 8 they are consecutive bytes. */
+ALWAYS_INLINE void parts_of(const uint8_t *plane, int b, int64_t e, int slots, u8x16 *x) {
     if (b == 8) {
-        memcpy(&x, plane + e, sizeof x);
-        return x;
+        memcpy(x, plane + e, 16 * (size_t)slots);
+        return;
     }
     const int log_span = 7 - __builtin_ctz((unsigned)b); /* 128 / b elements per group */
     const uint64_t u = (uint64_t)e;
-    memcpy(&x, plane + (u >> log_span) * 16, sizeof x);
+    u16x8 column;
+    memcpy(&column, plane + (u >> log_span) * 16, sizeof column);
     const int slot = (int)((u & ((1u << log_span) - 1)) >> 4) * b;
-    return (u8x16)((u16x8)x >> slot) & (uint8_t)((1u << b) - 1);
+    for (int i = 0; i < slots; i++)
+        x[i] = (u8x16)(column >> (slot + i * b)) & (uint8_t)((1u << b) - 1);
 }
 
-/* The same for the 32 elements e .. e + 31 (e a multiple of 32). */
+ALWAYS_INLINE u8x16 part16(const uint8_t *plane, int b, int64_t e) {
+    u8x16 x;
+    parts_of(plane, b, e, 1, &x);
+    return x;
+}
+
 ALWAYS_INLINE u8x32 part32(const uint8_t *plane, int b, int64_t e) {
-    u8x16 lo = part16(plane, b, e), hi = part16(plane, b, e + 16);
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    u8x16 x[2];
+    parts_of(plane, b, e, 2, x);
+    return __builtin_shufflevector(x[0], x[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                   15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
 }
 
 /* Sixteen bytes zero-extended to 16 bits (GCC 12 lowers the equivalent convertvector to
@@ -160,6 +168,8 @@ ALWAYS_INLINE u32x16 widen_u32(u8x16 x) { return __builtin_convertvector(widen_u
                             const uint8_t *const *planes) {                                    \
         typedef uint16_t u16xL __attribute__((vector_size(2 * LANES)));                        \
         const int k = R - 1, top = (int)sizeof(OUT_T) * 8 - 1;                                 \
+        /* FP8 symbols have at most 7 bits: 255 lets the narrowing reuse the mask */           \
+        const uint16_t SYM_MASK = sizeof(OUT_T) == 1 ? 255 : 2047;                             \
         for (int64_t e = a; e < z; e += LANES) {                                               \
             ACC r = {0};                                                                       \
             int j = 0, shift = 0;                                                              \
@@ -176,7 +186,7 @@ ALWAYS_INLINE u32x16 widen_u32(u8x16 x) { return __builtin_convertvector(widen_u
             }                                                                                  \
             u16xL s;                                                                           \
             memcpy(&s, syms + (e - a), sizeof s);                                              \
-            ACC sym = __builtin_convertvector((s >> 4) & 2047, ACC); /* see tc_table */         \
+            ACC sym = __builtin_convertvector((s >> 4) & SYM_MASK, ACC); /* see tc_table */     \
             ACC v = ((r >> k) << top) | (sym << k) | (r & (LANE_T)((1u << k) - 1));            \
             memcpy((OUT_T *)out + e, &v, sizeof v);                                            \
         }                                                                                      \
