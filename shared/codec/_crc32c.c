@@ -9,10 +9,15 @@
 #define POLY 0x82F63B78u
 
 static uint32_t table[8][256];
+static uint32_t x8pow2[64]; /* x**(8 * 2**i) modulo the polynomial, for combine() */
 static int have_sse42;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
+static uint32_t multmodp(uint32_t a, uint32_t b);
+
 static void init(void) {
+    x8pow2[0] = 1u << 23; /* x**8: one byte */
+    for (int i = 1; i < 64; i++) x8pow2[i] = multmodp(x8pow2[i - 1], x8pow2[i - 1]);
     for (uint32_t b = 0; b < 256; b++) {
         uint32_t c = b;
         for (int i = 0; i < 8; i++) c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
@@ -116,10 +121,9 @@ static uint32_t multmodp(uint32_t a, uint32_t b) {
 }
 
 uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2) {
-    uint32_t x = 1u << 31, sq = 1u << 23; /* x**0; x**8 (one byte) */
-    for (uint64_t n = (uint64_t)len2; n; n >>= 1) { /* x = x**(8 * len2) */
-        if (n & 1) x = multmodp(sq, x);
-        sq = multmodp(sq, sq);
-    }
+    pthread_once(&once, init);
+    uint32_t x = 1u << 31; /* x**0, then x**(8 * len2): one product per set bit of len2 */
+    for (int i = 0; i < 64 && (uint64_t)len2 >> i; i++)
+        if (((uint64_t)len2 >> i) & 1) x = multmodp(x8pow2[i], x);
     return multmodp(x, crc1) ^ crc2;
 }
