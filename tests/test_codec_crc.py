@@ -31,7 +31,10 @@ def test_continuing_and_combining(length):
 
 
 @needs_native
-@pytest.mark.parametrize("length", [0, 1, 5, 8, 15, 16, 17, 100, 4099, 1 << 20])
+# Lengths around the 256-byte rounds of the folding path (AVX-512 VPCLMULQDQ CPUs).
+@pytest.mark.parametrize(
+    "length", [0, 1, 5, 8, 15, 16, 17, 100, 255, 256, 257, 511, 512, 519, 4096, 4099, 1 << 20]
+)
 def test_c_matches_the_reference(length):
     lib = native.load()
     data = np.frombuffer(os.urandom(length), dtype=np.uint8).copy()
@@ -40,3 +43,7 @@ def test_c_matches_the_reference(length):
     assert got == crc32c(data, start)
     tensor = torch.from_numpy(data)
     assert checksum(tensor, lib) == checksum(tensor) == crc32c(data)
+    # Every way this CPU has (tables; the crc32 instruction; carry-less folding), not just
+    # the fastest one that native.crc32c takes.
+    for how in range(3):
+        assert lib.tc_crc32c_by(how, start, data.ctypes.data, length) in (-1, got)

@@ -96,7 +96,8 @@ static int build_table(const tc_job *job, tc_table *t) {
     if (used == 1) { /* the 1-bit code 0; the decoder may read the unused code 1 too */
         if (bits != 1) return TC_BAD_CODE;
         for (int64_t s = 0; s < symbols; s++)
-            for (int w = 0; len[s] && w < 1 << LUT_MAX_BITS; w++) t->lut[w] = (uint16_t)(s << 4 | 1);
+            for (int w = 0; len[s] && w < 1 << LUT_MAX_BITS; w++)
+                t->lut[w] = (uint16_t)(s << 4 | 1);
     } else {
         if (kraft != 1 << LUT_MAX_BITS) return TC_BAD_CODE;
         int64_t at[LUT_MAX_BITS + 1]; /* canonical codes: by length, then by symbol */
@@ -220,7 +221,8 @@ static int plan_split(const tc_job *jobs, int64_t njobs, int threads, int64_t *s
     threads = threads > 1 ? threads : 1;
     const int64_t share = ceil_div(total, threads);
     for (int64_t j = 0; j < njobs; j++) {
-        int64_t s = ceil_div(jobs[j].n, share > 0 ? share : 1), by_size = jobs[j].n / MIN_ELEMENTS_PER_THREAD;
+        int64_t s = ceil_div(jobs[j].n, share > 0 ? share : 1);
+        const int64_t by_size = jobs[j].n / MIN_ELEMENTS_PER_THREAD;
         s = s < by_size ? s : by_size;
         split[j] = s > 1 ? s : 1;
     }

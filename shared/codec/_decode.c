@@ -54,14 +54,16 @@ ALWAYS_INLINE void decode_rounds(int lanes, const uint32_t *pairs, const uint8_t
     for (;;) {
         int64_t rounds = INT64_MAX;
         for (int j = 0; j < lanes; j++) {
-            int64_t by_syms = (end[j] - o[j]) >> 3, by_bits = p[j] <= last ? (last - p[j]) / 48 + 1 : 0;
+            int64_t by_syms = (end[j] - o[j]) >> 3;
+            const int64_t by_bits = p[j] <= last ? (last - p[j]) / 48 + 1 : 0;
             by_syms = by_syms < by_bits ? by_syms : by_bits;
             rounds = rounds < by_syms ? rounds : by_syms;
         }
         if (rounds <= 0) return;
         for (int64_t r = 0; r < rounds; r++) {
             uint64_t w[MAX_LANES];
-            for (int j = 0; j < lanes; j++) w[j] = load_be64(stream + (p[j] >> 3)) << (p[j] & 7) | 1;
+            for (int j = 0; j < lanes; j++)
+                w[j] = load_be64(stream + (p[j] >> 3)) << (p[j] & 7) | 1;
             for (int q = 0; q < 4; q++)
                 for (int j = 0; j < lanes; j++) {
                     uint32_t e = pairs[w[j] >> SHIFT];
@@ -91,7 +93,8 @@ ALWAYS_INLINE int decode_lanes(int lanes, const tc_table *t, const uint8_t *stre
         if (n == 0) break;
         int64_t lp[MAX_LANES];
         uint16_t *lo[MAX_LANES], *lend[MAX_LANES];
-        for (int q = 0; q < n; q++) lp[q] = pos[live[q]], lo[q] = o[live[q]], lend[q] = end[live[q]];
+        for (int q = 0; q < n; q++)
+            lp[q] = pos[live[q]], lo[q] = o[live[q]], lend[q] = end[live[q]];
 #define ROUNDS(L) decode_rounds(L, t->pairs, stream, last, lp, lo, lend); break
         switch (n) { /* make the lane count a compile-time constant */
             case 6: ROUNDS(6);

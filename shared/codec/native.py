@@ -52,6 +52,7 @@ _SIGNATURES = {
     ),
     "tc_decode_batch": (_int, [ctypes.POINTER(Job), _i64, _int, _int]),
     "tc_crc32c": (_u32, [_u32, _ptr, _i64]),
+    "tc_crc32c_by": (_i64, [_int, _u32, _ptr, _i64]),
 }
 
 # tc_decode_batch's status codes (_codec.h) -> what is wrong with the planes.
