@@ -66,27 +66,14 @@ def test_rms_norm_per_head_of_a_strided_view(dtype):
 def test_rope_matches_the_torch_rotation_bit_for_bit(dtype):
     rotary = RotaryEmbedding(64, 512, 10000.0, None, dtype)
     qkv = torch.randn(9, (6 + 2 * 2) * 64).to(dtype)
-    q = qkv[:, : 6 * 64].view(9, 6, 64)
+    q = qkv[:, : 6 * 64].view(9, 6, 64)  # strided views, as split from the qkv projection
+    k = qkv[:, 6 * 64 : 8 * 64].view(9, 2, 64)
     positions = torch.tensor([0, 1, 2, 100, 101, 7, 511, 3, 4])
     cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
-    ours = cpu_kernels.rope(q, positions, rotary.cos, rotary.sin)
-    assert ours.is_contiguous()
-    assert torch.equal(ours, _rotate(q, cos, sin))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_writes_each_token_into_its_slot(dtype):
-    kv_layer = torch.zeros(2, 6, 4, 2, 16, dtype=dtype)  # (2, P, S, nkv, hd)
-    qkv = torch.randn(3, 3 * 2 * 16).to(dtype)  # q, k, v of 2 heads each: strided views
-    k = qkv[:, 32:64].view(3, 2, 16)
-    v = qkv[:, 64:].view(3, 2, 16)
-    slots = torch.tensor([5, 22, 0])
-    cpu_kernels.store_kv(k, v, kv_layer, slots)
-    pool = kv_layer.view(2, -1, 2, 16)
-    assert torch.equal(pool[0, slots], k) and torch.equal(pool[1, slots], v)
-    others = torch.ones(24, dtype=torch.bool)
-    others[slots] = False
-    assert not pool[:, others].any()
+    q_out, k_out = cpu_kernels.rope(q, k, positions, rotary.cos, rotary.sin)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, _rotate(q, cos, sin))
+    assert torch.equal(k_out, _rotate(k, cos, sin))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,46 +99,58 @@ def paged_case(contexts, nh, nkv, hd, page_size, dtype, seed=0):
     return kv_layer, torch.tensor(table, dtype=torch.int32)
 
 
+def unread_slots(kv_layer: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The slots of the pages that no row of the table reads."""
+    page_size = kv_layer.shape[2]
+    read = set(table.flatten().tolist())
+    unread = [p for p in range(kv_layer.shape[1]) if p not in read]
+    return (torch.tensor(unread)[:, None] * page_size + torch.arange(page_size)).flatten()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "nh,nkv,hd,page_size,window",
-    [(4, 4, 16, 4, None), (12, 4, 64, 16, None), (8, 1, 128, 16, None), (6, 2, 32, 8, 5)],
+    [(4, 4, 16, 4, None), (12, 4, 64, 16, None), (8, 1, 128, 16, None), (6, 2, 32, 8, 5)]
+    + [(4, 2, 16, 32, None)],  # pages longer than the kernel's 16-key blocks
 )
-def test_decode_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, page_size, window):
+def test_paged_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, page_size, window):
+    """A mixed batch of 8 tokens: 6 decode rows (their own tokens already in the pool) and 2
+    prefill tokens; all 8 tokens' K/V are written first, into a page no row reads."""
     contexts = [1, 7, 16, 17, 40, 3]  # inside one page, page ends, several pages
     kv_layer, table = paged_case(contexts, nh, nkv, hd, page_size, dtype)
-    rows = torch.tensor([6, 0, 2, 7, 3, 5])  # decode rows of a mixed batch of 8 tokens
+    rows = torch.tensor([6, 0, 2, 7, 3, 5])
     q = torch.randn(8, nh, hd).to(dtype)
+    k, v = torch.randn(2, 8, nkv, hd).to(dtype)
+    slots = unread_slots(kv_layer, table)[:8]
     d = DecodeRows(rows, table, torch.tensor(contexts, dtype=torch.int32), page_size, window)
     ref = PagedAttention(nh, nkv, hd, hd**-0.5)._decode(q[rows], kv_layer[0], kv_layer[1], d)
     out = torch.full_like(q, 7.0)
-    cpu_kernels.decode_attention(
-        q, kv_layer, d.block_table, d.context_lens, rows, window, hd**-0.5, out
-    )
+    cpu_kernels.paged_attention(q, k, v, kv_layer, slots, d, hd**-0.5, out)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[rows].float(), ref.float(), rtol=tol, atol=tol)
     assert (out[[1, 4]] == 7.0).all()  # rows that do not decode are left alone
+    pool = kv_layer.view(2, -1, nkv, hd)
+    assert torch.equal(pool[0, slots], k) and torch.equal(pool[1, slots], v)
 
 
-def test_decode_attention_many_rows_uses_whole_row_tasks_alike():
+def test_paged_attention_many_rows_uses_whole_row_tasks_alike():
     """Enough rows for one task per row (all KV heads) on 2 threads: same result."""
     contexts = [5 + 13 * i for i in range(20)]
     kv_layer, table = paged_case(contexts, 8, 2, 32, 16, torch.float32, seed=1)
     q = torch.randn(20, 8, 32)
-    lens = torch.tensor(contexts, dtype=torch.int32)
-    outs = []
+    d = DecodeRows(None, table, torch.tensor(contexts, dtype=torch.int32), 16, None)
+    ref = PagedAttention(8, 2, 32, 0.1)._decode(q, kv_layer[0], kv_layer[1], d)
+    k = v = torch.zeros(20, 2, 32)
+    slots = unread_slots(kv_layer, table)[:1].repeat(20)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append(torch.empty_like(q))
-            cpu_kernels.decode_attention(q, kv_layer, table, lens, None, None, 0.1, outs[-1])
+            out = torch.empty_like(q)
+            cpu_kernels.paged_attention(q, k, v, kv_layer, slots, d, 0.1, out)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
-    d = DecodeRows(None, table, lens, 16, None)
-    ref = PagedAttention(8, 2, 32, 0.1)._decode(q, kv_layer[0], kv_layer[1], d)
-    for out in outs:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_wrappers_name_what_is_wrong():
@@ -163,6 +162,7 @@ def test_wrappers_name_what_is_wrong():
     with pytest.raises(ValueError, match="silu_mul: x must be contiguous"):
         cpu_kernels.silu_mul(torch.randn(8, 16)[:, :8])
     with pytest.raises(ValueError, match="rope positions.*int64"):
-        cpu_kernels.rope(x.view(4, 2, 16), torch.zeros(4, dtype=torch.int32), x, x)
+        q = x.view(4, 2, 16)
+        cpu_kernels.rope(q, q, torch.zeros(4, dtype=torch.int32), x, x)
     assert not cpu_kernels.attention_supported(8, 8, 24)  # head size not a multiple of 16
     assert not cpu_kernels.attention_supported(128, 1, 64)  # 128 query heads per KV head

@@ -66,25 +66,19 @@ class PagedAttention(nn.Module):
 
     def forward(self, q, k, v, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd), kv_layer (2, P, S, nkv, hd) -> (T, nh, hd)."""
-        fast = self.kernel_ok and cpu_kernels.usable(q)
-        if fast:
-            cpu_kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        d = meta.decode
+        if self.kernel_ok and cpu_kernels.usable(q):  # K/V stored, decode rows done in C
+            cpu_kernels.paged_attention(q, k, v, kv_layer, meta.slot_mapping, d, self.scale, out)
         else:
             pool = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, P*S, nkv, hd)
             pool[0].index_copy_(0, meta.slot_mapping, k)  # new tokens into their slots
             pool[1].index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        d = meta.decode
-        if d is not None and fast:
-            cpu_kernels.decode_attention(
-                q, kv_layer, d.block_table, d.context_lens, d.rows, d.window, self.scale, out
-            )
-        elif d is not None:
-            rows = q if d.rows is None else q[d.rows]
-            decoded = self._decode(rows, kv_layer[0], kv_layer[1], d)
-            if d.rows is None:
-                return decoded
-            out[d.rows] = decoded
+            if d is not None:
+                decoded = self._decode(q if d.rows is None else q[d.rows], *kv_layer, d)
+                if d.rows is None:
+                    return decoded
+                out[d.rows] = decoded
         for span in meta.prefills:
             out[span.start : span.end] = self._prefill(
                 q[span.start : span.end], kv_layer[0], kv_layer[1], span

@@ -8,10 +8,14 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.native_build import build_library
+
+if TYPE_CHECKING:
+    from shared.models.layers.attention import DecodeRows
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +30,12 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "tk_rms_norm": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int]),
-    "tk_rope": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]),
-    "tk_store_kv": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
+    "tk_rope": (None, [_ptr, _i64, _ptr, _i64, *[_i64] * 4, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
     "tk_silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
-    "tk_decode_attention": (
+    "tk_paged_attention": (
         _int,
-        [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64]
-        + [_f32, _ptr, _int],
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
+        + [*[_i64] * 6, _f32, _ptr, _int],
     ),
 }
 _lock = threading.Lock()
@@ -114,36 +117,24 @@ def rms_norm(
     return out
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x (n, heads, hd), rows possibly strided -> rotated (n, heads, hd), contiguous; cos/sin
-    (max_positions, hd) tables read at positions (n,) int64."""
-    n, heads, hd = x.shape
+def rope(q: torch.Tensor, k: torch.Tensor, positions, cos, sin):
+    """q (n, nh, hd) and k (n, nkv, hd), rows possibly strided -> rotated copies, contiguous;
+    cos/sin (max_positions, hd) tables, contiguous, read at positions (n,) int64."""
+    n, nh, hd = q.shape
+    nkv = k.shape[1]
+    _check("rope k", k, q.dtype, n, nkv, hd)
     _check("rope positions", positions, torch.int64, n)
-    _check("rope cos", cos, x.dtype, cos.shape[0], hd)
-    _check("rope sin", sin, x.dtype, *cos.shape)
+    _check("rope cos", cos, q.dtype, cos.shape[0], hd)
+    _check("rope sin", sin, q.dtype, *cos.shape)
     if not (cos.is_contiguous() and sin.is_contiguous() and positions.is_contiguous()):
         raise ValueError("rope: cos, sin and positions must be contiguous")
-    out = torch.empty((n, heads, hd), dtype=x.dtype)
-    _kernels["tk_rope", x.dtype](
-        x.data_ptr(), _rows_of("rope x", x), n, heads, hd, positions.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    q_out, k_out = torch.empty((n, nh, hd), dtype=q.dtype), torch.empty((n, nkv, hd), dtype=q.dtype)
+    _kernels["tk_rope", q.dtype](
+        q.data_ptr(), _rows_of("rope q", q), k.data_ptr(), _rows_of("rope k", k), n, nh, nkv, hd,
+        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
-    return out
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor):
-    """k, v (n, nkv, hd), rows possibly strided -> slots (n,) int64 of kv_layer
-    (2, P, S, nkv, hd), contiguous."""
-    n, nkv, hd = k.shape
-    _check("store_kv v", v, k.dtype, n, nkv, hd)
-    _check("store_kv slots", slots, torch.int64, n)
-    _check("store_kv pool", kv_layer, k.dtype, 2, *kv_layer.shape[1:3], nkv, hd)
-    if not (kv_layer.is_contiguous() and slots.is_contiguous()):
-        raise ValueError("store_kv: the pool and the slots must be contiguous")
-    _kernels["tk_store_kv", k.dtype](
-        k.data_ptr(), _rows_of("store_kv k", k), v.data_ptr(), _rows_of("store_kv v", v),
-        n, nkv * hd, slots.data_ptr(), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
-    )  # fmt: skip
+    return q_out, k_out
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -161,40 +152,52 @@ def attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> boo
     return head_dim % LANES == 0 and num_heads // num_kv_heads <= MAX_GROUP
 
 
-def decode_attention(
+def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     kv_layer: torch.Tensor,
-    block_table: torch.Tensor,
-    context_lens: torch.Tensor,
-    rows: torch.Tensor | None,
-    window: int | None,
+    slots: torch.Tensor,
+    decode: "DecodeRows | None",
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """One query token per row, keys and values read in place from the pages.
-    q (T, nh, hd), rows possibly strided; kv_layer (2, P, S, nkv, hd), contiguous;
-    block_table (B, Pmax) int32; context_lens (B,) int32; rows (B,) int64: the rows of q and
-    out that decode (None: rows 0..B-1); out (T, nh, hd), contiguous, written at those rows."""
+    """Writes the new tokens' k, v (T, nkv, hd) into their slots (T,) int64 of kv_layer
+    (2, P, S, nkv, hd), then runs decode attention for decode's rows of q (T, nh, hd) (rows
+    may be strided), reading keys and values in place from the pages, into those rows of out
+    (T, nh, hd), contiguous. decode: block_table (B, Pmax) int32, context_lens (B,) int32,
+    rows (B,) int64 or None (rows 0..B-1), window."""
     T, nh, hd = q.shape
     _, num_pages, page_size, nkv, _ = kv_layer.shape
-    B = block_table.shape[0]
     if not attention_supported(nh, nkv, hd):
-        raise ValueError(f"decode_attention: head size {hd} or {nh}/{nkv} heads unsupported")
-    _check("decode_attention pool", kv_layer, q.dtype, 2, num_pages, page_size, nkv, hd)
-    _check("decode_attention out", out, q.dtype, T, nh, hd)
-    _check("decode_attention block_table", block_table, torch.int32, *block_table.shape)
-    _check("decode_attention context_lens", context_lens, torch.int32, B)
-    if rows is not None:
-        _check("decode_attention rows", rows, torch.int64, B)
-    elif B > T:
-        raise ValueError(f"decode_attention: {B} rows decode but q has {T}")
-    if not all(t.is_contiguous() for t in (kv_layer, out, block_table, context_lens)):
-        raise ValueError("decode_attention: pool, out, block table and lengths: contiguous")
-    status = _kernels["tk_decode_attention", q.dtype](
-        q.data_ptr(), _rows_of("decode_attention q", q), None if rows is None else rows.data_ptr(),
-        kv_layer[0].data_ptr(), kv_layer[1].data_ptr(), block_table.data_ptr(),
-        block_table.stride(0), context_lens.data_ptr(), B, nh, nkv, hd, page_size,
-        window or 0, scale, out.data_ptr(), torch.get_num_threads(),
+        raise ValueError(f"paged_attention: head size {hd} or {nh}/{nkv} heads unsupported")
+    _check("paged_attention k", k, q.dtype, T, nkv, hd)
+    _check("paged_attention v", v, q.dtype, T, nkv, hd)
+    _check("paged_attention slots", slots, torch.int64, T)
+    _check("paged_attention pool", kv_layer, q.dtype, 2, num_pages, page_size, nkv, hd)
+    _check("paged_attention out", out, q.dtype, T, nh, hd)
+    if not (kv_layer.is_contiguous() and out.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("paged_attention: the pool, out and slots must be contiguous")
+    B, table, lens, rows, window = 0, None, None, None, 0
+    if decode is not None:
+        table, lens, rows = decode.block_table, decode.context_lens, decode.rows
+        B, window = table.shape[0], decode.window or 0
+        _check("paged_attention block_table", table, torch.int32, *table.shape)
+        _check("paged_attention context_lens", lens, torch.int32, B)
+        if rows is not None:
+            _check("paged_attention rows", rows, torch.int64, B)
+        elif B != T:
+            raise ValueError(f"paged_attention: {B} rows decode but q has {T}")
+        if not (table.is_contiguous() and lens.is_contiguous()):
+            raise ValueError("paged_attention: block table and context lengths: contiguous")
+    status = _kernels["tk_paged_attention", q.dtype](
+        k.data_ptr(), _rows_of("paged_attention k", k), v.data_ptr(),
+        _rows_of("paged_attention v", v), slots.data_ptr(), T,
+        q.data_ptr(), _rows_of("paged_attention q", q), None if rows is None else rows.data_ptr(),
+        kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
+        None if table is None else table.data_ptr(), 0 if table is None else table.stride(0),
+        None if lens is None else lens.data_ptr(), B, nh, nkv, hd, page_size, window, scale,
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError("decode_attention: no memory for the attention scores")
+        raise MemoryError("paged_attention: no memory for the attention scores")

@@ -44,25 +44,22 @@ static void NAME(rotate)(const T *restrict x, const T *restrict cos, const T *re
     }
 }
 
-/* x: n rows of `heads` vectors of hd (row stride x_stride) -> out (n, heads, hd), contiguous,
- * rotated by the cos/sin rows (tables (max_positions, hd)) of positions[t]. */
-void NAME(tk_rope)(const T *x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
-                   const int64_t *positions, const T *cos, const T *sin, T *out, int threads) {
+/* q: n rows of nh heads of hd values (row stride q_stride), k likewise with nkv heads ->
+ * q_out (n, nh, hd) and k_out (n, nkv, hd), contiguous, rotated by the cos/sin rows (tables
+ * (max_positions, hd)) of positions[t]. */
+void NAME(tk_rope)(const T *q, int64_t q_stride, const T *k, int64_t k_stride, int64_t n,
+                   int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions, const T *cos,
+                   const T *sin, T *q_out, T *k_out, int threads) {
+    int64_t heads = nh + nkv;
 #pragma omp parallel for num_threads(threads) if (n * heads * hd >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < n * heads; r++) {
         int64_t t = r / heads, h = r % heads;
         const T *c = cos + positions[t] * hd, *s = sin + positions[t] * hd;
-        NAME(rotate)(x + t * x_stride + h * hd, c, s, hd, out + r * hd);
-    }
-}
-
-/* k, v: n rows of nkv*hd values (row strides k_stride, v_stride) -> slot slots[t] of the
- * pools ((P*S, nkv*hd) each). */
-void NAME(tk_store_kv)(const T *k, int64_t k_stride, const T *v, int64_t v_stride, int64_t n,
-                       int64_t width, const int64_t *slots, T *k_pool, T *v_pool) {
-    for (int64_t t = 0; t < n; t++) {
-        memcpy(k_pool + slots[t] * width, k + t * k_stride, width * sizeof(T));
-        memcpy(v_pool + slots[t] * width, v + t * v_stride, width * sizeof(T));
+        if (h < nh)
+            NAME(rotate)(q + t * q_stride + h * hd, c, s, hd, q_out + (t * nh + h) * hd);
+        else
+            NAME(rotate)(k + t * k_stride + (h - nh) * hd, c, s, hd,
+                         k_out + (t * nkv + h - nh) * hd);
     }
 }
 
@@ -166,7 +163,9 @@ static float NAME(softmax_weights)(float *restrict s, int64_t n) {
     return sum_lanes(lane);
 }
 
-/* Decode attention, one query token per row b: keys and values read in place from the pages
+/* Paged attention's C part. First the n_new tokens' k and v (rows of nkv*hd values, row
+ * strides k_stride and v_stride) are written to their slots[t] of the pools. Then decode
+ * attention, one query token per row b: keys and values read in place from the pages
  * block_table[b] (row stride table_stride), positions [start, context_lens[b]) where
  * start = context - window when a sliding window is set (window > 0), else 0.
  * q: row q_rows[b] (b when q_rows is NULL) of a (?, nh*hd) tensor, row stride q_stride;
@@ -177,11 +176,18 @@ static float NAME(softmax_weights)(float *restrict s, int64_t n) {
  * over the pages (scores; weighted values).
  * Needs hd % LANES == 0 and nh / nkv <= MAX_GROUP (the wrapper checks).
  * Returns 0, or -1 when scratch memory cannot be allocated. */
-int NAME(tk_decode_attention)(const T *q, int64_t q_stride, const int64_t *q_rows,
-                              const T *k_pool, const T *v_pool, const int32_t *block_table,
-                              int64_t table_stride, const int32_t *context_lens, int64_t n,
-                              int64_t nh, int64_t nkv, int64_t hd, int64_t page_size,
-                              int64_t window, float scale, T *out, int threads) {
+int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,
+                             const int64_t *slots, int64_t n_new, const T *q, int64_t q_stride,
+                             const int64_t *q_rows, T *k_pool, T *v_pool,
+                             const int32_t *block_table, int64_t table_stride,
+                             const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
+                             int64_t hd, int64_t page_size, int64_t window, float scale, T *out,
+                             int threads) {
+    for (int64_t t = 0; t < n_new; t++) {
+        memcpy(k_pool + slots[t] * nkv * hd, k + t * k_stride, nkv * hd * sizeof(T));
+        memcpy(v_pool + slots[t] * nkv * hd, v + t * v_stride, nkv * hd * sizeof(T));
+    }
+    if (n == 0) return 0;
     int64_t group = nh / nkv, keys = 0, max_ctx = 0;
     for (int64_t b = 0; b < n; b++) {
         keys += context_lens[b];

@@ -54,10 +54,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if cpu_kernels.usable(q):
-            return (
-                cpu_kernels.rope(q, positions, self.cos, self.sin),
-                cpu_kernels.rope(k, positions, self.cos, self.sin),
-            )
+            return cpu_kernels.rope(q, k, positions, self.cos, self.sin)
         if positions is not self._positions:  # every layer of a step shares one lookup
             self._positions = positions
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
