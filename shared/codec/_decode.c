@@ -133,6 +133,7 @@ ALWAYS_INLINE void parts_of(const uint8_t *plane, int b, int64_t e, int slots, u
     u16x8 column;
     memcpy(&column, plane + (u >> log_span) * 16, sizeof column);
     const int slot = (int)((u & ((1u << log_span) - 1)) >> 4) * b;
+#pragma GCC unroll 2
     for (int i = 0; i < slots; i++)
         x[i] = (u8x16)(column >> (slot + i * b)) & (uint8_t)((1u << b) - 1);
 }
@@ -143,22 +144,25 @@ ALWAYS_INLINE u8x16 part16(const uint8_t *plane, int b, int64_t e) {
     return x;
 }
 
+/* Two 16-byte vectors as one of 32 bytes. Vector element constructors and casts lower to
+ * one insert on AVX2 and to nothing (a register pair) on SSE2 or NEON; GCC 12 turns the
+ * equivalent __builtin_shufflevector into byte-by-byte moves where vectors have 16 bytes. */
+typedef unsigned __int128 u128;
+typedef u128 u128x2 __attribute__((vector_size(32)));
+ALWAYS_INLINE u8x32 join16(u8x16 lo, u8x16 hi) { return (u8x32)(u128x2){(u128)lo, (u128)hi}; }
+
 ALWAYS_INLINE u8x32 part32(const uint8_t *plane, int b, int64_t e) {
     u8x16 x[2];
     parts_of(plane, b, e, 2, x);
-    return __builtin_shufflevector(x[0], x[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
-                                   15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
-                                   31);
+    return join16(x[0], x[1]);
 }
 
-/* Sixteen bytes zero-extended to 16 bits (GCC 12 lowers the equivalent convertvector to
- * two half-width extensions and an insert on AVX2, this to one vpmovzxbw). */
-ALWAYS_INLINE u16x16 widen_u16(u8x16 x) {
-    return (u16x16)__builtin_shufflevector(x, (u8x16){0}, 0, 16, 1, 16, 2, 16, 3, 16, 4, 16, 5,
-                                           16, 6, 16, 7, 16, 8, 16, 9, 16, 10, 16, 11, 16, 12, 16,
-                                           13, 16, 14, 16, 15, 16);
-}
-ALWAYS_INLINE u32x16 widen_u32(u8x16 x) { return __builtin_convertvector(widen_u16(x), u32x16); }
+/* Sixteen bytes zero-extended (one vpmovzxbw on AVX2, two unpacks on SSE2). */
+#define ZEXT16(T, x)                                                                        \
+    ((T){x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12], x[13], \
+         x[14], x[15]})
+ALWAYS_INLINE u16x16 widen_u16(u8x16 x) { return ZEXT16(u16x16, x); }
+ALWAYS_INLINE u32x16 widen_u32(u8x16 x) { return ZEXT16(u32x16, x); }
 #define AS_IS(x) (x)
 
 /* Elements a .. z - 1 (multiples of LANES) from their symbols (syms[0] is element a) and raw
@@ -182,6 +186,7 @@ ALWAYS_INLINE u32x16 widen_u32(u8x16 x) { return __builtin_convertvector(widen_u
                 r |= __builtin_convertvector(x, ACC);                                          \
                 shift += 16;                                                                   \
             }                                                                                  \
+            _Pragma("GCC unroll 4") /* R is a constant: the parts are known */               \
             for (int b = 8; b >= 1; b >>= 1) {                                                 \
                 if (!(R & b)) continue;                                                        \
                 r |= WIDEN(PART(planes[j++], b, e)) << shift;                                 \
