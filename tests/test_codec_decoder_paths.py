@@ -118,6 +118,8 @@ def _decode_in_child(queue, encoded, tensor):
     queue.put(same_bits(decode_tensor(encoded, num_threads=2), tensor))
 
 
+# Python 3.12+ warns about forking a process that has threads: that is the point here.
+@pytest.mark.filterwarnings("ignore:This process.*is multi-threaded:DeprecationWarning")
 def test_a_forked_child_decodes_on_its_own_threads():
     # The parent's helper threads do not exist in a forked child: it must start its own
     # rather than wait for them.
