@@ -84,16 +84,20 @@ static void NAME(page_scores)(const float *restrict q, const T *restrict pool, i
                               int64_t group, int64_t hd, float *restrict scores,
                               int64_t score_stride, float *restrict key) {
 #if defined(__AVX512F__)
-    (void)key;
+    (void)key; /* 16 keys at a time, their dot products held in 16 registers */
     for (int64_t g = g0; g < g1; g++) {
-        const T *k = pool + (slot * nkv + g) * hd;
+        const T *rows[16]; /* past `count`, the last key again: read, then masked off */
+        for (int64_t i = 0; i < 16; i++)
+            rows[i] = pool + ((slot + (i < count ? i : count - 1)) * nkv + g) * hd;
         for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
-            __m512 dots[16]; /* lanes of dot(q[j], key i) */
-            for (int64_t i = 0; i < 16; i++) {
-                dots[i] = _mm512_setzero_ps();
-                for (int64_t d = 0; i < count && d < hd; d += LANES)
-                    dots[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * hd + d),
-                                              LOAD16(k + i * nkv * hd + d), dots[i]);
+            __m512 dots[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) dots[i] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < hd; d += LANES) {
+                __m512 qd = _mm512_loadu_ps(q + j * hd + d);
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++)
+                    dots[i] = _mm512_fmadd_ps(qd, LOAD16(rows[i] + d), dots[i]);
             }
             _mm512_mask_storeu_ps(scores + j * score_stride, (__mmask16)((1u << count) - 1),
                                   sum16x16(dots));
@@ -153,11 +157,16 @@ static void NAME(page_values)(const float *restrict weights, int64_t weight_stri
 
 /* In place: scores (n,) -> e^(score - max); returns their sum. */
 static float NAME(softmax_weights)(float *restrict s, int64_t n) {
-    float best = -INFINITY, lane[LANES] = {0};
-    for (int64_t i = 0; i < n; i++) best = s[i] > best ? s[i] : best;
-    for (int64_t i = 0; i < n; i++) s[i] = exp_approx(s[i] - best);
+    float top[LANES], lane[LANES] = {0}; /* per-lane maxima and sums: both vectorize */
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) top[l] = s[i + l] > top[l] ? s[i + l] : top[l];
+    for (; i < n; i++) top[0] = s[i] > top[0] ? s[i] : top[0];
+    float best = top[0];
+    for (int l = 1; l < LANES; l++) best = top[l] > best ? top[l] : best;
+    for (i = 0; i < n; i++) s[i] = exp_approx(s[i] - best);
+    for (i = 0; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) lane[l] += s[i + l];
     for (; i < n; i++) lane[0] += s[i];
     return sum_lanes(lane);
