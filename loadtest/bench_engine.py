@@ -18,6 +18,7 @@ import torch
 from loadtest.random_model import llama_fields, save_random_llama
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.huge_pages import restart_with_huge_pages
 from shared.models.layers.cpu_pack import linear
 from shared.models.layers.embedding import ParallelLMHead
 from shared.models.layers.linear import LinearBase
@@ -135,6 +136,7 @@ def roofline(tokens_per_s: float, batch: int, gbs: float, weight_bytes: int) -> 
 
 
 def main() -> None:
+    restart_with_huge_pages()  # as the `tison` command does: weights on 2 MiB pages
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -4,6 +4,8 @@ import argparse
 import importlib
 import sys
 
+from shared.huge_pages import restart_with_huge_pages
+
 # Modules under services/cli that add a subcommand; each defines register(subparsers).
 SUBCOMMAND_MODULES = [
     "up",
@@ -26,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `tison` command itself, not a test calling main([...])
+        restart_with_huge_pages()  # before torch is imported; children inherit the setting
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
