@@ -125,7 +125,7 @@ def test_paged_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, pa
     d = DecodeRows(rows, table, torch.tensor(contexts, dtype=torch.int32), page_size, window)
     ref = PagedAttention(nh, nkv, hd, hd**-0.5)._decode(q[rows], kv_layer[0], kv_layer[1], d)
     out = torch.full_like(q, 7.0)
-    cpu_kernels.paged_attention(q, k, v, kv_layer, slots, d, hd**-0.5, out)
+    cpu_kernels.paged_attention(q, k, v, kv_layer, slots, hd**-0.5, out, **d.kernel_args())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[rows].float(), ref.float(), rtol=tol, atol=tol)
     assert (out[[1, 4]] == 7.0).all()  # rows that do not decode are left alone
@@ -147,7 +147,7 @@ def test_paged_attention_many_rows_uses_whole_row_tasks_alike():
         for n in (1, 2):
             torch.set_num_threads(n)
             out = torch.empty_like(q)
-            cpu_kernels.paged_attention(q, k, v, kv_layer, slots, d, 0.1, out)
+            cpu_kernels.paged_attention(q, k, v, kv_layer, slots, 0.1, out, **d.kernel_args())
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)

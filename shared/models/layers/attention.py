@@ -36,6 +36,15 @@ class DecodeRows:
     page_size: int
     window: int | None  # sliding window: only the last `window` keys are visible
 
+    def kernel_args(self) -> dict:
+        """The decode part of cpu_kernels.paged_attention's arguments."""
+        return dict(
+            block_table=self.block_table,
+            context_lens=self.context_lens,
+            rows=self.rows,
+            window=self.window,
+        )
+
     @cached_property
     def mask(self) -> torch.Tensor:
         """(B, 1, 1, Pmax * S) True where a key is visible: the torch path's padding mask."""
@@ -69,7 +78,10 @@ class PagedAttention(nn.Module):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.decode
         if self.kernel_ok and cpu_kernels.usable(q):  # K/V stored, decode rows done in C
-            cpu_kernels.paged_attention(q, k, v, kv_layer, meta.slot_mapping, d, self.scale, out)
+            decode = {} if d is None else d.kernel_args()
+            cpu_kernels.paged_attention(
+                q, k, v, kv_layer, meta.slot_mapping, self.scale, out, **decode
+            )
         else:
             pool = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, P*S, nkv, hd)
             pool[0].index_copy_(0, meta.slot_mapping, k)  # new tokens into their slots

@@ -8,14 +8,10 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from shared.native_build import build_library
-
-if TYPE_CHECKING:
-    from shared.models.layers.attention import DecodeRows
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +154,19 @@ def paged_attention(
     v: torch.Tensor,
     kv_layer: torch.Tensor,
     slots: torch.Tensor,
-    decode: "DecodeRows | None",
     scale: float,
     out: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    context_lens: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """Writes the new tokens' k, v (T, nkv, hd) into their slots (T,) int64 of kv_layer
-    (2, P, S, nkv, hd), then runs decode attention for decode's rows of q (T, nh, hd) (rows
+    (2, P, S, nkv, hd), then runs decode attention for the decode rows of q (T, nh, hd) (rows
     may be strided), reading keys and values in place from the pages, into those rows of out
-    (T, nh, hd), contiguous. decode: block_table (B, Pmax) int32, context_lens (B,) int32,
-    rows (B,) int64 or None (rows 0..B-1), window."""
+    (T, nh, hd), contiguous. The decode rows: block_table (B, Pmax) int32 of their pages,
+    context_lens (B,) int32, rows (B,) int64 or None (rows 0..B-1), sliding window or None.
+    No block_table: no row decodes."""
     T, nh, hd = q.shape
     _, num_pages, page_size, nkv, _ = kv_layer.shape
     if not attention_supported(nh, nkv, hd):
@@ -178,10 +178,9 @@ def paged_attention(
     _check("paged_attention out", out, q.dtype, T, nh, hd)
     if not (kv_layer.is_contiguous() and out.is_contiguous() and slots.is_contiguous()):
         raise ValueError("paged_attention: the pool, out and slots must be contiguous")
-    B, table, lens, rows, window = 0, None, None, None, 0
-    if decode is not None:
-        table, lens, rows = decode.block_table, decode.context_lens, decode.rows
-        B, window = table.shape[0], decode.window or 0
+    B, table, lens = 0, block_table, context_lens
+    if table is not None:
+        B = table.shape[0]
         _check("paged_attention block_table", table, torch.int32, *table.shape)
         _check("paged_attention context_lens", lens, torch.int32, B)
         if rows is not None:
@@ -196,7 +195,7 @@ def paged_attention(
         q.data_ptr(), _rows_of("paged_attention q", q), None if rows is None else rows.data_ptr(),
         kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
         None if table is None else table.data_ptr(), 0 if table is None else table.stride(0),
-        None if lens is None else lens.data_ptr(), B, nh, nkv, hd, page_size, window, scale,
+        None if lens is None else lens.data_ptr(), B, nh, nkv, hd, page_size, window or 0, scale,
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
