@@ -53,10 +53,14 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if cpu_kernels.usable(q):
-            return cpu_kernels.rope(q, k, positions, self.cos, self.sin)
         if positions is not self._positions:  # every layer of a step shares one lookup
             self._positions = positions
+            if len(positions) and int(positions.max()) >= len(self.cos):  # C reads unchecked
+                raise IndexError(f"position {int(positions.max())} beyond the rotary tables")
+            self._cos_sin = ()
+        if cpu_kernels.usable(q):
+            return cpu_kernels.rope(q, k, positions, self.cos, self.sin)
+        if not self._cos_sin:
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         cos, sin = self._cos_sin  # (T, 1, hd) each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
