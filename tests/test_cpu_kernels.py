@@ -166,3 +166,34 @@ def test_wrappers_name_what_is_wrong():
         cpu_kernels.rope(q, q, torch.zeros(4, dtype=torch.int32), x, x)
     assert not cpu_kernels.attention_supported(8, 8, 24)  # head size not a multiple of 16
     assert not cpu_kernels.attention_supported(128, 1, 64)  # 128 query heads per KV head
+
+
+def test_elementwise_kernels_give_the_same_bits_on_two_threads():
+    """Past their size thresholds the kernels split rows across the OpenMP team."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 2048, generator=g).bfloat16()  # 128K elements: parallel
+    residual = torch.randn(64, 1024, generator=g).bfloat16()
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None, torch.bfloat16)
+    qk = x.view(64, 32, 64)
+    positions = torch.arange(64) * 7
+    weight = torch.rand(1024, generator=g).bfloat16()
+
+    def run():
+        res = residual.clone()
+        return (
+            cpu_kernels.rms_norm(x[:, :1024], weight, 1e-6, res),
+            res,
+            *cpu_kernels.rope(qk[:, :16], qk[:, 16:], positions, rotary.cos, rotary.sin),
+            cpu_kernels.silu_mul(x),
+        )
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
