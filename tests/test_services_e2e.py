@@ -141,17 +141,17 @@ async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama
     await wait_pages_free(cluster)
 
 
-async def settled(read, before: float, timeout: float = 10.0) -> float:
-    """The value of read() once it has moved from `before` and then held still for a while:
-    heartbeats carry the transfer counters, late when the machine is busy."""
-    last, deadline = before, asyncio.get_running_loop().time() + timeout
+async def steady(read, differs_from: float | None = None, timeout: float = 15.0) -> float:
+    """read()'s value once two readings 0.5 s apart (over two heartbeats, which carry the
+    counters late when the machine is busy) agree and, if given, differ from differs_from."""
+    last, deadline = None, asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.3)
         value = await read()
-        if value != before and value == last:
+        if value == last and value != differs_from:
             return value
         last = value
-    raise AssertionError(f"the counter did not settle (last {last}, before {before})")
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the counter did not settle (last {last}, from {differs_from})")
 
 
 async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llama):
@@ -159,7 +159,10 @@ async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llam
     moves the token's KV (2 layers x 2 KV heads x 16 dims x K,V x 4 B = 512 B)."""
 
     async def measure(num_tokens):
-        before = await metric(cluster, "tison_kv_transfer_bytes", "prefill")
+        def kv_bytes():
+            return metric(cluster, "tison_kv_transfer_bytes", "prefill")
+
+        before = await steady(kv_bytes)  # earlier tests' transfers all counted
 
         async def send():
             await client.completions.create(
@@ -167,9 +170,7 @@ async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llam
             )
 
         sent = await nats_bytes_per_request(cluster, send)
-        return sent, await settled(
-            lambda: metric(cluster, "tison_kv_transfer_bytes", "prefill"), before
-        ) - before
+        return sent, await steady(kv_bytes, differs_from=before) - before
 
     (short_nats, short_kv), (long_nats, long_kv) = await measure(10), await measure(210)
     assert (long_nats - short_nats) / 200 <= 8, (short_nats, long_nats)
