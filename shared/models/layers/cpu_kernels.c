@@ -52,8 +52,9 @@ static inline float sum_lanes(const float *acc) { /* pairwise: vectorizes, short
 
 #if defined(__AVX512F__)
 /* Sixteen horizontal sums at once: lane k of the result is the sum of the 16 lanes of v[k].
- * Each round adds the two halves of pairs of vectors (kept side by side), halving the
- * number of vectors: 15 two-source permutes per round pair instead of 16 separate sums. */
+ * Four rounds (16 -> 8 -> 4 -> 2 -> 1 vectors): each pairs the vectors up and adds the
+ * matching halves of a pair, kept side by side. 15 pair steps of two permutes and one add,
+ * where 16 separate sums would each need their own shuffle-and-add tree. */
 static inline __m512 sum16x16(__m512 v[16]) {
     static const int32_t pick[4][2][16] = {
         {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
