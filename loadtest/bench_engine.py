@@ -19,7 +19,7 @@ from loadtest.random_model import llama_fields, save_random_llama
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages
-from shared.models.layers.cpu_pack import linear
+from shared.models.layers.cpu_linear import linear
 from shared.models.layers.embedding import ParallelLMHead
 from shared.models.layers.linear import LinearBase
 from shared.sampling.params import SamplingParams
@@ -108,7 +108,7 @@ def measure_round(engine, hf, prompt_len: int, new_tokens: int) -> dict[str, tup
 
 def matmul_floor(engine: LLMEngine, batch: int, repeats: int = 5) -> float:
     """Decode tokens/s at this batch if a step were nothing but the model's matmuls: every
-    linear layer and the LM head (as the engine runs them: oneDNN-packed bf16 on CPU) back to
+    linear layer and the LM head (as the engine runs them: AMX or oneDNN on CPU) back to
     back on random input, best of `repeats` passes. Attention, norms and sampling are left
     out, so no engine step can be faster than this."""
     layers = [m for m in engine.model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from shared.models.layers import cpu_kernels
+from shared.models.layers.linear import LinearBase
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import GREEDY_32, hf_greedy, make_prompts, new_engine, run_all
@@ -74,6 +75,9 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
     model_dir = tiny_model_factory("llama")
     prompt = make_prompts([12])[0]
     engine = new_engine(model_dir, dtype="bfloat16")
+    if cpu_kernels.amx_ready():  # where the CPU has AMX, this checks that kernel in a model
+        linears = [m for m in engine.model.modules() if isinstance(m, LinearBase)]
+        assert all(m.amx for m in linears)
     req = engine.add_request(
         "a", prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     )

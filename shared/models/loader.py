@@ -9,9 +9,9 @@ from torch import nn
 from shared.checkpoint import Checkpoint
 from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
-from shared.models.layers.cpu_pack import can_pack
+from shared.models.layers.cpu_linear import can_pack
 from shared.models.layers.linear import default_weight_loader
-from shared.models.packing import pack_linears
+from shared.models.packing import prepare_cpu_linears
 from shared.models.registry import model_class
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
@@ -35,7 +35,7 @@ def load_model(
     finally:
         checkpoint.close()
     if can_pack(dtype, torch.device("cpu")):
-        pack_linears(model)
+        prepare_cpu_linears(model)
     return model.eval()
 
 

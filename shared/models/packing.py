@@ -1,20 +1,26 @@
-"""After loading: swap bf16 CPU weights for oneDNN-packed ones (see layers/cpu_pack.py)."""
+"""After loading, the CPU bf16 linears pick their kernel (see layers/cpu_linear.py): where AMX
+runs, each layer whose weight fits the AMX kernel is marked for it and keeps its plain weight;
+the others have their weight swapped for a oneDNN-packed one."""
 
 import torch
 from torch import nn
 
-from shared.models.layers.cpu_pack import PackedLinear
+from shared.models.layers import cpu_kernels
+from shared.models.layers.cpu_linear import PackedLinear
 from shared.models.layers.embedding import ParallelLMHead
 from shared.models.layers.linear import LinearBase
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Packs the weight of every linear layer (and an untied LM head) of a bf16 CPU model."""
+def prepare_cpu_linears(model: nn.Module) -> None:
+    """For a bf16 CPU model: every linear layer and the LM head (an untied one, for oneDNN)."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    amx = cpu_kernels.amx_ready()
     for module in model.modules():
-        tied = isinstance(module, ParallelLMHead) and getattr(
-            model.config, "tie_word_embeddings", False
-        )
-        if isinstance(module, LinearBase) or (isinstance(module, ParallelLMHead) and not tied):
+        if not isinstance(module, (LinearBase, ParallelLMHead)):
+            continue
+        if amx and cpu_kernels.amx_fits(module.weight):
+            module.amx = True
+        elif isinstance(module, LinearBase) or not tied:
             module.packed = PackedLinear(module.weight.data, getattr(module, "bias", None))
             module.weight = nn.Parameter(
                 torch.empty(0, dtype=module.weight.dtype), requires_grad=False

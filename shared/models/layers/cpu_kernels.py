@@ -1,7 +1,8 @@
-"""Wrappers of the C kernels in cpu_kernels.c (built on first use, loaded with ctypes): each
-checks dtype, shape and strides, then passes addresses. The layers call them for CPU tensors
-of float32 or bfloat16 when `usable(x)`; elsewhere (another device, no C compiler) the layers
-keep their torch code, which is also the reference the kernel tests compare against."""
+"""Wrappers of the C kernels in cpu_kernels.c and amx_linear.c (one library, built on first
+use, loaded with ctypes): each checks dtype, shape and strides, then passes addresses. The
+layers call them for CPU tensors of float32 or bfloat16 when `usable(x)` (the AMX linear: when
+`amx_ready()`); elsewhere (another device, no C compiler) the layers keep their torch code,
+which is also the reference the kernel tests compare against."""
 
 import ctypes
 import logging
@@ -34,9 +35,15 @@ _SIGNATURES = {
         + [*[_i64] * 6, _f32, _ptr, _int],
     ),
 }
+_BF16_ONLY = {  # amx_linear.c
+    "tk_amx_ready": (_int, []),
+    "tk_linear_bf16": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int]),
+}
+AMX_ALIGN = (16, 32)  # amx_linear.c: output features and input features, multiples of these
 _lock = threading.Lock()
 _kernels: dict = {}  # (name, dtype) -> the ctypes function, once built and loaded
 _built: list[bool] = []  # [whether the library loaded], once it was tried
+_amx: list[bool] = []  # [whether tk_linear_bf16 runs here], once asked
 
 
 def _load() -> bool:
@@ -54,7 +61,8 @@ def load_kernels(flags: list[str]) -> dict | None:
     """{(name, dtype): ctypes function} of the library built with these flags; None if it
     cannot be built."""
     try:
-        sources, headers = [_HERE / "cpu_kernels.c"], [_HERE / "cpu_kernels_impl.h"]
+        sources = [_HERE / "cpu_kernels.c", _HERE / "amx_linear.c"]
+        headers = [_HERE / "cpu_kernels_impl.h"]
         lib = ctypes.CDLL(str(build_library("tison_cpu_kernels", sources, flags, headers)))
     except (OSError, subprocess.SubprocessError) as e:
         log.info("C CPU kernels with %s: %s", " ".join(flags), e)
@@ -65,12 +73,57 @@ def load_kernels(flags: list[str]) -> dict | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
             kernels[name, dtype] = fn
+    for name, (restype, argtypes) in _BF16_ONLY.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+        kernels[name, torch.bfloat16] = fn
     return kernels
 
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels can take x's device and dtype (building them on the first call)."""
     return x.device.type == "cpu" and x.dtype in _SUFFIX and (_built[0] if _built else _load())
+
+
+def amx_ready() -> bool:
+    """Whether the AMX bfloat16 linear runs here: built for a CPU with AMX-BF16, and the OS
+    lets this process use the tiles."""
+    if not _amx:
+        _amx.append(_load() and bool(_kernels["tk_amx_ready", torch.bfloat16]()))
+    return _amx[0]
+
+
+def amx_fits(weight: torch.Tensor) -> bool:
+    """Whether linear_bf16 takes this (out, in) weight: bf16, contiguous, sizes aligned."""
+    out_features, in_features = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and out_features % AMX_ALIGN[0] == 0
+        and in_features % AMX_ALIGN[1] == 0
+    )
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, in) bf16, rows possibly strided; weight (out, in) with amx_fits(weight); bias
+    (out,) or None -> (M, out) = x weight^T + bias, summed in float32. Needs amx_ready()."""
+    M, K = x.shape
+    N = weight.shape[0]
+    _check("linear x", x, torch.bfloat16, M, K)
+    if weight.shape[1] != K:
+        raise ValueError(f"linear: x has {K} features, the weight takes {weight.shape[1]}")
+    if bias is not None:
+        _check("linear bias", bias, torch.bfloat16, N)
+    y = torch.empty((M, N), dtype=torch.bfloat16)
+    if M == 0:
+        return y
+    status = _kernels["tk_linear_bf16", torch.bfloat16](
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        M, N, K, y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"linear: {'no memory for the packed input' if status == -1 else 'no AMX'}")
+    return y
 
 
 def _check(name: str, x: torch.Tensor, dtype: torch.dtype, *shape: int) -> None:

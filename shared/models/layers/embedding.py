@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.models.layers.cpu_pack import linear
+from shared.models.layers.cpu_linear import linear
 from shared.parallel.group import SINGLE, TPGroup
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shared.checkpoint import materialize
-from shared.models.layers.cpu_pack import linear
+from shared.models.layers.cpu_linear import linear
 from shared.parallel.group import SINGLE, TPGroup
 
 

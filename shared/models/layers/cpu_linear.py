@@ -1,10 +1,16 @@
-"""bfloat16 matmuls on CPU: oneDNN's prepacked weight layout runs the small-batch (decode)
-GEMMs ~1.3-2x faster than plain F.linear, with bit-identical results. Packing happens once,
-after the weights are loaded; the packed tensor replaces the plain one."""
+"""bfloat16 matmuls on CPU. Where the CPU has AMX, decode-sized inputs (up to AMX_MAX_ROWS
+rows) run in our AMX kernel on the plain weight (amx_linear.c), which reads weights ~1.4x faster
+than oneDNN at 1-32 rows; larger inputs (prefill) go to F.linear, whose oneDNN kernel packs the
+weight on the fly. Elsewhere, oneDNN's prepacked layout runs the decode GEMMs ~1.3-2x faster
+than plain F.linear, bit for bit: the packed tensor replaces the plain one, once, after loading."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared.models.layers import cpu_kernels
+
+AMX_MAX_ROWS = 256  # measured: above this oneDNN's large-M kernel is the faster one
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -31,6 +37,11 @@ class PackedLinear(nn.Module):
 
 
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """F.linear, through the packed weight when the module has one."""
+    """F.linear, through the packed weight when the module has one, through the AMX kernel when
+    the module is marked `amx` (see packing.py) and x has few rows. x (T, in) -> (T, out)."""
     packed = getattr(module, "packed", None)
-    return packed(x) if packed is not None else F.linear(x, weight, bias)
+    if packed is not None:
+        return packed(x)
+    if getattr(module, "amx", False) and x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS:
+        return cpu_kernels.linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias)

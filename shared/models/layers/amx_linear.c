@@ -1,0 +1,177 @@
+/* bfloat16 linear layers on Intel AMX: y (M, N) = x (M, K) w (N, K)^T (+ bias), float32 sums,
+ * for the few rows of a decode step, where oneDNN's kernels read the weights at two thirds of
+ * the memory bandwidth. The weight stays in its plain row-major layout (one copy, which the
+ * embedding can share when tied): its 16-row x 32-column blocks are the A tiles, loaded with
+ * the row stride; x, packed per call into VNNI pairs, gives the B tiles; each C tile is
+ * (16 outputs n, 16 rows m), transposed on the way out. A thread owns whole 32-output groups
+ * and streams their rows once, for up to 32 rows of x at a time.
+ *
+ * Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
+ * tk_amx_ready() says 0 and the layers keep oneDNN.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 when this process may use the AMX tiles (Linux grants them on request, once). */
+int tk_amx_ready(void) {
+    uint64_t features = 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &features) != 0) return 0;
+    return (features >> XFEATURE_XTILEDATA) & 1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles: 0 holds A (16 weight rows x 32 k), 1 and 2 B (32 k of 16 rows of x, as 16 k-pairs
+ * of `width` rows), 3..6 the sums C: 3/4 the first 16 outputs of a group for B 1/2, 5/6 the
+ * next 16. */
+static void configure(int64_t width) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64;
+    for (int t = 1; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = (uint16_t)(width * 4);
+    _tile_loadconfig(&cfg);
+}
+
+/* x (M, K), row stride xs -> xp (ceil(M/16) blocks, K/32 steps, 16 pairs, width rows, 2): each
+ * step of a block one B tile, rows past M zero. width = min(M, 16). */
+static void pack_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, int64_t width, bf16 *xp) {
+    int64_t blocks = (M + 15) / 16, steps = K / 32;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t s = 0; s < steps; s++) {
+            uint32_t *tile = (uint32_t *)(xp + (b * steps + s) * 32 * width);
+            for (int64_t m = 0; m < width; m++) {
+                int64_t row = b * 16 + m;
+                const uint32_t *pairs = (const uint32_t *)(x + row * xs + s * 32);
+                for (int64_t r = 0; r < 16; r++) tile[r * width + m] = row < M ? pairs[r] : 0;
+            }
+        }
+}
+
+/* C tile c (16 outputs, 16 rows; row stride 16 floats) -> `rows` rows of y (row stride ys)
+ * at 16 consecutive outputs, plus their bias, rounded to bf16 (nearest even). */
+static inline void store_c(const float *c, const bf16 *bias, int64_t rows, bf16 *y, int64_t ys) {
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                                             192, 208, 224, 240);
+    __m512 b = _mm512_setzero_ps();
+    if (bias != NULL) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)bias);
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + m, 4), b);
+        _mm256_storeu_si256((__m256i *)(y + m * ys), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* Outputs [n0, n0 + 16 * outs) (outs 1 or 2) for the rows of B block `block` and, when
+ * `pair`, the next block too. */
+static void group(const bf16 *w, const bf16 *bias, const bf16 *xp, int64_t block, int pair,
+                  int64_t n0, int outs, int64_t M, int64_t N, int64_t K, int64_t width,
+                  bf16 *y) {
+    int64_t steps = K / 32, block_size = steps * 32 * width;
+    const bf16 *w0 = w + n0 * K, *w1 = outs == 2 ? w0 + 16 * K : w0;
+    const bf16 *xa = xp + block * block_size, *xb = xa + block_size;
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    if (pair)
+        for (int64_t s = 0; s < steps; s++) {
+            _tile_loadd(1, xa + s * 32 * width, width * 4);
+            _tile_loadd(2, xb + s * 32 * width, width * 4);
+            _tile_loadd(0, w0 + s * 32, K * 2);
+            _tile_dpbf16ps(3, 0, 1);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_loadd(0, w1 + s * 32, K * 2);
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_dpbf16ps(6, 0, 2);
+        }
+    else
+        for (int64_t s = 0; s < steps; s++) {
+            _tile_loadd(1, xa + s * 32 * width, width * 4);
+            _tile_loadd(0, w0 + s * 32, K * 2);
+            _tile_dpbf16ps(3, 0, 1);
+            _tile_loadd(0, w1 + s * 32, K * 2);
+            _tile_dpbf16ps(5, 0, 1);
+        }
+    float c[16 * 16];
+    int64_t m0 = block * 16, rows = M - m0 < 16 ? M - m0 : 16;
+    bf16 *out = y + m0 * N + n0;
+    const bf16 *b0 = bias == NULL ? NULL : bias + n0, *b1 = bias == NULL ? NULL : b0 + 16;
+    _tile_stored(3, c, 64);
+    store_c(c, b0, rows, out, N);
+    if (outs == 2) {
+        _tile_stored(5, c, 64);
+        store_c(c, b1, rows, out + 16, N);
+    }
+    if (!pair) return;
+    rows = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
+    out += 16 * N;
+    _tile_stored(4, c, 64);
+    store_c(c, b0, rows, out, N);
+    if (outs == 2) {
+        _tile_stored(6, c, 64);
+        store_c(c, b1, rows, out + 16, N);
+    }
+}
+
+static __thread bf16 *scratch; /* the caller's packed x, grown as needed, kept */
+static __thread size_t scratch_bytes;
+
+/* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL; w (N, K) contiguous.
+ * Needs N % 16 == 0 and K % 32 == 0 (the wrapper checks). Returns 0, or -1 when the scratch
+ * for x cannot be allocated. */
+int tk_linear_bf16(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
+                   int64_t N, int64_t K, bf16 *y, int threads) {
+    int64_t width = M < 16 ? M : 16, blocks = (M + 15) / 16;
+    size_t bytes = (size_t)(blocks * K * width * 2);
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch == NULL ? 0 : bytes;
+        if (scratch == NULL) return -1;
+    }
+    const bf16 *xp = scratch; /* the caller's: the team's threads have scratches of their own */
+    pack_x(x, xs, M, K, width, scratch);
+    int64_t groups = (N / 16 + 1) / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        int team = omp_get_num_threads(), id = omp_get_thread_num();
+        configure(width);
+        for (int64_t g = groups * id / team; g < groups * (id + 1) / team; g++) {
+            int outs = g * 32 + 16 < N ? 2 : 1;
+            for (int64_t b = 0; b < blocks; b += 2)
+                group(w, bias, xp, b, b + 1 < blocks, g * 32, outs, M, N, K, width, y);
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+#else
+int tk_amx_ready(void) { return 0; }
+
+int tk_linear_bf16(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
+                   int64_t N, int64_t K, bf16 *y, int threads) {
+    (void)x, (void)xs, (void)w, (void)bias, (void)M, (void)N, (void)K, (void)y, (void)threads;
+    return -2;
+}
+#endif
