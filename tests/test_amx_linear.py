@@ -87,7 +87,9 @@ class _Model(torch.nn.Module):
         super().__init__()
         self.config = type("Config", (), {"tie_word_embeddings": False})()
         self.fits = ColumnParallelLinear(64, 48, bias=True, dtype=torch.bfloat16)
-        self.odd = RowParallelLinear(24, 40, dtype=torch.bfloat16)  # 24 inputs: not a multiple of 32
+        self.odd = RowParallelLinear(
+            24, 40, dtype=torch.bfloat16
+        )  # 24 inputs: not a multiple of 32
         for p in self.parameters():
             p.data.copy_(torch.randn(p.shape) / 4)
 
@@ -117,4 +119,6 @@ def test_layers_pick_their_kernel_and_agree_with_f_linear():
 @needs_amx
 def test_no_rows_gives_an_empty_output():
     weight = torch.ones(16, 32, dtype=torch.bfloat16)
-    assert cpu_kernels.linear_bf16(torch.zeros(0, 32, dtype=torch.bfloat16), weight, None).shape == (0, 16)
+    assert cpu_kernels.linear_bf16(
+        torch.zeros(0, 32, dtype=torch.bfloat16), weight, None
+    ).shape == (0, 16)

@@ -122,7 +122,9 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         M, N, K, y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError(f"linear: {'no memory for the packed input' if status == -1 else 'no AMX'}")
+        raise MemoryError(
+            f"linear: {'no memory for the packed input' if status == -1 else 'no AMX'}"
+        )
     return y
 
 
