@@ -87,6 +87,7 @@ static void group(const bf16 *w, const bf16 *bias, const bf16 *xp, int64_t block
                   int64_t n0, int outs, int64_t M, int64_t N, int64_t K, int64_t width,
                   bf16 *y) {
     int64_t steps = K / 32, block_size = steps * 32 * width;
+    /* with one output block left, tiles 5/6 repeat tiles 3/4 and are not stored */
     const bf16 *w0 = w + n0 * K, *w1 = outs == 2 ? w0 + 16 * K : w0;
     const bf16 *xa = xp + block * block_size, *xb = xa + block_size;
     _tile_zero(3);
