@@ -31,10 +31,6 @@ class PackedLinear(nn.Module):
             x = x.reshape(-1, self.in_features).contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    @property
-    def nbytes(self) -> int:
-        return self.out_features * self.in_features * 2
-
 
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """F.linear, through the packed weight when the module has one, through the AMX kernel when
