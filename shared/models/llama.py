@@ -8,6 +8,7 @@ from shared.kv.cache import KVCache
 from shared.models.config import ModelConfig
 from shared.models.layers.activation import SiluAndMul
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
+from shared.models.layers.decode_layer import FusedDecodeLayer
 from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shared.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -69,8 +70,20 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype, tp)
+        self.fused: FusedDecodeLayer | None = None  # see prepare_fused_decode
+
+    def prepare_fused_decode(self) -> None:
+        """Once the weights are final: run decode steps in one C call where that can."""
+        a, mlp = self.self_attn, self.mlp
+        self.fused = FusedDecodeLayer.build(
+            input_norm=self.input_layernorm, qkv=a.qkv_proj, q_norm=a.q_norm, k_norm=a.k_norm,
+            rotary=a.rotary, attn=a.attn, o=a.o_proj, post_norm=self.post_attention_layernorm,
+            gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+        )  # fmt: skip
 
     def forward(self, positions, x, residual, kv_layer, meta):
+        if self.fused is not None and self.fused.takes(x, meta):
+            return self.fused(positions, x, residual, kv_layer, meta)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:

@@ -1,6 +1,7 @@
 """After loading, the CPU bf16 linears pick their kernel (see layers/cpu_linear.py): where AMX
 runs, each layer whose weight fits the AMX kernel is marked for it and keeps its plain weight;
-the others have their weight swapped for a oneDNN-packed one."""
+the others have their weight swapped for a oneDNN-packed one. Decoder layers whose linears all
+run on AMX then run decode steps in one C call (layers/decode_layer.py)."""
 
 import torch
 from torch import nn
@@ -25,3 +26,6 @@ def prepare_cpu_linears(model: nn.Module) -> None:
             module.weight = nn.Parameter(
                 torch.empty(0, dtype=module.weight.dtype), requires_grad=False
             )
+    for module in model.modules():  # decoder layers whose linears all run on AMX
+        if hasattr(module, "prepare_fused_decode"):
+            module.prepare_fused_decode()

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#include "cpu_kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -50,19 +50,17 @@ static void configure(int64_t width) {
     _tile_loadconfig(&cfg);
 }
 
-/* x (M, K), row stride xs -> xp (ceil(M/16) blocks, K/32 steps, 16 pairs, width rows, 2): each
- * step of a block one B tile, rows past M zero. width = min(M, 16). */
-static void pack_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, int64_t width, bf16 *xp) {
-    int64_t blocks = (M + 15) / 16, steps = K / 32;
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t s = 0; s < steps; s++) {
-            uint32_t *tile = (uint32_t *)(xp + (b * steps + s) * 32 * width);
-            for (int64_t m = 0; m < width; m++) {
-                int64_t row = b * 16 + m;
-                const uint32_t *pairs = (const uint32_t *)(x + row * xs + s * 32);
-                for (int64_t r = 0; r < 16; r++) tile[r * width + m] = row < M ? pairs[r] : 0;
-            }
-        }
+/* Tile (block b, step s) of x packed: x (M, K), row stride xs -> xp (ceil(M/16) blocks, K/32
+ * steps, 16 pairs, width rows, 2), each step of a block one B tile, rows past M zero.
+ * width = min(M, 16). */
+static void pack_tile(const bf16 *x, int64_t xs, int64_t M, int64_t K, int64_t width, int64_t b,
+                      int64_t s, bf16 *xp) {
+    uint32_t *tile = (uint32_t *)(xp + (b * (K / 32) + s) * 32 * width);
+    for (int64_t m = 0; m < width; m++) {
+        int64_t row = b * 16 + m;
+        const uint32_t *pairs = (const uint32_t *)(x + row * xs + s * 32);
+        for (int64_t r = 0; r < 16; r++) tile[r * width + m] = row < M ? pairs[r] : 0;
+    }
 }
 
 /* C tile c (16 outputs, 16 rows; row stride 16 floats) -> `rows` rows of y (row stride ys)
@@ -134,34 +132,50 @@ static void group(const bf16 *w, const bf16 *bias, const bf16 *xp, int64_t block
     }
 }
 
-static __thread bf16 *scratch; /* the caller's packed x, grown as needed, kept */
+static __thread bf16 *scratch; /* a caller's packed x, grown as needed, kept */
 static __thread size_t scratch_bytes;
 
-/* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL; w (N, K) contiguous.
- * Needs N % 16 == 0 and K % 32 == 0 (the wrapper checks). Returns 0, or -1 when the scratch
- * for x cannot be allocated. */
-int tk_linear_bf16(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
-                   int64_t N, int64_t K, bf16 *y, int threads) {
-    int64_t width = M < 16 ? M : 16, blocks = (M + 15) / 16;
-    size_t bytes = (size_t)(blocks * K * width * 2);
+/* The calling thread's scratch for packed x of M rows of K (64-byte aligned), or NULL when
+ * it cannot be allocated. */
+bf16 *amx_pack_buffer(int64_t M, int64_t K) {
+    size_t bytes = (size_t)((M + 15) / 16 * K * (M < 16 ? M : 16) * 2);
     if (bytes > scratch_bytes) {
         free(scratch);
         scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
         scratch_bytes = scratch == NULL ? 0 : bytes;
-        if (scratch == NULL) return -1;
     }
-    const bf16 *xp = scratch; /* the caller's: the team's threads have scratches of their own */
-    pack_x(x, xs, M, K, width, scratch);
+    return scratch;
+}
+
+/* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL; w (N, K) contiguous;
+ * xp: amx_pack_buffer(M, K), shared by the team. Inside a parallel region the team packs x
+ * together, then shares out the output groups (an orphaned `omp for` each; outside a region
+ * the caller does all). Leaves the tiles configured: release them once the team is done.
+ * Needs N % 16 == 0 and K % 32 == 0 (the wrapper checks). */
+void amx_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
+                     int64_t N, int64_t K, bf16 *y, bf16 *xp) {
+    int64_t width = M < 16 ? M : 16, blocks = (M + 15) / 16, steps = K / 32;
+#pragma omp for
+    for (int64_t t = 0; t < blocks * steps; t++) pack_tile(x, xs, M, K, width, t / steps, t % steps, xp);
+    configure(width);
     int64_t groups = (N / 16 + 1) / 2;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int outs = g * 32 + 16 < N ? 2 : 1;
+        for (int64_t b = 0; b < blocks; b += 2)
+            group(w, bias, xp, b, b + 1 < blocks, g * 32, outs, M, N, K, width, y);
+    }
+}
+
+/* amx_linear_team on `threads` threads. Returns 0, or -1 when the scratch for x cannot be
+ * allocated. */
+int tk_linear_bf16(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
+                   int64_t N, int64_t K, bf16 *y, int threads) {
+    bf16 *xp = amx_pack_buffer(M, K); /* the caller's: the team's threads have their own */
+    if (xp == NULL) return -1;
 #pragma omp parallel num_threads(threads)
     {
-        int team = omp_get_num_threads(), id = omp_get_thread_num();
-        configure(width);
-        for (int64_t g = groups * id / team; g < groups * (id + 1) / team; g++) {
-            int outs = g * 32 + 16 < N ? 2 : 1;
-            for (int64_t b = 0; b < blocks; b += 2)
-                group(w, bias, xp, b, b + 1 < blocks, g * 32, outs, M, N, K, width, y);
-        }
+        amx_linear_team(x, xs, w, bias, M, N, K, y, xp);
         _tile_release();
     }
     return 0;

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -23,8 +25,6 @@
 #define MAX_GROUP 64 /* query heads per KV head, at most */
 #define PARALLEL_MIN_ELEMS 65536 /* below this an elementwise op runs on one thread */
 #define PARALLEL_MIN_KEYS 1024 /* attention: (key, kv head) pairs below which one thread runs */
-
-typedef uint16_t bf16;
 
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;

@@ -1,8 +1,9 @@
-"""Wrappers of the C kernels in cpu_kernels.c and amx_linear.c (one library, built on first
-use, loaded with ctypes): each checks dtype, shape and strides, then passes addresses. The
-layers call them for CPU tensors of float32 or bfloat16 when `usable(x)` (the AMX linear: when
-`amx_ready()`); elsewhere (another device, no C compiler) the layers keep their torch code,
-which is also the reference the kernel tests compare against."""
+"""Wrappers of the C kernels in cpu_kernels.c, amx_linear.c and decode_layer.c (one library,
+built on first use, loaded with ctypes): each checks dtype, shape and strides, then passes
+addresses. The layers call them for CPU tensors of float32 or bfloat16 when `usable(x)` (the
+AMX linear and the fused decode layer: when `amx_ready()`); elsewhere (another device, no C
+compiler) the layers keep their torch code, which is also the reference the kernel tests
+compare against."""
 
 import ctypes
 import logging
@@ -35,9 +36,14 @@ _SIGNATURES = {
         + [*[_i64] * 6, _f32, _ptr, _int],
     ),
 }
-_BF16_ONLY = {  # amx_linear.c
+_BF16_ONLY = {  # amx_linear.c, decode_layer.c
     "tk_amx_ready": (_int, []),
     "tk_linear_bf16": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int]),
+    "tk_decode_layer_bf16": (
+        _int,
+        [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
+        + [_i64, _i64, _int],
+    ),
 }
 AMX_ALIGN = (16, 32)  # amx_linear.c: output features and input features, multiples of these
 _lock = threading.Lock()
@@ -61,8 +67,8 @@ def load_kernels(flags: list[str]) -> dict | None:
     """{(name, dtype): ctypes function} of the library built with these flags; None if it
     cannot be built."""
     try:
-        sources = [_HERE / "cpu_kernels.c", _HERE / "amx_linear.c"]
-        headers = [_HERE / "cpu_kernels_impl.h"]
+        sources = [_HERE / "cpu_kernels.c", _HERE / "amx_linear.c", _HERE / "decode_layer.c"]
+        headers = [_HERE / "cpu_kernels.h", _HERE / "cpu_kernels_impl.h"]
         lib = ctypes.CDLL(str(build_library("tison_cpu_kernels", sources, flags, headers)))
     except (OSError, subprocess.SubprocessError) as e:
         log.info("C CPU kernels with %s: %s", " ".join(flags), e)
@@ -91,6 +97,12 @@ def amx_ready() -> bool:
     if not _amx:
         _amx.append(_load() and bool(_kernels["tk_amx_ready", torch.bfloat16]()))
     return _amx[0]
+
+
+def kernel(name: str):
+    """The bfloat16-only C function `name` of _BF16_ONLY, for callers that pass their own
+    addresses (decode_layer.py). The library must be loaded (usable() was true)."""
+    return _kernels[name, torch.bfloat16]
 
 
 def amx_fits(weight: torch.Tensor) -> bool:

@@ -1,15 +1,18 @@
 /* The kernels of cpu_kernels.c for one element type T (see there for T, NAME, LOAD, STORE,
- * ROUND). Included once per type; no include guard on purpose. */
+ * ROUND). Included once per type; no include guard on purpose.
+ * Each kernel's work is a NAME(..._team) function whose loops are orphaned `omp for`s: called
+ * inside a parallel region (decode_layer.c runs a whole decoder layer in one), the team shares
+ * the work and meets at the loop's end; called outside one, it runs on the calling thread. The
+ * tk_ entry points open a region of the caller's size around them. */
 
 /* x: n rows of `heads` vectors of `dim` (row stride x_stride); out likewise (may be x).
  * With residual ((n, dim) contiguous, heads == 1): residual = x + residual first, and the
  * norm is taken of the sum. out = weight * round(v / sqrt(mean(v^2) + eps)), as HF computes
  * it: statistics in float32, the normalised value rounded to T before the weight. */
-void NAME(tk_rms_norm)(const T *x, int64_t x_stride, T *out, int64_t out_stride, T *residual,
-                       const T *weight, int64_t n, int64_t heads, int64_t dim, float eps,
-                       int threads) {
+void NAME(rms_norm_team)(const T *x, int64_t x_stride, T *out, int64_t out_stride, T *residual,
+                         const T *weight, int64_t n, int64_t heads, int64_t dim, float eps) {
     int64_t vectors = n * heads;
-#pragma omp parallel for num_threads(threads) if (vectors * dim >= PARALLEL_MIN_ELEMS)
+#pragma omp for
     for (int64_t r = 0; r < vectors; r++) {
         int64_t row = r / heads, head = r % heads;
         const T *v = x + row * x_stride + head * dim;
@@ -27,6 +30,13 @@ void NAME(tk_rms_norm)(const T *x, int64_t x_stride, T *out, int64_t out_stride,
         float inv = 1.0f / sqrtf(sum_lanes(acc) / (float)dim + eps);
         for (d = 0; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(v[d]) * inv));
     }
+}
+
+void NAME(tk_rms_norm)(const T *x, int64_t x_stride, T *out, int64_t out_stride, T *residual,
+                       const T *weight, int64_t n, int64_t heads, int64_t dim, float eps,
+                       int threads) {
+#pragma omp parallel num_threads(threads) if (n * heads * dim >= PARALLEL_MIN_ELEMS)
+    NAME(rms_norm_team)(x, x_stride, out, out_stride, residual, weight, n, heads, dim, eps);
 }
 
 /* One head of hd values, "rotate half" layout: to = x * cos + cat(-x2, x1) * sin, each
@@ -47,11 +57,11 @@ static void NAME(rotate)(const T *restrict x, const T *restrict cos, const T *re
 /* q: n rows of nh heads of hd values (row stride q_stride), k likewise with nkv heads ->
  * q_out (n, nh, hd) and k_out (n, nkv, hd), contiguous, rotated by the cos/sin rows (tables
  * (max_positions, hd)) of positions[t]. */
-void NAME(tk_rope)(const T *q, int64_t q_stride, const T *k, int64_t k_stride, int64_t n,
-                   int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions, const T *cos,
-                   const T *sin, T *q_out, T *k_out, int threads) {
+void NAME(rope_team)(const T *q, int64_t q_stride, const T *k, int64_t k_stride, int64_t n,
+                     int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions, const T *cos,
+                     const T *sin, T *q_out, T *k_out) {
     int64_t heads = nh + nkv;
-#pragma omp parallel for num_threads(threads) if (n * heads * hd >= PARALLEL_MIN_ELEMS)
+#pragma omp for
     for (int64_t r = 0; r < n * heads; r++) {
         int64_t t = r / heads, h = r % heads;
         const T *c = cos + positions[t] * hd, *s = sin + positions[t] * hd;
@@ -63,9 +73,16 @@ void NAME(tk_rope)(const T *q, int64_t q_stride, const T *k, int64_t k_stride, i
     }
 }
 
+void NAME(tk_rope)(const T *q, int64_t q_stride, const T *k, int64_t k_stride, int64_t n,
+                   int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions, const T *cos,
+                   const T *sin, T *q_out, T *k_out, int threads) {
+#pragma omp parallel num_threads(threads) if (n * (nh + nkv) * hd >= PARALLEL_MIN_ELEMS)
+    NAME(rope_team)(q, q_stride, k, k_stride, n, nh, nkv, hd, positions, cos, sin, q_out, k_out);
+}
+
 /* x: (n, 2*d) gate|up -> out (n, d) = silu(gate) * up, the silu rounded as torch rounds it. */
-void NAME(tk_silu_mul)(const T *x, T *out, int64_t n, int64_t d, int threads) {
-#pragma omp parallel for num_threads(threads) if (n * d >= PARALLEL_MIN_ELEMS)
+void NAME(silu_mul_team)(const T *x, T *out, int64_t n, int64_t d) {
+#pragma omp for
     for (int64_t t = 0; t < n; t++) {
         const T *gate = x + t * 2 * d, *up = gate + d;
         T *o = out + t * d;
@@ -74,6 +91,11 @@ void NAME(tk_silu_mul)(const T *x, T *out, int64_t n, int64_t d, int threads) {
             o[i] = STORE(ROUND(g / (1.0f + exp_approx(-g))) * LOAD(up[i]));
         }
     }
+}
+
+void NAME(tk_silu_mul)(const T *x, T *out, int64_t n, int64_t d, int threads) {
+#pragma omp parallel num_threads(threads) if (n * d >= PARALLEL_MIN_ELEMS)
+    NAME(silu_mul_team)(x, out, n, d);
 }
 
 /* For the `count` keys of one page from `slot` on (pool rows of nkv * hd), KV heads
@@ -172,45 +194,38 @@ static float NAME(softmax_weights)(float *restrict s, int64_t n) {
     return sum_lanes(lane);
 }
 
-/* Paged attention's C part. First the n_new tokens' k and v (rows of nkv*hd values, row
- * strides k_stride and v_stride) are written to their slots[t] of the pools. Then decode
- * attention, one query token per row b: keys and values read in place from the pages
- * block_table[b] (row stride table_stride), positions [start, context_lens[b]) where
- * start = context - window when a sliding window is set (window > 0), else 0.
- * q: row q_rows[b] (b when q_rows is NULL) of a (?, nh*hd) tensor, row stride q_stride;
- * out: the same row of a contiguous (?, nh*hd) tensor. Pools: (P*S, nkv, hd).
- * A task is one row and all its KV heads (pages are read front to back), or, when there are
- * too few rows to keep the threads busy, one row and one KV head. The query heads that share a
- * KV head are done together, reading each key once. Scores and softmax in float32, two passes
- * over the pages (scores; weighted values).
- * Needs hd % LANES == 0 and nh / nkv <= MAX_GROUP (the wrapper checks).
- * Returns 0, or -1 when scratch memory cannot be allocated. */
-int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,
-                             const int64_t *slots, int64_t n_new, const T *q, int64_t q_stride,
-                             const int64_t *q_rows, T *k_pool, T *v_pool,
-                             const int32_t *block_table, int64_t table_stride,
-                             const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
-                             int64_t hd, int64_t page_size, int64_t window, float scale, T *out,
-                             int threads) {
+/* The n_new tokens' k and v (rows of nkv*hd values, row strides k_stride and v_stride) into
+ * their slots[t] of the pools (P*S, nkv, hd). */
+void NAME(kv_write_team)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,
+                         const int64_t *slots, int64_t n_new, T *k_pool, T *v_pool, int64_t nkv,
+                         int64_t hd) {
+#pragma omp for
     for (int64_t t = 0; t < n_new; t++) {
         memcpy(k_pool + slots[t] * nkv * hd, k + t * k_stride, nkv * hd * sizeof(T));
         memcpy(v_pool + slots[t] * nkv * hd, v + t * v_stride, nkv * hd * sizeof(T));
     }
-    if (n == 0) return 0;
-    int64_t group = nh / nkv, keys = 0, max_ctx = 0;
-    for (int64_t b = 0; b < n; b++) {
-        keys += context_lens[b];
-        if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
-    }
-    int64_t heads_per_task = n >= 4 * threads ? nkv : 1, tasks_per_row = nkv / heads_per_task;
-    int64_t task_heads = heads_per_task * group; /* query heads of one task */
-    /* per thread: scores (task_heads, max_ctx), scaled q and acc (task_heads, hd), a key (hd),
-     * softmax sums (task_heads) */
-    int64_t per_thread = task_heads * (max_ctx + 2 * hd + 1) + hd;
-    float *scratch = malloc(sizeof(float) * per_thread * threads);
-    if (scratch == NULL) return -1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) \
-    if (keys * nkv >= PARALLEL_MIN_KEYS)
+}
+
+/* Decode attention, one query token per row b: keys and values read in place from the pages
+ * block_table[b] (row stride table_stride), positions [start, context_lens[b]) where
+ * start = context - window when a sliding window is set (window > 0), else 0.
+ * q: row q_rows[b] (b when q_rows is NULL) of a (?, nh*hd) tensor, row stride q_stride;
+ * out: the same row of a contiguous (?, nh*hd) tensor. Pools: (P*S, nkv, hd).
+ * A task is one row and `heads_per_task` of its KV heads (nkv: pages are read front to back;
+ * 1 when there are too few rows to keep the threads busy). The query heads that share a KV head
+ * are done together, reading each key once. Scores and softmax in float32, two passes over the
+ * pages (scores; weighted values). scratch: attention_scratch(...) floats per thread of the
+ * team. Needs hd % LANES == 0 and nh / nkv <= MAX_GROUP (the wrapper checks). */
+void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_rows,
+                                 const T *k_pool, const T *v_pool, const int32_t *block_table,
+                                 int64_t table_stride, const int32_t *context_lens, int64_t n,
+                                 int64_t nh, int64_t nkv, int64_t hd, int64_t page_size,
+                                 int64_t window, float scale, T *out, int64_t heads_per_task,
+                                 float *scratch) {
+    int64_t group = nh / nkv, max_ctx = max_context(context_lens, n);
+    int64_t tasks_per_row = nkv / heads_per_task, task_heads = heads_per_task * group;
+    int64_t per_thread = attention_scratch(heads_per_task * group, max_ctx, hd);
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * tasks_per_row; task++) {
         float *scores = scratch + per_thread * omp_get_thread_num();
         float *qf = scores + task_heads * max_ctx, *acc = qf + task_heads * hd;
@@ -246,6 +261,31 @@ int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v
         for (int64_t h = 0; h < task_heads; h++)
             for (int64_t d = 0; d < hd; d++) o[h * hd + d] = STORE(acc[h * hd + d] / total[h]);
     }
+}
+
+/* Paged attention's C part: the kv_write_team, then decode_attention_team for the n decode
+ * rows (see both), on `threads` threads. Returns 0, or -1 when scratch memory cannot be
+ * allocated. */
+int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,
+                             const int64_t *slots, int64_t n_new, const T *q, int64_t q_stride,
+                             const int64_t *q_rows, T *k_pool, T *v_pool,
+                             const int32_t *block_table, int64_t table_stride,
+                             const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
+                             int64_t hd, int64_t page_size, int64_t window, float scale, T *out,
+                             int threads) {
+    NAME(kv_write_team)(k, k_stride, v, v_stride, slots, n_new, k_pool, v_pool, nkv, hd);
+    if (n == 0) return 0;
+    int64_t keys = 0;
+    for (int64_t b = 0; b < n; b++) keys += context_lens[b];
+    int team = keys * nkv >= PARALLEL_MIN_KEYS ? threads : 1;
+    int64_t heads_per_task = attention_heads_per_task(n, nkv, team);
+    float *scratch = malloc(sizeof(float) * team *
+                            attention_scratch(heads_per_task * (nh / nkv), max_context(context_lens, n), hd));
+    if (scratch == NULL) return -1;
+#pragma omp parallel num_threads(team)
+    NAME(decode_attention_team)(q, q_stride, q_rows, k_pool, v_pool, block_table, table_stride,
+                                context_lens, n, nh, nkv, hd, page_size, window, scale, out,
+                                heads_per_task, scratch);
     free(scratch);
     return 0;
 }

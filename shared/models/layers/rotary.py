@@ -52,12 +52,17 @@ class RotaryEmbedding(nn.Module):
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if positions is not self._positions:  # every layer of a step shares one lookup
+    def check(self, positions: torch.Tensor) -> None:
+        """Raises if a position is beyond the tables (the C kernels read them unchecked). Every
+        layer of a step shares one check (and one table lookup)."""
+        if positions is not self._positions:
             self._positions = positions
-            if len(positions) and int(positions.max()) >= len(self.cos):  # C reads unchecked
+            if len(positions) and int(positions.max()) >= len(self.cos):
                 raise IndexError(f"position {int(positions.max())} beyond the rotary tables")
             self._cos_sin = ()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        self.check(positions)
         if cpu_kernels.usable(q):
             return cpu_kernels.rope(q, k, positions, self.cos, self.sin)
         if not self._cos_sin:

@@ -1,0 +1,50 @@
+/* What the kernel files share: the bfloat16 type, decode attention's work split, and the
+ * bfloat16 team kernels (cpu_kernels_impl.h, amx_linear.c) that decode_layer.c runs in one
+ * parallel region. A team kernel splits its loops over the enclosing region's threads
+ * (orphaned `omp for`s, each ending at a barrier), or runs alone outside a region. */
+#ifndef TISON_CPU_KERNELS_H
+#define TISON_CPU_KERNELS_H
+#include <stdint.h>
+
+typedef uint16_t bf16;
+
+/* Decode attention's split for n rows on `team` threads: KV heads per task (all of a row's
+ * when there are rows enough to keep the team busy, else one). */
+static inline int64_t attention_heads_per_task(int64_t n, int64_t nkv, int team) {
+    return n >= 4 * team ? nkv : 1;
+}
+
+/* Floats of decode-attention scratch per thread, for tasks of `task_heads` query heads: scores
+ * (task_heads, max_ctx), scaled q and acc (task_heads, hd), a key (hd), softmax sums. */
+static inline int64_t attention_scratch(int64_t task_heads, int64_t max_ctx, int64_t hd) {
+    return task_heads * (max_ctx + 2 * hd + 1) + hd;
+}
+
+static inline int64_t max_context(const int32_t *context_lens, int64_t n) {
+    int64_t top = 0;
+    for (int64_t b = 0; b < n; b++) top = context_lens[b] > top ? context_lens[b] : top;
+    return top;
+}
+
+void rms_norm_team_bf16(const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride,
+                        bf16 *residual, const bf16 *weight, int64_t n, int64_t heads,
+                        int64_t dim, float eps);
+void rope_team_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, int64_t n,
+                    int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions,
+                    const bf16 *cos, const bf16 *sin, bf16 *q_out, bf16 *k_out);
+void silu_mul_team_bf16(const bf16 *x, bf16 *out, int64_t n, int64_t d);
+void kv_write_team_bf16(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride,
+                        const int64_t *slots, int64_t n_new, bf16 *k_pool, bf16 *v_pool,
+                        int64_t nkv, int64_t hd);
+void decode_attention_team_bf16(const bf16 *q, int64_t q_stride, const int64_t *q_rows,
+                                const bf16 *k_pool, const bf16 *v_pool,
+                                const int32_t *block_table, int64_t table_stride,
+                                const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
+                                int64_t hd, int64_t page_size, int64_t window, float scale,
+                                bf16 *out, int64_t heads_per_task, float *scratch);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+bf16 *amx_pack_buffer(int64_t M, int64_t K);
+void amx_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
+                     int64_t N, int64_t K, bf16 *y, bf16 *xp);
+#endif
+#endif
