@@ -1,12 +1,12 @@
-"""The fused decode layer (shared/models/layers/decode_layer.c): a decode step's layer in one C
-call gives the op-by-op layer's output bit for bit, for every family's variant, on one and two
+"""The fused decoder (shared/models/layers/decode_layer.c): a decode step's layers in one C call
+give the op-by-op layers' output bit for bit, for every family's variant, on one and two
 threads, with requests joining while others decode (mixed steps go op by op)."""
 
 import pytest
 import torch
 
 from shared.models.layers import cpu_kernels
-from shared.models.layers.decode_layer import FusedDecodeLayer
+from shared.models.layers.decode_layer import FusedDecoder
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import make_prompts, new_engine, run_all
@@ -27,10 +27,9 @@ VARIANTS = {  # family, overrides: each flag of the layer that the C code branch
 def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
     """Token ids and top-3 logprobs of 8 greedy requests, 4 joining after the others decode."""
     engine = new_engine(model_dir, dtype="bfloat16")
-    for layer in engine.model.model.layers:
-        assert layer.fused is not None, "every layer's linears run on AMX here"
-        if not fused:
-            layer.fused = None
+    assert engine.model.model.fused is not None, "every layer's linears run on AMX here"
+    if not fused:
+        engine.model.model.fused = None
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
     prompts = make_prompts()
     previous = torch.get_num_threads()
@@ -55,13 +54,13 @@ def test_fused_layer_gives_the_op_by_op_bits(tiny_model_factory, monkeypatch, va
     family, overrides = VARIANTS[variant]
     model_dir = tiny_model_factory(family, **overrides)
     calls = []
-    original = FusedDecodeLayer.__call__
+    original = FusedDecoder.__call__
 
     def counted(self, *args):
         calls.append(args[1].shape[0])
         return original(self, *args)
 
-    monkeypatch.setattr(FusedDecodeLayer, "__call__", counted)
+    monkeypatch.setattr(FusedDecoder, "__call__", counted)
     fused = generate(model_dir, True, threads, calls)
     assert calls and max(calls) == 8, "decode steps of all 8 requests ran fused"
     calls.clear()
@@ -76,10 +75,10 @@ def test_mixed_and_oversized_steps_go_op_by_op():
     decode = DecodeRows(None, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2), 16, None)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     slots = torch.zeros(2, dtype=torch.long)
-    assert FusedDecodeLayer.takes(x, AttentionMetadata(slots, decode, []))
+    assert FusedDecoder.takes(x, AttentionMetadata(slots, decode, []))
     span = PrefillSpan(0, 1, torch.zeros(1, dtype=torch.long), 1, None)
-    assert not FusedDecodeLayer.takes(x, AttentionMetadata(slots, decode, [span]))
-    assert not FusedDecodeLayer.takes(x, AttentionMetadata(slots, None, [span]))
-    assert not FusedDecodeLayer.takes(x.float(), AttentionMetadata(slots, decode, []))
+    assert not FusedDecoder.takes(x, AttentionMetadata(slots, decode, [span]))
+    assert not FusedDecoder.takes(x, AttentionMetadata(slots, None, [span]))
+    assert not FusedDecoder.takes(x.float(), AttentionMetadata(slots, decode, []))
     big = torch.zeros(257, 64, dtype=torch.bfloat16)
-    assert not FusedDecodeLayer.takes(big, AttentionMetadata(slots, decode, []))
+    assert not FusedDecoder.takes(big, AttentionMetadata(slots, decode, []))

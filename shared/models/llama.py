@@ -8,7 +8,7 @@ from shared.kv.cache import KVCache
 from shared.models.config import ModelConfig
 from shared.models.layers.activation import SiluAndMul
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
-from shared.models.layers.decode_layer import FusedDecodeLayer
+from shared.models.layers.decode_layer import FusedDecoder, layer_spec
 from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shared.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -70,20 +70,17 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype, tp)
-        self.fused: FusedDecodeLayer | None = None  # see prepare_fused_decode
 
-    def prepare_fused_decode(self) -> None:
-        """Once the weights are final: run decode steps in one C call where that can."""
+    def decode_spec(self):
+        """This layer's part of a FusedDecoder, or None where it cannot run fused."""
         a, mlp = self.self_attn, self.mlp
-        self.fused = FusedDecodeLayer.build(
+        return layer_spec(
             input_norm=self.input_layernorm, qkv=a.qkv_proj, q_norm=a.q_norm, k_norm=a.k_norm,
             rotary=a.rotary, attn=a.attn, o=a.o_proj, post_norm=self.post_attention_layernorm,
             gate_up=mlp.gate_up_proj, down=mlp.down_proj,
         )  # fmt: skip
 
     def forward(self, positions, x, residual, kv_layer, meta):
-        if self.fused is not None and self.fused.takes(x, meta):
-            return self.fused(positions, x, residual, kv_layer, meta)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -117,6 +114,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
         self.start = stage.start_layer
         self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
+        self.fused: FusedDecoder | None = None  # see prepare_fused_decode
+
+    def prepare_fused_decode(self) -> None:
+        """Once the weights are final: decode steps run all layers in one C call, where each
+        layer can run there."""
+        specs = [self.layers[i].decode_spec() for i in range(self.start, self.end)]
+        if specs and all(spec is not None for spec in specs):
+            self.fused = FusedDecoder(specs, self.layers[self.start].self_attn.rotary)
 
     def forward(
         self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None
@@ -125,12 +130,19 @@ class LlamaModel(nn.Module):
         after_layer(i) runs once layer i has written its KV (to stream it out)."""
         if self.stage.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
+        if self.fused is not None and after_layer is None and self.fused.takes(hidden, meta):
+            hidden, residual = self.fused(positions, hidden, residual, kv, meta)
+            return self._finish(hidden, residual)
         for i in range(self.start, self.end):
             hidden, residual = self.layers[i](
                 positions, hidden, residual, kv.layer(i - self.start), meta
             )
             if after_layer is not None:
                 after_layer(i)
+        return self._finish(hidden, residual)
+
+    def _finish(self, hidden, residual):
+        """The last stage normalises; the others hand (hidden, residual) on."""
         if not self.stage.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

@@ -26,6 +26,6 @@ def prepare_cpu_linears(model: nn.Module) -> None:
             module.weight = nn.Parameter(
                 torch.empty(0, dtype=module.weight.dtype), requires_grad=False
             )
-    for module in model.modules():  # decoder layers whose linears all run on AMX
+    for module in model.modules():  # decoder stacks whose linears all run on AMX
         if hasattr(module, "prepare_fused_decode"):
             module.prepare_fused_decode()

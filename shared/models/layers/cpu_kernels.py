@@ -39,10 +39,10 @@ _SIGNATURES = {
 _BF16_ONLY = {  # amx_linear.c, decode_layer.c
     "tk_amx_ready": (_int, []),
     "tk_linear_bf16": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int]),
-    "tk_decode_layer_bf16": (
+    "tk_decode_layers_bf16": (
         _int,
-        [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
-        + [_i64, _i64, _int],
+        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64]
+        + [_ptr, _i64, _i64, _int],
     ),
 }
 AMX_ALIGN = (16, 32)  # amx_linear.c: output features and input features, multiples of these

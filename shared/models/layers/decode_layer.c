@@ -1,11 +1,12 @@
-/* A whole Llama-family decoder layer for a decode step (one new token per sequence), bfloat16
- * on AMX, in one call and one OpenMP parallel region: the team runs the layer's kernels one
- * after the other (see cpu_kernels.h), meeting at a barrier after each. Per op, the layer
- * would pay a Python module call, a ctypes call, a tensor allocation and a thread-team wake-up:
- * ~250 us a layer here, a quarter of a batch-32 step. The kernels are the ones the op-by-op
- * path runs, in the same order, so the layer's output is the same bit for bit.
+/* The decoder layers of a decode step (one new token per sequence), Llama family, bfloat16 on
+ * AMX, in one call and one OpenMP parallel region: the team runs each layer's kernels one
+ * after the other (see cpu_kernels.h), meeting at a barrier after each. Op by op, every op
+ * pays a Python module call, a ctypes call, a tensor allocation and a thread-team wake-up, and
+ * the Python between them runs on caches that the weights stream has just flushed: ~250 us a
+ * layer here, a quarter of a batch-32 step. The kernels are the ones the op-by-op path runs,
+ * in the same order, so the output is the same bit for bit.
  *
- * Built only where amx_linear.c is; elsewhere tk_decode_layer_bf16 returns -2.
+ * Built only where amx_linear.c is; elsewhere tk_decode_layers_bf16 returns -2.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,73 +37,105 @@ static bf16 *grow_workspace(size_t elems) {
     return workspace;
 }
 
-/* x (n, hidden) -> out (n, hidden), residual (n, hidden) updated as the op-by-op layer does:
- * first layer (first != 0): residual is x itself and is only normalised; later ones: residual
- * += x first. New K/V go to slots[t] of the pools; row t attends to the pages block_table[t]
- * (row stride table_stride), context_lens[t] keys (the last `window` when window > 0), pages
- * of page_size tokens. Returns 0, or -1 when scratch memory
- * cannot be allocated. */
-int tk_decode_layer_bf16(const decode_layer *L, const bf16 *x, bf16 *residual, int first,
-                         bf16 *out, int64_t n, const int64_t *positions, const int64_t *slots,
-                         bf16 *k_pool, bf16 *v_pool, const int32_t *block_table,
-                         int64_t table_stride, const int32_t *context_lens, int64_t page_size,
-                         int64_t window, int threads) {
+/* One step's shapes and the team's scratch, shared by every layer of the call. */
+typedef struct {
+    int64_t n, table_stride, page_size, window, heads_per_task;
+    const int64_t *positions, *slots;
+    const int32_t *block_table, *context_lens;
+    bf16 *xn, *qkv, *q, *k, *attn, *o, *gate_up, *act, *xp;
+    float *scores;
+} step_args;
+
+/* Inside the region: layer L on x (n, H) -> out (n, H); residual as the op-by-op layer keeps
+ * it (first: residual is x and is only normalised; later: residual += x first). */
+static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x, bf16 *residual,
+                       int first, bf16 *out, bf16 *k_pool, bf16 *v_pool) {
+    int64_t n = S->n, H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
+    int64_t F = L->intermediate, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
+    bf16 *qkv = S->qkv;
+    rms_norm_team_bf16(x, H, S->xn, H, first ? NULL : residual, L->input_norm, n, 1, H, L->eps);
+    amx_linear_team(S->xn, H, L->qkv, L->qkv_bias, n, qkv_size, H, qkv, S->xp);
+    if (L->q_norm != NULL) { /* Qwen3: per-head norms of q and k, in place */
+        rms_norm_team_bf16(qkv, qkv_size, qkv, qkv_size, NULL, L->q_norm, n, nh, hd, L->qk_eps);
+        rms_norm_team_bf16(qkv + q_size, qkv_size, qkv + q_size, qkv_size, NULL, L->k_norm, n,
+                           nkv, hd, L->qk_eps);
+    }
+    rope_team_bf16(qkv, qkv_size, qkv + q_size, qkv_size, n, nh, nkv, hd, S->positions, L->cos,
+                   L->sin, S->q, S->k);
+    kv_write_team_bf16(S->k, nkv * hd, qkv + q_size + nkv * hd, qkv_size, S->slots, n, k_pool,
+                       v_pool, nkv, hd);
+    decode_attention_team_bf16(S->q, q_size, NULL, k_pool, v_pool, S->block_table,
+                               S->table_stride, S->context_lens, n, nh, nkv, hd, S->page_size,
+                               S->window, L->scale, S->attn, S->heads_per_task, S->scores);
+    amx_linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
+    rms_norm_team_bf16(S->o, H, S->xn, H, residual, L->post_norm, n, 1, H, L->eps);
+    amx_linear_team(S->xn, H, L->gate_up, NULL, n, 2 * F, H, S->gate_up, S->xp);
+    silu_mul_team_bf16(S->gate_up, S->act, n, F);
+    amx_linear_team(S->act, F, L->down, NULL, n, H, F, out, S->xp);
+}
+
+/* `count` layers (same shapes) of a decode step: x (n, hidden) -> out (n, hidden), which is
+ * the last layer's output; residual (n, hidden) updated as the op-by-op layers do (first !=
+ * 0: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd) are at
+ * pool + i * layer_stride and that + kv_stride elements; new K/V go to slots[t]; row t
+ * attends to the pages block_table[t] (row stride table_stride), context_lens[t] keys (the
+ * last `window` when window > 0), pages of page_size tokens. out must not be x. Returns 0,
+ * or -1 when scratch memory cannot be allocated. */
+int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
+                          bf16 *residual, int first, bf16 *out, int64_t n,
+                          const int64_t *positions, const int64_t *slots, bf16 *pool,
+                          int64_t layer_stride, int64_t kv_stride, const int32_t *block_table,
+                          int64_t table_stride, const int32_t *context_lens, int64_t page_size,
+                          int64_t window, int threads) {
+    const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t F = L->intermediate, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
-    /* activations: xn (n, H), qkv (n, qkv_size), q (n, q_size), k (n, nkv*hd),
-     * attn (n, q_size), o (n, H), gate_up (n, 2F), act (n, F) */
-    size_t per_row = (size_t)(2 * H + qkv_size + 2 * q_size + nkv * hd + 3 * F);
+    /* per row: xn, o, a spare output (H each); qkv; q, attn; k; gate_up (2F); act (F) */
+    size_t per_row = (size_t)(3 * H + qkv_size + 2 * q_size + nkv * hd + 3 * F);
     bf16 *xn = grow_workspace(per_row * n);
     int64_t widest = H > q_size ? H : q_size;
-    bf16 *xp = amx_pack_buffer(n, widest > F ? widest : F);
-    int64_t heads_per_task = attention_heads_per_task(n, nkv, threads);
-    float *scores = malloc(sizeof(float) * threads *
-                           attention_scratch(heads_per_task * (nh / nkv),
-                                             max_context(context_lens, n), hd));
-    if (xn == NULL || xp == NULL || scores == NULL) {
-        free(scores);
+    step_args S = {n, table_stride, page_size, window, attention_heads_per_task(n, nkv, threads),
+                   positions, slots, block_table, context_lens};
+    S.xp = amx_pack_buffer(n, widest > F ? widest : F);
+    S.scores = malloc(sizeof(float) * threads *
+                      attention_scratch(S.heads_per_task * (nh / nkv),
+                                        max_context(context_lens, n), hd));
+    if (xn == NULL || S.xp == NULL || S.scores == NULL) {
+        free(S.scores);
         return -1;
     }
-    bf16 *qkv = xn + n * H, *q = qkv + n * qkv_size, *k = q + n * q_size;
-    bf16 *attn = k + n * nkv * hd, *o = attn + n * q_size, *gate_up = o + n * H;
-    bf16 *act = gate_up + n * 2 * F;
+    S.xn = xn, S.o = xn + n * H, S.qkv = S.o + n * H, S.q = S.qkv + n * qkv_size;
+    S.k = S.q + n * q_size, S.attn = S.k + n * nkv * hd, S.gate_up = S.attn + n * q_size;
+    S.act = S.gate_up + n * 2 * F;
+    bf16 *spare = S.act + n * F;
 #pragma omp parallel num_threads(threads)
     {
-        rms_norm_team_bf16(x, H, xn, H, first ? NULL : residual, L->input_norm, n, 1, H, L->eps);
-        amx_linear_team(xn, H, L->qkv, L->qkv_bias, n, qkv_size, H, qkv, xp);
-        if (L->q_norm != NULL) { /* Qwen3: per-head norms of q and k, in place */
-            rms_norm_team_bf16(qkv, qkv_size, qkv, qkv_size, NULL, L->q_norm, n, nh, hd,
-                               L->qk_eps);
-            rms_norm_team_bf16(qkv + q_size, qkv_size, qkv + q_size, qkv_size, NULL, L->k_norm,
-                               n, nkv, hd, L->qk_eps);
+        /* outputs alternate between out and spare so that the last one lands in out */
+        const bf16 *in = x;
+        for (int64_t i = 0; i < count; i++) {
+            bf16 *to = (count - 1 - i) % 2 == 0 ? out : spare;
+            bf16 *k_pool = pool + i * layer_stride;
+            layer_team(&layers[i], &S, in, residual, first && i == 0, to, k_pool,
+                       k_pool + kv_stride);
+            in = to;
         }
-        rope_team_bf16(qkv, qkv_size, qkv + q_size, qkv_size, n, nh, nkv, hd, positions, L->cos,
-                       L->sin, q, k);
-        kv_write_team_bf16(k, nkv * hd, qkv + q_size + nkv * hd, qkv_size, slots, n, k_pool,
-                           v_pool, nkv, hd);
-        decode_attention_team_bf16(q, q_size, NULL, k_pool, v_pool, block_table, table_stride,
-                                   context_lens, n, nh, nkv, hd, page_size, window,
-                                   L->scale, attn, heads_per_task, scores);
-        amx_linear_team(attn, q_size, L->o, NULL, n, H, q_size, o, xp);
-        rms_norm_team_bf16(o, H, xn, H, residual, L->post_norm, n, 1, H, L->eps);
-        amx_linear_team(xn, H, L->gate_up, NULL, n, 2 * F, H, gate_up, xp);
-        silu_mul_team_bf16(gate_up, act, n, F);
-        amx_linear_team(act, F, L->down, NULL, n, H, F, out, xp);
         _tile_release();
     }
-    free(scores);
+    free(S.scores);
     return 0;
 }
 
 #else
-int tk_decode_layer_bf16(const decode_layer *L, const bf16 *x, bf16 *residual, int first,
-                         bf16 *out, int64_t n, const int64_t *positions, const int64_t *slots,
-                         bf16 *k_pool, bf16 *v_pool, const int32_t *block_table,
-                         int64_t table_stride, const int32_t *context_lens, int64_t page_size,
-                         int64_t window, int threads) {
-    (void)L, (void)x, (void)residual, (void)first, (void)out, (void)n, (void)positions;
-    (void)slots, (void)k_pool, (void)v_pool, (void)block_table, (void)table_stride;
-    (void)context_lens, (void)page_size, (void)window, (void)threads;
+int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
+                          bf16 *residual, int first, bf16 *out, int64_t n,
+                          const int64_t *positions, const int64_t *slots, bf16 *pool,
+                          int64_t layer_stride, int64_t kv_stride, const int32_t *block_table,
+                          int64_t table_stride, const int32_t *context_lens, int64_t page_size,
+                          int64_t window, int threads) {
+    (void)layers, (void)count, (void)x, (void)residual, (void)first, (void)out, (void)n;
+    (void)positions, (void)slots, (void)pool, (void)layer_stride, (void)kv_stride;
+    (void)block_table, (void)table_stride, (void)context_lens, (void)page_size, (void)window;
+    (void)threads;
     return -2;
 }
 #endif

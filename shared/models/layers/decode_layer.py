@@ -1,22 +1,25 @@
-"""A decoder layer in one C call (decode_layer.c) for decode steps on CPUs with AMX.
+"""The decoder layers of a decode step in one C call (decode_layer.c), on CPUs with AMX.
 
-Op by op, a layer of a decode step pays per op a Python module call, a ctypes call, a tensor
-allocation and a thread-team wake-up: ~250 us a layer here, a quarter of a batch-32 step. The
-fused call runs the same kernels in the same order inside one OpenMP region, so its output is
-the op-by-op output bit for bit. It takes steps whose rows all decode, bfloat16, one tensor-
+Op by op, every op of a layer pays a Python module call, a ctypes call, a tensor allocation and
+a thread-team wake-up, and the Python between the kernels runs on caches that the weights
+stream has just flushed: ~250 us a layer here, a quarter of a batch-32 step. The fused call
+runs the same kernels in the same order inside one OpenMP region, so its output is the
+op-by-op output bit for bit. It takes steps whose rows all decode, bfloat16, one tensor-
 parallel rank (no all-reduce inside) and linears on AMX; everything else stays op by op."""
 
 import ctypes
 
 import torch
-from torch import nn
 
+from shared.kv.cache import KVCache
 from shared.models.layers import cpu_kernels
 from shared.models.layers.attention import AttentionMetadata
 from shared.models.layers.cpu_linear import AMX_MAX_ROWS
 
-_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up")
-_TABLES = ("down", "cos", "sin")
+_POINTERS = (
+    "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down",
+    "cos", "sin",
+)  # fmt: skip
 _SIZES = ("hidden", "heads", "kv_heads", "head_dim", "intermediate")
 
 
@@ -24,48 +27,52 @@ class DecodeLayerSpec(ctypes.Structure):
     """decode_layer.c's `decode_layer`: one layer's weight addresses and shapes."""
 
     _fields_ = (
-        [(name, ctypes.c_void_p) for name in _WEIGHTS + _TABLES]
+        [(name, ctypes.c_void_p) for name in _POINTERS]
         + [(name, ctypes.c_int64) for name in _SIZES]
         + [(name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")]
     )
 
 
-class FusedDecodeLayer:
-    """Holds one layer's spec and the tensors it points into (kept alive with it)."""
+def layer_spec(
+    *, input_norm, qkv, q_norm, k_norm, rotary, attn, o, post_norm, gate_up, down
+) -> tuple[DecodeLayerSpec, list[torch.Tensor]] | None:
+    """One decoder layer's spec and the tensors it points into, or None where the fused call
+    cannot run it (no AMX, a linear not on AMX, more than one tensor-parallel rank, an
+    unsupported head shape)."""
+    linears = (qkv, o, gate_up, down)
+    if not (
+        cpu_kernels.amx_ready()
+        and all(getattr(m, "amx", False) for m in linears)
+        and all(getattr(m, "tp", None) is None or m.tp.size == 1 for m in linears)
+        and attn.kernel_ok
+        and input_norm.weight.dtype == torch.bfloat16
+    ):
+        return None
+    tensors = [
+        input_norm.weight, qkv.weight, qkv.bias, None if q_norm is None else q_norm.weight,
+        None if k_norm is None else k_norm.weight, o.weight, post_norm.weight, gate_up.weight,
+        down.weight, rotary.cos, rotary.sin,
+    ]  # fmt: skip
+    if any(t is not None and not t.is_contiguous() for t in tensors):
+        return None
+    spec = DecodeLayerSpec(
+        *(None if t is None else t.data_ptr() for t in tensors),
+        input_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        down.weight.shape[1], input_norm.eps, input_norm.eps if q_norm is None else q_norm.eps,
+        attn.scale,
+    )  # fmt: skip
+    return spec, [t for t in tensors if t is not None]
 
-    def __init__(self, spec: DecodeLayerSpec, tensors: list[torch.Tensor], rotary: nn.Module):
-        self.spec, self._tensors, self.rotary = spec, tensors, rotary
+
+class FusedDecoder:
+    """A stage's decoder layers, for decode steps: their specs, in order, and the tensors the
+    specs point into (kept alive with them)."""
+
+    def __init__(self, specs: list[tuple[DecodeLayerSpec, list[torch.Tensor]]], rotary):
+        self.specs = (DecodeLayerSpec * len(specs))(*(spec for spec, _ in specs))
+        self._tensors = [t for _, tensors in specs for t in tensors]
+        self.rotary = rotary
         self._call = None
-
-    @classmethod
-    def build(
-        cls, *, input_norm, qkv, q_norm, k_norm, rotary, attn, o, post_norm, gate_up, down
-    ) -> "FusedDecodeLayer | None":  # fmt: skip
-        """The fused layer for these parts, or None where it cannot run them (no AMX, a
-        linear not on AMX, more than one tensor-parallel rank, an unsupported head shape)."""
-        linears = (qkv, o, gate_up, down)
-        if not (
-            cpu_kernels.amx_ready()
-            and all(getattr(m, "amx", False) for m in linears)
-            and all(getattr(m, "tp", None) is None or m.tp.size == 1 for m in linears)
-            and attn.kernel_ok
-            and input_norm.weight.dtype == torch.bfloat16
-        ):
-            return None
-        tensors = [
-            input_norm.weight, qkv.weight, qkv.bias, None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight, o.weight, post_norm.weight,
-            gate_up.weight, down.weight, rotary.cos, rotary.sin,
-        ]  # fmt: skip
-        if any(t is not None and not t.is_contiguous() for t in tensors):
-            return None
-        spec = DecodeLayerSpec(
-            *(None if t is None else t.data_ptr() for t in tensors),
-            input_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            down.weight.shape[1],
-            input_norm.eps, input_norm.eps if q_norm is None else q_norm.eps, attn.scale,
-        )  # fmt: skip
-        return cls(spec, [t for t in tensors if t is not None], rotary)
 
     @staticmethod
     def takes(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -80,30 +87,29 @@ class FusedDecodeLayer:
         )
 
     def __call__(
-        self, positions, x: torch.Tensor, residual: torch.Tensor | None, kv_layer, meta
+        self, positions, x: torch.Tensor, residual: torch.Tensor | None, kv: KVCache, meta
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer.forward: x (T, H), residual (T, H) or None (first layer) ->
-        (out, residual), residual updated in place. kv_layer (2, P, S, nkv, hd)."""
+        """As the layers op by op: x (T, H), residual (T, H) or None (first layer) ->
+        (last layer's output, residual), residual updated in place (x itself when None)."""
         self.rotary.check(positions)
         d = meta.decode
-        n = x.shape[0]
         first = residual is None
         if first:
             residual = x
         if not (x.is_contiguous() and residual.is_contiguous()):
-            raise ValueError("decode layer: x and residual must be contiguous")
+            raise ValueError("decode layers: x and residual must be contiguous")
         out = torch.empty_like(x)
-        pool = kv_layer.data_ptr()
+        pool = kv.data  # (L, 2, P, S, nkv, hd)
         if self._call is None:
             cpu_kernels.usable(x)  # builds the library on first use
-            self._call = cpu_kernels.kernel("tk_decode_layer_bf16")
+            self._call = cpu_kernels.kernel("tk_decode_layers_bf16")
         status = self._call(
-            ctypes.byref(self.spec), x.data_ptr(), residual.data_ptr(), first, out.data_ptr(), n,
-            positions.data_ptr(), meta.slot_mapping.data_ptr(), pool,
-            pool + kv_layer.stride(0) * kv_layer.element_size(), d.block_table.data_ptr(),
+            self.specs, len(self.specs), x.data_ptr(), residual.data_ptr(), first,
+            out.data_ptr(), x.shape[0], positions.data_ptr(), meta.slot_mapping.data_ptr(),
+            pool.data_ptr(), pool.stride(0), pool.stride(1), d.block_table.data_ptr(),
             d.block_table.stride(0), d.context_lens.data_ptr(), d.page_size, d.window or 0,
             torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
-            raise MemoryError("decode layer: no memory for its activations")
+            raise MemoryError("decode layers: no memory for their activations")
         return out, residual
