@@ -197,3 +197,27 @@ def test_elementwise_kernels_give_the_same_bits_on_two_threads():
         torch.set_num_threads(threads)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 15, 16, 17, 1000, 32000])
+def test_argmax_is_the_first_maximum_as_torch_max_gives_it(dtype, d):
+    g = torch.Generator().manual_seed(d)
+    wide = torch.randn(9, d + 5, generator=g).to(dtype)
+    x = wide[:, :d]  # strided rows
+    x[1] = x[1].abs().round()  # ties: several equal maxima, the first wins
+    x[2] = float("-inf")
+    x[3, d // 2 :] = float("nan")  # NaN counts as the largest value
+    x[4, -1] = float("nan")
+    x[5] = 0.0
+    x[5, d // 3] = -0.0
+    ref = x.float().max(dim=-1).indices
+    assert torch.equal(cpu_kernels.argmax(x), ref)
+    assert cpu_kernels.argmax(x[:0]).shape == (0,)
+
+
+def test_argmax_names_what_is_wrong():
+    with pytest.raises(ValueError, match="argmax: rows are empty"):
+        cpu_kernels.argmax(torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="argmax x.*contiguous"):
+        cpu_kernels.argmax(torch.zeros(4, 3).t())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.errors import TisonError
+from shared.models.layers import cpu_kernels
 from shared.sampling import filters
 from shared.sampling.batch import (
     MIN_TEMPERATURE,
@@ -48,9 +49,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             f"logits of shape {tuple(logits.shape)} do not match the sampling batch "
             f"({batch.num_rows}, {batch.vocab_size})"
         )
+    groups = batch.random
+    if not groups and batch.stop_mask is None and batch.penalties is None:
+        if batch.max_num_logprobs is None:  # greedy, nothing else: no float copy needed
+            return SamplerOutput(_argmax(logits), None, None, None)
     raw = logits.float()  # the only conversion; never written to
     x = _penalized(raw, batch)
-    groups = batch.random
     if not batch.any_greedy and len(groups) == 1:  # one group holds every row, in order
         token_ids = _draw(x, groups[0], batch.vocab_size)
     else:
@@ -107,7 +111,10 @@ def _candidates(
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """(R,) index of each row's first maximum; max().indices is ~3x faster than argmax on CPU."""
+    """(R,) index of each row's first maximum: in C on CPU (~10x faster than max().indices at
+    32 x 32k), else max().indices (~3x faster than argmax on CPU)."""
+    if cpu_kernels.usable(x) and x.shape[-1] > 0:
+        return cpu_kernels.argmax(x)
     return x.max(dim=-1).indices
 
 

@@ -30,6 +30,7 @@ _SIGNATURES = {
     "tk_rms_norm": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int]),
     "tk_rope": (None, [_ptr, _i64, _ptr, _i64, *[_i64] * 4, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
     "tk_silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
+    "tk_argmax": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_paged_attention": (
         _int,
         [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
@@ -208,6 +209,20 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_mul: x must be contiguous")
     out = torch.empty((n, d), dtype=x.dtype)
     _kernels["tk_silu_mul", x.dtype](x.data_ptr(), out.data_ptr(), n, d, torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """(n, d) rows (strided rows allowed) -> (n,) int64 index of each row's first maximum,
+    NaN counting as the largest value (as x.max(dim=-1).indices). d must be at least 1."""
+    n, d = x.shape
+    _check("argmax x", x, x.dtype, n, d)
+    if d == 0:
+        raise ValueError("argmax: rows are empty")
+    out = torch.empty(n, dtype=torch.int64)
+    _kernels["tk_argmax", x.dtype](
+        x.data_ptr(), x.stride(0), n, d, out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
