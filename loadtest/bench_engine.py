@@ -2,12 +2,15 @@
 beside Hugging Face transformers `generate` on the same random-weight ~150M Llama-shaped model,
 in the same run, and beside this machine's memory-bandwidth roofline: a decode step reads every
 weight once, so at most batch x GB/s / weight bytes tokens/s, with GB/s measured just before
-and after that very measure (the bandwidth of this shared machine drifts by 2x in minutes).
+and after that very measure (the bandwidth of this shared machine drifts by 2x in minutes) by
+a C read probe (membw.c) on the same threads.
 
     python -m loadtest.bench_engine [--dtype bfloat16] [--threads 2] [--out results.json]
 """
 
 import argparse
+import ctypes
+import functools
 import json
 import tempfile
 import time
@@ -19,23 +22,38 @@ from loadtest.random_model import llama_fields, save_random_llama
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages
-from shared.models.layers.cpu_linear import linear
-from shared.models.layers.embedding import ParallelLMHead
-from shared.models.layers.linear import LinearBase
+from shared.models.layers.cpu_kernels import NATIVE_FLAGS, PORTABLE_FLAGS
+from shared.native_build import build_library
 from shared.sampling.params import SamplingParams
 
 MODEL = llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4)  # ~150M parameters
 
 
+@functools.cache
+def _read_probe():
+    """membw.c's read_xor, built for this CPU (or portably)."""
+    source = Path(__file__).with_name("membw.c")
+    for flags in (NATIVE_FLAGS, PORTABLE_FLAGS):
+        try:
+            fn = ctypes.CDLL(str(build_library("tison_membw", [source], flags))).read_xor
+            break
+        except OSError:
+            continue
+    else:
+        raise OSError("cannot build loadtest/membw.c")
+    fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return fn
+
+
 def memory_bandwidth_gbs(seconds: float = 2.0) -> float:
-    """Read bandwidth: summing a 1 GiB buffer (bf16 and fp32), best of several passes."""
-    buffers = [torch.ones(1 << 29, dtype=torch.bfloat16), torch.ones(1 << 28, dtype=torch.float32)]
+    """Read bandwidth on torch's threads: the best pass of the C probe over a 1 GiB buffer."""
+    words = torch.ones(1 << 27, dtype=torch.int64)
+    probe, threads = _read_probe(), torch.get_num_threads()
     best, end = 0.0, time.perf_counter() + seconds
     while best == 0.0 or time.perf_counter() < end:
-        for x in buffers:
-            t = time.perf_counter()
-            x.sum()
-            best = max(best, x.nbytes / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        probe(words.data_ptr(), words.numel(), threads)
+        best = max(best, words.nbytes / (time.perf_counter() - t) / 1e9)
     return best
 
 
@@ -92,41 +110,20 @@ def hf_prefill(model, batch: int, prompt_len: int) -> float:
 
 def measure_round(engine, hf, prompt_len: int, new_tokens: int) -> dict[str, tuple]:
     """One round of every measure, Tison then transformers, each decode measure between two
-    bandwidth readings and followed by the matmul floor of its batch:
-    {name: (tison, transformers, GB/s around it, matmul floor tok/s) (None, None: prefill)}."""
+    bandwidth readings: {name: (tison, transformers, GB/s around it or None for prefill)}."""
     p, n = prompt_len, new_tokens
     result: dict[str, tuple] = {}
     for batch in (1, 32):
         before = memory_bandwidth_gbs(0.3)
         ours, theirs = tison_decode(engine, batch, p, n), hf_decode(hf, batch, p, n)
         gbs = (before + memory_bandwidth_gbs(0.3)) / 2
-        result[f"batch-{batch} decode tok/s"] = (ours, theirs, gbs, matmul_floor(engine, batch))
-    prefill = (tison_prefill(engine, 8, 512), hf_prefill(hf, 8, 512), None, None)
-    result["prefill tok/s (8 x 512)"] = prefill
+        result[f"batch-{batch} decode tok/s"] = (ours, theirs, gbs)
+    result["prefill tok/s (8 x 512)"] = (
+        tison_prefill(engine, 8, 512),
+        hf_prefill(hf, 8, 512),
+        None,
+    )
     return result
-
-
-def matmul_floor(engine: LLMEngine, batch: int, repeats: int = 5) -> float:
-    """Decode tokens/s at this batch if a step were nothing but the model's matmuls: every
-    linear layer and the LM head (as the engine runs them: AMX or oneDNN on CPU) back to
-    back on random input, best of `repeats` passes. Attention, norms and sampling are left
-    out, so no engine step can be faster than this."""
-    layers = [m for m in engine.model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-    inputs = {}
-    for m in layers:
-        size = m.packed.in_features if getattr(m, "packed", None) else m.weight.shape[1]
-        inputs[size] = torch.randn(batch, size).to(engine.kv.spec.dtype)
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for m in layers:
-                x = inputs[
-                    m.packed.in_features if getattr(m, "packed", None) else m.weight.shape[1]
-                ]
-                linear(m, x, m.weight, getattr(m, "bias", None))
-            best = min(best, time.perf_counter() - start)
-    return batch / best
 
 
 def roofline(tokens_per_s: float, batch: int, gbs: float, weight_bytes: int) -> float:
@@ -174,26 +171,19 @@ def main() -> None:
 
 
 def print_table(rounds: list[dict[str, tuple]], weight_bytes: int) -> None:
-    """Best of the rounds for each side and for the matmul floor; the roofline share is the
-    best of the rounds', each against the bandwidth measured around it."""
-    print(
-        f"| {'measure':24} | {'Tison':>8} | {'transformers':>12} | {'ratio':>6} | roofline "
-        "| matmuls only |"
-    )
-    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 14}|{'-' * 8}|----------|--------------|")
+    """Best of the rounds for each side; the roofline share is the best of the rounds', each
+    against the bandwidth measured around it."""
+    print(f"| {'measure':24} | {'Tison':>8} | {'transformers':>12} | {'ratio':>6} | roofline |")
+    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 14}|{'-' * 8}|----------|")
     for name in rounds[0]:
         ours, theirs = (max(r[name][i] for r in rounds) for i in (0, 1))
-        share = floor = ""
+        share = ""
         if rounds[0][name][2] is not None:
             batch = int(name.split()[0].removeprefix("batch-"))
             shares = [roofline(r[name][0], batch, r[name][2], weight_bytes) for r in rounds]
             gbs = [r[name][2] for r in rounds]
             share = f"{max(shares):.0%} at {min(gbs):.0f}-{max(gbs):.0f} GB/s"
-            floor = f"{max(r[name][3] for r in rounds):.0f} tok/s"
-        print(
-            f"| {name:24} | {ours:8.1f} | {theirs:12.1f} | {ours / theirs:5.2f}x | {share} "
-            f"| {floor} |"
-        )
+        print(f"| {name:24} | {ours:8.1f} | {theirs:12.1f} | {ours / theirs:5.2f}x | {share} |")
 
 
 if __name__ == "__main__":
