@@ -50,9 +50,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             f"({batch.num_rows}, {batch.vocab_size})"
         )
     groups = batch.random
-    if not groups and batch.stop_mask is None and batch.penalties is None:
-        if batch.max_num_logprobs is None:  # greedy, nothing else: no float copy needed
-            return SamplerOutput(_argmax(logits), None, None, None)
+    plain_greedy = not groups and batch.stop_mask is None and batch.penalties is None
+    if plain_greedy and batch.max_num_logprobs is None:  # no float copy of the logits needed
+        return SamplerOutput(_argmax(logits), None, None, None)
     raw = logits.float()  # the only conversion; never written to
     x = _penalized(raw, batch)
     if not batch.any_greedy and len(groups) == 1:  # one group holds every row, in order

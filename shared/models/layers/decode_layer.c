@@ -23,6 +23,11 @@ typedef struct {
 } decode_layer;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AMX_BUILD 1 /* as amx_linear.c */
+#else
+#define AMX_BUILD 0
+#endif
+#if AMX_BUILD
 #include <immintrin.h>
 
 static __thread bf16 *workspace; /* the caller's intermediate activations, grown, kept */
@@ -74,6 +79,8 @@ static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x,
     amx_linear_team(S->act, F, L->down, NULL, n, H, F, out, S->xp);
 }
 
+#endif
+
 /* `count` layers (same shapes) of a decode step: x (n, hidden) -> out (n, hidden), which is
  * the last layer's output; residual (n, hidden) updated as the op-by-op layers do (first !=
  * 0: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd) are at
@@ -87,6 +94,7 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                           int64_t layer_stride, int64_t kv_stride, const int32_t *block_table,
                           int64_t table_stride, const int32_t *context_lens, int64_t page_size,
                           int64_t window, int threads) {
+#if AMX_BUILD
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t F = L->intermediate, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
@@ -94,8 +102,10 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
     size_t per_row = (size_t)(3 * H + qkv_size + 2 * q_size + nkv * hd + 3 * F);
     bf16 *xn = grow_workspace(per_row * n);
     int64_t widest = H > q_size ? H : q_size;
-    step_args S = {n, table_stride, page_size, window, attention_heads_per_task(n, nkv, threads),
-                   positions, slots, block_table, context_lens};
+    step_args S = {.n = n, .table_stride = table_stride, .page_size = page_size,
+                   .window = window, .heads_per_task = attention_heads_per_task(n, nkv, threads),
+                   .positions = positions, .slots = slots, .block_table = block_table,
+                   .context_lens = context_lens};
     S.xp = amx_pack_buffer(n, widest > F ? widest : F);
     S.scores = malloc(sizeof(float) * threads *
                       attention_scratch(S.heads_per_task * (nh / nkv),
@@ -123,19 +133,11 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
     }
     free(S.scores);
     return 0;
-}
-
-#else
-int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
-                          bf16 *residual, int first, bf16 *out, int64_t n,
-                          const int64_t *positions, const int64_t *slots, bf16 *pool,
-                          int64_t layer_stride, int64_t kv_stride, const int32_t *block_table,
-                          int64_t table_stride, const int32_t *context_lens, int64_t page_size,
-                          int64_t window, int threads) {
+#else /* no AMX: the layers run op by op */
     (void)layers, (void)count, (void)x, (void)residual, (void)first, (void)out, (void)n;
     (void)positions, (void)slots, (void)pool, (void)layer_stride, (void)kv_stride;
     (void)block_table, (void)table_stride, (void)context_lens, (void)page_size, (void)window;
     (void)threads;
     return -2;
-}
 #endif
+}
