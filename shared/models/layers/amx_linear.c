@@ -176,7 +176,8 @@ void amx_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
                      int64_t N, int64_t K, bf16 *y, bf16 *xp) {
     int64_t width = M < 16 ? M : 16, blocks = (M + 15) / 16, steps = K / 32;
 #pragma omp for
-    for (int64_t t = 0; t < blocks * steps; t++) pack_tile(x, xs, M, K, width, t / steps, t % steps, xp);
+    for (int64_t t = 0; t < blocks * steps; t++)
+        pack_tile(x, xs, M, K, width, t / steps, t % steps, xp);
     configure(width);
     int64_t groups = (N / 16 + 1) / 2;
 #pragma omp for schedule(static)

@@ -72,7 +72,7 @@ class FusedDecoder:
         self.specs = (DecodeLayerSpec * len(specs))(*(spec for spec, _ in specs))
         self._tensors = [t for _, tensors in specs for t in tensors]
         self.rotary = rotary
-        self._call = None
+        self._call = cpu_kernels.kernel("tk_decode_layers_bf16")  # loaded: layer_spec saw AMX
 
     @staticmethod
     def takes(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -100,9 +100,6 @@ class FusedDecoder:
             raise ValueError("decode layers: x and residual must be contiguous")
         out = torch.empty_like(x)
         pool = kv.data  # (L, 2, P, S, nkv, hd)
-        if self._call is None:
-            cpu_kernels.usable(x)  # builds the library on first use
-            self._call = cpu_kernels.kernel("tk_decode_layers_bf16")
         status = self._call(
             self.specs, len(self.specs), x.data_ptr(), residual.data_ptr(), first,
             out.data_ptr(), x.shape[0], positions.data_ptr(), meta.slot_mapping.data_ptr(),
