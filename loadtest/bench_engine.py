@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from loadtest.random_model import llama_fields, save_random_llama
+from shared import cpu_isa
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages
-from shared.models.layers.cpu_kernels import NATIVE_FLAGS, PORTABLE_FLAGS
+from shared.models.layers import cpu_kernels
 from shared.native_build import build_library
 from shared.sampling.params import SamplingParams
 
@@ -31,11 +32,12 @@ MODEL = llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4)  # ~150M
 
 @functools.cache
 def _read_probe():
-    """membw.c's read_xor, built for this CPU (or portably)."""
+    """membw.c's read_xor, built for the CPU's best tier (or the next that builds)."""
     source = Path(__file__).with_name("membw.c")
-    for flags in (NATIVE_FLAGS, PORTABLE_FLAGS):
+    for tier in reversed(cpu_isa.tiers_up_to(cpu_isa.detected())):
         try:
-            fn = ctypes.CDLL(str(build_library("tison_membw", [source], flags))).read_xor
+            path = build_library("tison_membw", [source], cpu_kernels.flags(tier))
+            fn = ctypes.CDLL(str(path)).read_xor
             break
         except OSError:
             continue

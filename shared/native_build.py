@@ -15,24 +15,14 @@ def build_library(
     name: str, sources: list[Path], flags: list[str], headers: list[Path] = ()
 ) -> Path:
     """Path of the built library; raises OSError or SubprocessError when it cannot be built."""
-    digest = hashlib.sha256(" ".join(flags).encode())
-    if "-march=native" in flags:  # the code is for this CPU: a cache shared across hosts
-        digest.update(_cpu_identity())  # (a network home) must not hand it to another CPU
+    digest = hashlib.sha256(" ".join(flags).encode())  # a tier's flags, never -march=native:
+    digest.update(platform.machine().encode())  # one build is right for every CPU of its tier
     for path in [*headers, *sources]:
         digest.update(path.read_bytes())
     target = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
     if not target.exists():
         _compile(target, sources, flags)
     return target
-
-
-def _cpu_identity() -> bytes:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor().encode()
-    first_cpu = lines[: lines.index("")] if "" in lines else lines
-    return "".join(line for line in first_cpu if line.startswith(("model name", "flags"))).encode()
 
 
 def _cache_dir() -> Path:

@@ -8,20 +8,19 @@ from shared.models.layers import cpu_kernels
 from shared.models.layers.attention import DecodeRows, PagedAttention
 from shared.models.layers.rotary import RotaryEmbedding, _rotate
 
+from tiers import tier_params, use_tier
+
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.usable(torch.zeros(1)), reason="no C compiler: the kernels are not built"
 )
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True, params=["native", "portable"])
+@pytest.fixture(autouse=True, params=tier_params())
 def build(request, monkeypatch):
-    """Every test runs on the build for this CPU (AVX-512 code where it has it) and on the
-    portable build that other CPUs get."""
-    if request.param == "portable":
-        kernels = cpu_kernels.load_kernels(cpu_kernels.PORTABLE_FLAGS)
-        assert kernels is not None
-        monkeypatch.setattr(cpu_kernels, "_kernels", kernels)
+    """Every test runs on each tier's build this CPU can run (portable, AVX2, AVX-512, ...),
+    each a different library; the tiers it cannot run are skipped with the reason."""
+    use_tier(request.param, monkeypatch)
     return request.param
 
 

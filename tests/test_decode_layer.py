@@ -1,6 +1,7 @@
 """The fused decoder (shared/models/layers/decode_layer.c): a decode step's layers in one C call
 give the op-by-op layers' output bit for bit, for every family's variant, on one and two
-threads, with requests joining while others decode (mixed steps go op by op)."""
+threads, with requests joining while others decode (mixed steps go op by op), at every tier
+this CPU runs."""
 
 import pytest
 import torch
@@ -10,9 +11,10 @@ from shared.models.layers.decode_layer import FusedDecoder
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import make_prompts, new_engine, run_all
+from tiers import tier_params, use_tier
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.amx_ready(), reason="the fused decode layer runs where the AMX linear does"
+    not cpu_kernels.usable(torch.zeros(1)), reason="no C compiler: the kernels are not built"
 )
 
 VARIANTS = {  # family, overrides: each flag of the layer that the C code branches on
@@ -27,7 +29,7 @@ VARIANTS = {  # family, overrides: each flag of the layer that the C code branch
 def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
     """Token ids and top-3 logprobs of 8 greedy requests, 4 joining after the others decode."""
     engine = new_engine(model_dir, dtype="bfloat16")
-    assert engine.model.model.fused is not None, "every layer's linears run on AMX here"
+    assert engine.model.model.fused is not None, "every layer's linears run on the C linear"
     if not fused:
         engine.model.model.fused = None
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
@@ -48,9 +50,13 @@ def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
     ]
 
 
+@pytest.mark.parametrize("tier", tier_params())
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_fused_layer_gives_the_op_by_op_bits(tiny_model_factory, monkeypatch, variant, threads):
+def test_fused_layer_gives_the_op_by_op_bits(
+    tiny_model_factory, monkeypatch, variant, threads, tier
+):
+    use_tier(tier, monkeypatch)
     family, overrides = VARIANTS[variant]
     model_dir = tiny_model_factory(family, **overrides)
     calls = []
@@ -69,7 +75,7 @@ def test_fused_layer_gives_the_op_by_op_bits(tiny_model_factory, monkeypatch, va
 
 
 def test_mixed_and_oversized_steps_go_op_by_op():
-    """Steps with a prefill chunk, or more rows than the AMX kernel takes, are not fused."""
+    """Steps with a prefill chunk, or more rows than the C linear takes, are not fused."""
     from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
 
     decode = DecodeRows(None, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2), 16, None)
@@ -80,5 +86,5 @@ def test_mixed_and_oversized_steps_go_op_by_op():
     assert not FusedDecoder.takes(x, AttentionMetadata(slots, decode, [span]))
     assert not FusedDecoder.takes(x, AttentionMetadata(slots, None, [span]))
     assert not FusedDecoder.takes(x.float(), AttentionMetadata(slots, decode, []))
-    big = torch.zeros(257, 64, dtype=torch.bfloat16)
+    big = torch.zeros(cpu_kernels.linear_max_rows() + 1, 64, dtype=torch.bfloat16)
     assert not FusedDecoder.takes(big, AttentionMetadata(slots, decode, []))

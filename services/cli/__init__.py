@@ -4,6 +4,7 @@ import argparse
 import importlib
 import sys
 
+from shared import cpu_isa
 from shared.huge_pages import restart_with_huge_pages
 
 # Modules under services/cli that add a subcommand; each defines register(subparsers).
@@ -16,6 +17,7 @@ SUBCOMMAND_MODULES = [
     "fake_worker",
     "worker",
     "bench",
+    "env",
 ]
 
 
@@ -30,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the `tison` command itself, not a test calling main([...])
         restart_with_huge_pages()  # before torch is imported; children inherit the setting
+    try:
+        cpu_isa.cap_torch()  # TISON_CPU_ISA caps torch too (before its first op); children inherit
+    except ValueError as e:
+        print(f"tison: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

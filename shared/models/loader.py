@@ -9,7 +9,6 @@ from torch import nn
 from shared.checkpoint import Checkpoint
 from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
-from shared.models.layers.cpu_linear import can_pack
 from shared.models.layers.linear import default_weight_loader
 from shared.models.packing import prepare_cpu_linears
 from shared.models.registry import model_class
@@ -34,7 +33,7 @@ def load_model(
         load_weights(model, checkpoint, stage, str(model_dir))
     finally:
         checkpoint.close()
-    if can_pack(dtype, torch.device("cpu")):
+    if dtype == torch.bfloat16:  # the model is on the CPU until moved
         prepare_cpu_linears(model)
     return model.eval()
 

@@ -6,8 +6,8 @@
  * (16 outputs n, 16 rows m), transposed on the way out. A thread owns whole 32-output groups
  * and streams their rows once, for up to 32 rows of x at a time.
  *
- * Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
- * tk_amx_ready() says 0 and the layers keep oneDNN.
+ * Built only where the compiler targets AMX-BF16 (cpu_isa.py's amx tier); linear_bf16.c
+ * calls it there and its vector kernels elsewhere.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,7 +26,7 @@
 #define XFEATURE_XTILEDATA 18
 
 /* 1 when this process may use the AMX tiles (Linux grants them on request, once). */
-int tk_amx_ready(void) {
+int amx_request(void) {
     uint64_t features = 0;
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
     if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &features) != 0) return 0;
@@ -152,23 +152,8 @@ static void group(const bf16 *w, const bf16 *bias, const bf16 *xp, int64_t block
     }
 }
 
-static __thread bf16 *scratch; /* a caller's packed x, grown as needed, kept */
-static __thread size_t scratch_bytes;
-
-/* The calling thread's scratch for packed x of M rows of K (64-byte aligned), or NULL when
- * it cannot be allocated. */
-bf16 *amx_pack_buffer(int64_t M, int64_t K) {
-    size_t bytes = (size_t)((M + 15) / 16 * K * (M < 16 ? M : 16) * 2);
-    if (bytes > scratch_bytes) {
-        free(scratch);
-        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        scratch_bytes = scratch == NULL ? 0 : bytes;
-    }
-    return scratch;
-}
-
 /* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL; w (N, K) contiguous;
- * xp: amx_pack_buffer(M, K), shared by the team. Inside a parallel region the team packs x
+ * xp: linear_scratch(M, K), shared by the team. Inside a parallel region the team packs x
  * together, then shares out the output groups (an orphaned `omp for` each; outside a region
  * the caller does all). Leaves the tiles configured: release them once the team is done.
  * Needs N % 16 == 0 and K % 32 == 0 (the wrapper checks). */
@@ -189,26 +174,5 @@ void amx_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
     }
 }
 
-/* amx_linear_team on `threads` threads. Returns 0, or -1 when the scratch for x cannot be
- * allocated. */
-int tk_linear_bf16(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
-                   int64_t N, int64_t K, bf16 *y, int threads) {
-    bf16 *xp = amx_pack_buffer(M, K); /* the caller's: the team's threads have their own */
-    if (xp == NULL) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        amx_linear_team(x, xs, w, bias, M, N, K, y, xp);
-        _tile_release();
-    }
-    return 0;
-}
-
-#else
-int tk_amx_ready(void) { return 0; }
-
-int tk_linear_bf16(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
-                   int64_t N, int64_t K, bf16 *y, int threads) {
-    (void)x, (void)xs, (void)w, (void)bias, (void)M, (void)N, (void)K, (void)y, (void)threads;
-    return -2;
-}
+void amx_release(void) { _tile_release(); }
 #endif

@@ -1,5 +1,5 @@
 /* What the kernel files share: the bfloat16 type, decode attention's work split, and the
- * bfloat16 team kernels (cpu_kernels_impl.h, amx_linear.c) that decode_layer.c runs in one
+ * bfloat16 team kernels (cpu_kernels_impl.h, linear_bf16.c) that decode_layer.c runs in one
  * parallel region. A team kernel splits its loops over the enclosing region's threads
  * (orphaned `omp for`s, each ending at a barrier), or runs alone outside a region. */
 #ifndef TISON_CPU_KERNELS_H
@@ -42,8 +42,16 @@ void decode_attention_team_bf16(const bf16 *q, int64_t q_stride, const int64_t *
                                 const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
                                 int64_t hd, int64_t page_size, int64_t window, float scale,
                                 bf16 *out, int64_t heads_per_task, float *scratch);
+/* linear_bf16.c: y (M, N) = x (M, K; row stride xs) w (N, K)^T + bias, on AMX tiles where
+ * the build has them, else on the vector units; scratch: linear_scratch(M, K), the calling
+ * thread's, shared by the team. linear_team_done: each team thread once its linears are done. */
+void *linear_scratch(int64_t M, int64_t K);
+void linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
+                 int64_t N, int64_t K, bf16 *y, void *scratch);
+void linear_team_done(void);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-bf16 *amx_pack_buffer(int64_t M, int64_t K);
+int amx_request(void);
+void amx_release(void);
 void amx_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                      int64_t N, int64_t K, bf16 *y, bf16 *xp);
 #endif

@@ -1,9 +1,8 @@
-"""Wrappers of the C kernels in cpu_kernels.c, amx_linear.c and decode_layer.c (one library,
-built on first use, loaded with ctypes): each checks dtype, shape and strides, then passes
-addresses. The layers call them for CPU tensors of float32 or bfloat16 when `usable(x)` (the
-AMX linear and the fused decode layer: when `amx_ready()`); elsewhere (another device, no C
-compiler) the layers keep their torch code, which is also the reference the kernel tests
-compare against."""
+"""Wrappers of the C kernels in cpu_kernels.c, linear_bf16.c, amx_linear.c and decode_layer.c
+(one library, built on first use for the CPU's tier (shared/cpu_isa.py), loaded with ctypes):
+each checks dtype, shape and strides, then passes addresses. The layers call them for CPU
+tensors of float32 or bfloat16 when `usable(x)`; elsewhere (another device, no C compiler) the
+layers keep their torch code, which is also the reference the kernel tests compare against."""
 
 import ctypes
 import logging
@@ -13,14 +12,17 @@ from pathlib import Path
 
 import torch
 
+from shared import cpu_isa
 from shared.native_build import build_library
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-PORTABLE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
-# this CPU's vector units (AVX-512 where there is one); the portable build where not accepted
-NATIVE_FLAGS = [*PORTABLE_FLAGS, "-march=native", "-mprefer-vector-width=512"]
+BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+SOURCES = [_HERE / f for f in ("cpu_kernels.c", "linear_bf16.c", "amx_linear.c", "decode_layer.c")]
+HEADERS = [_HERE / "cpu_kernels.h", _HERE / "cpu_kernels_impl.h"]
+AMX_MAX_ROWS = 256  # measured: above this oneDNN's large-M kernel is the faster one
+VEC_MAX_ROWS = 64  # likewise, for linear_bf16.c's vector kernels
 LANES = 16  # cpu_kernels.c: head sizes must be a multiple of this
 MAX_GROUP = 64  # cpu_kernels.c: query heads per KV head, at most
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -37,7 +39,7 @@ _SIGNATURES = {
         + [*[_i64] * 6, _f32, _ptr, _int],
     ),
 }
-_BF16_ONLY = {  # amx_linear.c, decode_layer.c
+_BF16_ONLY = {  # linear_bf16.c, decode_layer.c
     "tk_amx_ready": (_int, []),
     "tk_linear_bf16": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_decode_layers_bf16": (
@@ -46,33 +48,49 @@ _BF16_ONLY = {  # amx_linear.c, decode_layer.c
         + [_ptr, _i64, _i64, _int],
     ),
 }
-AMX_ALIGN = (16, 32)  # amx_linear.c: output features and input features, multiples of these
+LINEAR_K_ALIGN = 32  # linear_bf16.c: input features, a multiple of this
+AMX_N_ALIGN = 16  # amx_linear.c: output features, a multiple of this
 _lock = threading.Lock()
 _kernels: dict = {}  # (name, dtype) -> the ctypes function, once built and loaded
-_built: list[bool] = []  # [whether the library loaded], once it was tried
-_amx: list[bool] = []  # [whether tk_linear_bf16 runs here], once asked
+_built: list = []  # [the tier the loaded library was built for, or None], once tried
+
+
+def flags(tier: cpu_isa.Tier) -> list[str]:
+    return [*BASE_FLAGS, *tier.cflags]
 
 
 def _load() -> bool:
     with _lock:
         if not _built:
-            kernels = load_kernels(NATIVE_FLAGS) or load_kernels(PORTABLE_FLAGS)
-            if kernels is None:
+            tier, kernels = None, None
+            for candidate in reversed(cpu_isa.tiers_up_to(cpu_isa.active())):
+                kernels = load_kernels(candidate)
+                if kernels is not None and not (
+                    candidate.name == "amx" and not kernels["tk_amx_ready", torch.bfloat16]()
+                ):  # an AMX build where the OS grants no tiles: the next tier down
+                    tier = candidate
+                    break
+            if tier is None:
                 log.warning("no C CPU kernels (no working C compiler): the layers use torch ops")
-            _kernels.update(kernels or {})
-            _built.append(kernels is not None)
-        return _built[0]
+            _kernels.update(kernels if tier is not None else {})
+            _built.append(tier)
+        return _built[0] is not None
 
 
-def load_kernels(flags: list[str]) -> dict | None:
-    """{(name, dtype): ctypes function} of the library built with these flags; None if it
-    cannot be built."""
+def built_tier() -> cpu_isa.Tier | None:
+    """The tier the loaded kernels were built for (None: no C kernels)."""
+    _load()
+    return _built[0]
+
+
+def load_kernels(tier: cpu_isa.Tier) -> dict | None:
+    """{(name, dtype): ctypes function} of the library built for this tier; None if it cannot
+    be built."""
     try:
-        sources = [_HERE / "cpu_kernels.c", _HERE / "amx_linear.c", _HERE / "decode_layer.c"]
-        headers = [_HERE / "cpu_kernels.h", _HERE / "cpu_kernels_impl.h"]
-        lib = ctypes.CDLL(str(build_library("tison_cpu_kernels", sources, flags, headers)))
+        path = build_library("tison_cpu_kernels", SOURCES, flags(tier), HEADERS)
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        log.info("C CPU kernels with %s: %s", " ".join(flags), e)
+        log.info("C CPU kernels at tier %s: %s", tier.name, e)
         return None
     kernels = {}
     for name, (restype, argtypes) in _SIGNATURES.items():
@@ -89,37 +107,44 @@ def load_kernels(flags: list[str]) -> dict | None:
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels can take x's device and dtype (building them on the first call)."""
-    return x.device.type == "cpu" and x.dtype in _SUFFIX and (_built[0] if _built else _load())
+    return x.device.type == "cpu" and x.dtype in _SUFFIX and _load()
 
 
 def amx_ready() -> bool:
-    """Whether the AMX bfloat16 linear runs here: built for a CPU with AMX-BF16, and the OS
-    lets this process use the tiles."""
-    if not _amx:
-        _amx.append(_load() and bool(_kernels["tk_amx_ready", torch.bfloat16]()))
-    return _amx[0]
+    """Whether the bfloat16 linear runs on AMX tiles here: the library was built for the amx
+    tier, and the OS lets this process use the tiles (_load checked)."""
+    return _load() and _built[0].name == "amx"
+
+
+def linear_max_rows() -> int:
+    """Rows of x up to which linear_bf16 beats F.linear (measured: AMX_MAX_ROWS on AMX tiles,
+    VEC_MAX_ROWS on the vector units)."""
+    return AMX_MAX_ROWS if amx_ready() else VEC_MAX_ROWS
 
 
 def kernel(name: str):
     """The bfloat16-only C function `name` of _BF16_ONLY, for callers that pass their own
-    addresses (decode_layer.py). The library must be loaded (usable() was true)."""
+    addresses (decode_layer.py). RuntimeError where the kernels cannot be built."""
+    if not _load():
+        raise RuntimeError(f"{name}: the C CPU kernels could not be built (no C compiler?)")
     return _kernels[name, torch.bfloat16]
 
 
-def amx_fits(weight: torch.Tensor) -> bool:
+def linear_fits(weight: torch.Tensor) -> bool:
     """Whether linear_bf16 takes this (out, in) weight: bf16, contiguous, sizes aligned."""
     out_features, in_features = weight.shape
     return (
         weight.dtype == torch.bfloat16
         and weight.is_contiguous()
-        and out_features % AMX_ALIGN[0] == 0
-        and in_features % AMX_ALIGN[1] == 0
+        and in_features % LINEAR_K_ALIGN == 0
+        and (not amx_ready() or out_features % AMX_N_ALIGN == 0)
     )
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, in) bf16, rows possibly strided; weight (out, in) with amx_fits(weight); bias
-    (out,) or None -> (M, out) = x weight^T + bias, summed in float32. Needs amx_ready()."""
+    """x (M, in) bf16, rows possibly strided; weight (out, in) with linear_fits(weight); bias
+    (out,) or None -> (M, out) = x weight^T + bias, summed in float32, on AMX tiles where
+    amx_ready(), else on the vector units."""
     M, K = x.shape
     N = weight.shape[0]
     _check("linear x", x, torch.bfloat16, M, K)
@@ -130,14 +155,12 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty((M, N), dtype=torch.bfloat16)
     if M == 0:
         return y
-    status = _kernels["tk_linear_bf16", torch.bfloat16](
+    status = kernel("tk_linear_bf16")(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
         M, N, K, y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError(
-            f"linear: {'no memory for the packed input' if status == -1 else 'no AMX'}"
-        )
+        raise MemoryError("linear: no memory for the scratch of its input")
     return y
 
 

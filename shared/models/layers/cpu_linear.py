@@ -1,20 +1,26 @@
-"""bfloat16 matmuls on CPU. Where the CPU has AMX, decode-sized inputs (up to AMX_MAX_ROWS
-rows) run in our AMX kernel on the plain weight (amx_linear.c), which reads weights ~1.4x faster
-than oneDNN at 1-32 rows; larger inputs (prefill) go to F.linear, whose oneDNN kernel packs the
-weight on the fly. Elsewhere, oneDNN's prepacked layout runs the decode GEMMs ~1.3-2x faster
-than plain F.linear, bit for bit: the packed tensor replaces the plain one, once, after loading."""
+"""bfloat16 matmuls on CPU. Decode-sized inputs (up to cpu_kernels.linear_max_rows() rows) run
+in our kernel on the plain weight (linear_bf16.c: AMX tiles or the vector units of the CPU's
+tier), which streams the weight at near the memory bandwidth where oneDNN's small-batch kernels
+reach two thirds of it. Larger inputs (prefill) go to F.linear: oneDNN's bf16 kernel where the
+tier has one (AVX-512 and up), else a float32 matmul on the weight widened for the call (torch's
+own bf16 fallback is ~2.5x slower than that). A weight our kernel cannot take is packed once
+for oneDNN where oneDNN has bf16 (~1.3-2x faster than plain F.linear, bit for bit)."""
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared import cpu_isa
 from shared.models.layers import cpu_kernels
 
-AMX_MAX_ROWS = 256  # measured: above this oneDNN's large-M kernel is the faster one
 
-
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+@cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls here: the tier has AVX-512 (what oneDNN's bf16 path
+    needs where the CPU has no AVX-NE-CONVERT) and torch agrees."""
+    return cpu_isa.at_least("avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
@@ -33,11 +39,15 @@ class PackedLinear(nn.Module):
 
 
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """F.linear, through the packed weight when the module has one, through the AMX kernel when
-    the module is marked `amx` (see packing.py) and x has few rows. x (T, in) -> (T, out)."""
+    """F.linear, through the packed weight when the module has one, through our kernel when the
+    module is marked `c_linear` (see packing.py) and x has few rows. x (T, in) -> (T, out)."""
     packed = getattr(module, "packed", None)
     if packed is not None:
         return packed(x)
-    if getattr(module, "amx", False) and x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS:
-        return cpu_kernels.linear_bf16(x, weight, bias)
+    if getattr(module, "c_linear", False) and x.dim() == 2:
+        if x.shape[0] <= cpu_kernels.linear_max_rows():
+            return cpu_kernels.linear_bf16(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not onednn_bf16():
+        wide_bias = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
     return F.linear(x, weight, bias)

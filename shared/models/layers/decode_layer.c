@@ -1,12 +1,11 @@
-/* The decoder layers of a decode step (one new token per sequence), Llama family, bfloat16 on
- * AMX, in one call and one OpenMP parallel region: the team runs each layer's kernels one
+/* The decoder layers of a decode step (one new token per sequence), Llama family, bfloat16, in
+ * one call and one OpenMP parallel region: the team runs each layer's kernels one
  * after the other (see cpu_kernels.h), meeting at a barrier after each. Op by op, every op
  * pays a Python module call, a ctypes call, a tensor allocation and a thread-team wake-up, and
  * the Python between them runs on caches that the weights stream has just flushed: ~250 us a
  * layer here, a quarter of a batch-32 step. The kernels are the ones the op-by-op path runs,
- * in the same order, so the output is the same bit for bit.
- *
- * Built only where amx_linear.c is; elsewhere tk_decode_layers_bf16 returns -2.
+ * in the same order, so the output is the same bit for bit. The linears are linear_bf16.c's:
+ * AMX tiles or the vector units, whichever the build's tier has.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,14 +20,6 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, qk_eps, scale;
 } decode_layer;
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define AMX_BUILD 1 /* as amx_linear.c */
-#else
-#define AMX_BUILD 0
-#endif
-#if AMX_BUILD
-#include <immintrin.h>
 
 static __thread bf16 *workspace; /* the caller's intermediate activations, grown, kept */
 static __thread size_t workspace_elems;
@@ -47,7 +38,8 @@ typedef struct {
     int64_t n, table_stride, page_size, window, heads_per_task;
     const int64_t *positions, *slots;
     const int32_t *block_table, *context_lens;
-    bf16 *xn, *qkv, *q, *k, *attn, *o, *gate_up, *act, *xp;
+    bf16 *xn, *qkv, *q, *k, *attn, *o, *gate_up, *act;
+    void *xp; /* linear_scratch */
     float *scores;
 } step_args;
 
@@ -59,7 +51,7 @@ static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x,
     int64_t F = L->intermediate, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
     bf16 *qkv = S->qkv;
     rms_norm_team_bf16(x, H, S->xn, H, first ? NULL : residual, L->input_norm, n, 1, H, L->eps);
-    amx_linear_team(S->xn, H, L->qkv, L->qkv_bias, n, qkv_size, H, qkv, S->xp);
+    linear_team(S->xn, H, L->qkv, L->qkv_bias, n, qkv_size, H, qkv, S->xp);
     if (L->q_norm != NULL) { /* Qwen3: per-head norms of q and k, in place */
         rms_norm_team_bf16(qkv, qkv_size, qkv, qkv_size, NULL, L->q_norm, n, nh, hd, L->qk_eps);
         rms_norm_team_bf16(qkv + q_size, qkv_size, qkv + q_size, qkv_size, NULL, L->k_norm, n,
@@ -72,14 +64,12 @@ static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x,
     decode_attention_team_bf16(S->q, q_size, NULL, k_pool, v_pool, S->block_table,
                                S->table_stride, S->context_lens, n, nh, nkv, hd, S->page_size,
                                S->window, L->scale, S->attn, S->heads_per_task, S->scores);
-    amx_linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
+    linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
     rms_norm_team_bf16(S->o, H, S->xn, H, residual, L->post_norm, n, 1, H, L->eps);
-    amx_linear_team(S->xn, H, L->gate_up, NULL, n, 2 * F, H, S->gate_up, S->xp);
+    linear_team(S->xn, H, L->gate_up, NULL, n, 2 * F, H, S->gate_up, S->xp);
     silu_mul_team_bf16(S->gate_up, S->act, n, F);
-    amx_linear_team(S->act, F, L->down, NULL, n, H, F, out, S->xp);
+    linear_team(S->act, F, L->down, NULL, n, H, F, out, S->xp);
 }
-
-#endif
 
 /* `count` layers (same shapes) of a decode step: x (n, hidden) -> out (n, hidden), which is
  * the last layer's output; residual (n, hidden) updated as the op-by-op layers do (first !=
@@ -94,7 +84,6 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                           int64_t layer_stride, int64_t kv_stride, const int32_t *block_table,
                           int64_t table_stride, const int32_t *context_lens, int64_t page_size,
                           int64_t window, int threads) {
-#if AMX_BUILD
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t F = L->intermediate, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
@@ -106,7 +95,7 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                    .window = window, .heads_per_task = attention_heads_per_task(n, nkv, threads),
                    .positions = positions, .slots = slots, .block_table = block_table,
                    .context_lens = context_lens};
-    S.xp = amx_pack_buffer(n, widest > F ? widest : F);
+    S.xp = linear_scratch(n, widest > F ? widest : F);
     S.scores = malloc(sizeof(float) * threads *
                       attention_scratch(S.heads_per_task * (nh / nkv),
                                         max_context(context_lens, n), hd));
@@ -129,15 +118,8 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                        k_pool + kv_stride);
             in = to;
         }
-        _tile_release();
+        linear_team_done();
     }
     free(S.scores);
     return 0;
-#else /* no AMX: the layers run op by op */
-    (void)layers, (void)count, (void)x, (void)residual, (void)first, (void)out, (void)n;
-    (void)positions, (void)slots, (void)pool, (void)layer_stride, (void)kv_stride;
-    (void)block_table, (void)table_stride, (void)context_lens, (void)page_size, (void)window;
-    (void)threads;
-    return -2;
-#endif
 }

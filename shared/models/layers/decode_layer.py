@@ -1,11 +1,12 @@
-"""The decoder layers of a decode step in one C call (decode_layer.c), on CPUs with AMX.
+"""The decoder layers of a decode step in one C call (decode_layer.c), on every CPU tier.
 
 Op by op, every op of a layer pays a Python module call, a ctypes call, a tensor allocation and
 a thread-team wake-up, and the Python between the kernels runs on caches that the weights
 stream has just flushed: ~250 us a layer here, a quarter of a batch-32 step. The fused call
 runs the same kernels in the same order inside one OpenMP region, so its output is the
 op-by-op output bit for bit. It takes steps whose rows all decode, bfloat16, one tensor-
-parallel rank (no all-reduce inside) and linears on AMX; everything else stays op by op."""
+parallel rank (no all-reduce inside) and linears on the C linear (linear_bf16.c); everything
+else stays op by op."""
 
 import ctypes
 
@@ -14,7 +15,6 @@ import torch
 from shared.kv.cache import KVCache
 from shared.models.layers import cpu_kernels
 from shared.models.layers.attention import AttentionMetadata
-from shared.models.layers.cpu_linear import AMX_MAX_ROWS
 
 _POINTERS = (
     "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down",
@@ -37,12 +37,11 @@ def layer_spec(
     *, input_norm, qkv, q_norm, k_norm, rotary, attn, o, post_norm, gate_up, down
 ) -> tuple[DecodeLayerSpec, list[torch.Tensor]] | None:
     """One decoder layer's spec and the tensors it points into, or None where the fused call
-    cannot run it (no AMX, a linear not on AMX, more than one tensor-parallel rank, an
+    cannot run it (a linear not on the C linear, more than one tensor-parallel rank, an
     unsupported head shape)."""
     linears = (qkv, o, gate_up, down)
     if not (
-        cpu_kernels.amx_ready()
-        and all(getattr(m, "amx", False) for m in linears)
+        all(getattr(m, "c_linear", False) for m in linears)
         and all(getattr(m, "tp", None) is None or m.tp.size == 1 for m in linears)
         and attn.kernel_ok
         and input_norm.weight.dtype == torch.bfloat16
@@ -72,7 +71,7 @@ class FusedDecoder:
         self.specs = (DecodeLayerSpec * len(specs))(*(spec for spec, _ in specs))
         self._tensors = [t for _, tensors in specs for t in tensors]
         self.rotary = rotary
-        self._call = cpu_kernels.kernel("tk_decode_layers_bf16")  # loaded: layer_spec saw AMX
+        self._call = cpu_kernels.kernel("tk_decode_layers_bf16")  # loaded: the linears use it
 
     @staticmethod
     def takes(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -82,7 +81,7 @@ class FusedDecoder:
             d is not None
             and d.rows is None
             and not meta.prefills
-            and x.shape[0] <= AMX_MAX_ROWS
+            and x.shape[0] <= cpu_kernels.linear_max_rows()
             and x.dtype == torch.bfloat16
         )
 

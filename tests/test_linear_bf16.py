@@ -1,19 +1,27 @@
-"""The AMX bfloat16 linear (shared/models/layers/amx_linear.c) against a float64 reference, and
-the choice of kernel each CPU bf16 linear layer makes after loading."""
+"""The bfloat16 linear (shared/models/layers/linear_bf16.c: AMX tiles, or the vector units of
+each tier) against a float64 reference at every tier this CPU runs, and the choice of kernel
+each CPU bf16 linear layer makes after loading."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.models.layers import cpu_kernels
-from shared.models.layers.cpu_linear import AMX_MAX_ROWS
+from shared import cpu_isa
+from shared.models.layers import cpu_kernels, cpu_linear
 from shared.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shared.models.packing import prepare_cpu_linears
 
-needs_amx = pytest.mark.skipif(
-    not (cpu_kernels.usable(torch.zeros(1)) and cpu_kernels.amx_ready()),
-    reason="this CPU (or its OS, or the build) has no AMX-BF16",
+from tiers import tier_params, use_tier
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.usable(torch.zeros(1)), reason="no C compiler: the kernels are not built"
 )
+
+
+@pytest.fixture(autouse=True, params=tier_params())
+def tier(request, monkeypatch):
+    use_tier(request.param, monkeypatch)
+    return request.param
 
 
 def reference(x, weight, bias=None) -> torch.Tensor:
@@ -30,12 +38,11 @@ def assert_close_to_reference(y: torch.Tensor, x, weight, bias=None) -> None:
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=scale * 2**-20)
 
 
-@needs_amx
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 96), (80, 64), (1280, 768)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_reference(rows, out_features, in_features, with_bias):
-    """Every row count (partial tiles, odd block counts) and output count (a last group of 16)."""
+    """Every row count (partial tiles and row blocks) and output count (a last group of 16)."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     weight = (torch.randn(out_features, in_features, generator=g) / 8).bfloat16()
@@ -43,7 +50,6 @@ def test_matches_float64_reference(rows, out_features, in_features, with_bias):
     assert_close_to_reference(cpu_kernels.linear_bf16(x, weight, bias), x, weight, bias)
 
 
-@needs_amx
 def test_strided_rows_and_thread_counts_give_the_same_bits():
     """x may be a column slice of a wider tensor; each output is one thread's sum in a fixed
     order, so 1 and 2 threads agree bit for bit."""
@@ -63,7 +69,6 @@ def test_strided_rows_and_thread_counts_give_the_same_bits():
     assert_close_to_reference(one, x, weight)
 
 
-@needs_amx
 def test_bad_input_names_what_is_wrong():
     weight = torch.zeros(16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="features"):
@@ -74,12 +79,23 @@ def test_bad_input_names_what_is_wrong():
         cpu_kernels.linear_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), weight, torch.zeros(8))
 
 
-def test_portable_build_has_no_amx():
-    """Without -march=native the library still builds, and says it has no AMX kernel."""
-    kernels = cpu_kernels.load_kernels(cpu_kernels.PORTABLE_FLAGS)
-    if kernels is None:
-        pytest.skip("no C compiler")
-    assert kernels["tk_amx_ready", torch.bfloat16]() == 0
+def test_output_counts_off_the_group_size(tier):
+    """The vector kernels take any number of outputs (groups of 4, the last one partial)."""
+    if tier == "amx":
+        pytest.skip("the AMX kernel takes multiples of 16 outputs (linear_fits says so)")
+    g = torch.Generator().manual_seed(7)
+    for out_features in (1, 3, 5, 7):
+        x = torch.randn(6, 64, generator=g).bfloat16()
+        weight = torch.randn(out_features, 64, generator=g).bfloat16()
+        bias = torch.randn(out_features, generator=g).bfloat16()
+        assert_close_to_reference(cpu_kernels.linear_bf16(x, weight, bias), x, weight, bias)
+
+
+def test_the_tier_decides_amx(tier):
+    """Only the amx tier's library runs the linear on tiles."""
+    assert cpu_kernels.amx_ready() == (tier == "amx")
+    kernels = cpu_kernels.load_kernels(cpu_isa.BY_NAME[tier])
+    assert bool(kernels["tk_amx_ready", torch.bfloat16]()) == (tier == "amx")
 
 
 class _Model(torch.nn.Module):
@@ -94,29 +110,36 @@ class _Model(torch.nn.Module):
             p.data.copy_(torch.randn(p.shape) / 4)
 
 
-@needs_amx
-def test_layers_pick_their_kernel_and_agree_with_f_linear():
-    """After loading: a weight that fits the AMX kernel stays plain and runs there up to
-    AMX_MAX_ROWS rows (F.linear above); one that does not is packed for oneDNN."""
+@pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN bf16", "no oneDNN bf16"])
+def test_layers_pick_their_kernel_and_agree_with_f_linear(monkeypatch, onednn):
+    """After loading: a weight that fits our kernel stays plain and runs there up to
+    linear_max_rows() rows (F.linear above: oneDNN's bf16, or float32 where the tier has no
+    oneDNN bf16); one that does not is packed for oneDNN, or stays plain without it."""
+    if onednn and not cpu_linear.onednn_bf16():
+        pytest.skip("oneDNN runs no bf16 matmul here (an AVX2 CPU, or capped to one)")
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: onednn)
     torch.manual_seed(0)
     model = _Model()
     plain = {name: p.detach().clone() for name, p in model.named_parameters()}
     prepare_cpu_linears(model)
-    assert getattr(model.fits, "amx", False) and getattr(model.fits, "packed", None) is None
-    assert not getattr(model.odd, "amx", False) and model.odd.packed is not None
-    for rows in (3, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    assert getattr(model.fits, "c_linear", False) and getattr(model.fits, "packed", None) is None
+    assert not getattr(model.odd, "c_linear", False)
+    assert (getattr(model.odd, "packed", None) is not None) == onednn
+    max_rows = cpu_kernels.linear_max_rows()
+    for rows in (3, max_rows, max_rows + 1):
         x = torch.randn(rows, 64).bfloat16()
         y = model.fits(x)
         assert_close_to_reference(y, x, plain["fits.weight"], plain["fits.bias"])
         expected = F.linear(x, plain["fits.weight"], plain["fits.bias"])
         torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=1e-2)
     x = torch.randn(3, 24).bfloat16()
-    torch.testing.assert_close(
-        model.odd(x).float(), F.linear(x, plain["odd.weight"]).float(), rtol=0, atol=0
-    )
+    if onednn:  # the packed weight: oneDNN's bits
+        expected = F.linear(x, plain["odd.weight"])
+        torch.testing.assert_close(model.odd(x).float(), expected.float(), rtol=0, atol=0)
+    else:  # float32 on the widened weight, rounded once
+        assert_close_to_reference(model.odd(x), x, plain["odd.weight"])
 
 
-@needs_amx
 def test_no_rows_gives_an_empty_output():
     weight = torch.ones(16, 32, dtype=torch.bfloat16)
     assert cpu_kernels.linear_bf16(

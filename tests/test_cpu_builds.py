@@ -1,0 +1,44 @@
+"""The C CPU kernels build at every tier (x86-64 compilers accept each tier's flags whatever
+this CPU has), and the portable sources compile for aarch64 with a cross-compiler: no x86
+intrinsic outside its guard. Running each tier is test_cpu_kernels.py's job (tiers.py)."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from shared import cpu_isa
+from shared.models.layers import cpu_kernels
+
+CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
+
+
+def compile_objects(compiler: str, flags: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """Compiles (no link) every kernel source with these flags; the compiler's result."""
+    cmd = [compiler, "-O2", "-std=gnu11", "-fopenmp", "-fPIC", "-ffp-contract=off", *flags]
+    cmd += ["-Werror=implicit-function-declaration", "-c"]
+    return subprocess.run(
+        [*cmd, *map(str, cpu_kernels.SOURCES)], cwd=tmp_path, capture_output=True, text=True
+    )
+
+
+@pytest.mark.skipif(not cpu_isa.is_x86(), reason="the tiers' flags are x86-64 flags")
+@pytest.mark.parametrize("tier", cpu_isa.TIER_NAMES)
+def test_every_tier_compiles_on_x86(tier, tmp_path):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    result = compile_objects(compiler, list(cpu_isa.BY_NAME[tier].cflags), tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_portable_sources_compile_for_aarch64(tmp_path):
+    compiler = next((c for c in CROSS_COMPILERS if shutil.which(c)), None)
+    if compiler is None:
+        pytest.skip("no aarch64 cross-compiler (Debian: gcc-aarch64-linux-gnu; .ci/run has one)")
+    result = compile_objects(compiler, [], tmp_path)
+    assert result.returncode == 0, result.stderr
+    objects = sorted(p.name for p in tmp_path.glob("*.o"))
+    assert objects == sorted(p.stem + ".o" for p in cpu_kernels.SOURCES)
+    header = (tmp_path / "cpu_kernels.o").read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64

@@ -1,0 +1,36 @@
+"""Running the C CPU kernels at each tier of shared/cpu_isa.py in one process: `at_tier`
+parametrizes a test over every tier, skipping (with the reason) those this CPU cannot run, and
+swaps in that tier's library for the test. TISON_CPU_ISA caps the tiers as it caps Tison."""
+
+import pytest
+import torch
+
+from shared import cpu_isa
+from shared.models.layers import cpu_kernels
+
+RUNNABLE = [t.name for t in cpu_isa.tiers_up_to(cpu_isa.active())]
+
+
+def tier_params() -> list:
+    """Every tier, those above this run's (the CPU's best, or TISON_CPU_ISA's) marked skip."""
+    params = []
+    for tier in cpu_isa.TIERS:
+        missing = sorted(tier.needs - cpu_isa.cpu_flags()) if cpu_isa.is_x86() else ["x86-64"]
+        marks = []
+        if tier.name not in RUNNABLE:
+            reason = f"CPU lacks {' '.join(missing)}" if missing else "capped by TISON_CPU_ISA"
+            marks = [pytest.mark.skip(reason=f"tier {tier.name}: {reason}")]
+        params.append(pytest.param(tier.name, marks=marks, id=tier.name))
+    return params
+
+
+def use_tier(name: str, monkeypatch) -> None:
+    """Make cpu_kernels use the library of tier `name` for the rest of the test."""
+    tier = cpu_isa.BY_NAME[name]
+    kernels = cpu_kernels.load_kernels(tier)
+    if kernels is None:
+        pytest.fail(f"the C kernels do not build at tier {name}")
+    if name == "amx" and not kernels["tk_amx_ready", torch.bfloat16]():
+        pytest.skip("tier amx: the OS grants this process no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "_kernels", kernels)
+    monkeypatch.setattr(cpu_kernels, "_built", [tier])
