@@ -1,17 +1,22 @@
 """Engine benchmark: batch-1 decode, batch-32 decode and prefill throughput of Tison's engine
-beside Hugging Face transformers `generate` on the same random-weight ~150M Llama-shaped model,
-in the same run, and beside this machine's memory-bandwidth roofline: a decode step reads every
-weight once, so at most batch x GB/s / weight bytes tokens/s, with GB/s measured just before
-and after that very measure (the bandwidth of this shared machine drifts by 2x in minutes) by
-a C read probe (membw.c) on the same threads.
+beside Hugging Face transformers `generate` on the same random-weight ~150M Llama-shaped model
+(transformers in its fastest dtype on this CPU), in paired rounds of the same run, and beside
+this machine's memory-bandwidth roofline: at most batch x GB/s / the bytes a decode step reads
+(roofline.py: linear weights, embedding rows, KV, logits) tokens/s, with GB/s measured just
+before and after that very measure (the bandwidth of this shared machine drifts by 2x in
+minutes) by a C read probe (membw.c) on the same threads. It prints the CPU tier each kernel
+ran at; --isa runs it at a lower tier (as TISON_CPU_ISA does).
 
-    python -m loadtest.bench_engine [--dtype bfloat16] [--threads 2] [--out results.json]
+    python -m loadtest.bench_engine [--isa avx2] [--prompt-len 256] [--threads 2] [--out f.json]
 """
 
 import argparse
 import ctypes
 import functools
 import json
+import os
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,11 +24,14 @@ from pathlib import Path
 import torch
 
 from loadtest.random_model import llama_fields, save_random_llama
+from loadtest.roofline import LlamaShape, mean_step_bytes
+from services.cli.env import report as env_report
 from shared import cpu_isa
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages
 from shared.models.layers import cpu_kernels
+from shared.models.layers.cpu_linear import onednn_bf16
 from shared.native_build import build_library
 from shared.sampling.params import SamplingParams
 
@@ -88,18 +96,30 @@ def tison_prefill(engine: LLMEngine, batch: int, prompt_len: int) -> float:
     return batch * prompt_len / (time.perf_counter() - start)
 
 
+class _StepClock:
+    """A logits processor that only notes when generate asks for each token's logits."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def hf_decode(model, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """Same measure for transformers: generate(N) minus generate(1) isolates the decode steps."""
+    """Same measure for transformers, in one generate call: tokens after the first over the
+    time from the first token's logits to the last's (the prefill excluded)."""
+    from transformers import LogitsProcessorList
+
     ids = torch.tensor(prompts(batch, prompt_len))
+    clock = _StepClock()
     kwargs = dict(do_sample=False, min_new_tokens=None, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kwargs)
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, **kwargs)
-        total = time.perf_counter() - t
-    return batch * (new_tokens - 1) / max(total - first, 1e-9)
+        model.generate(
+            ids, max_new_tokens=new_tokens, logits_processor=LogitsProcessorList([clock]), **kwargs
+        )
+    return batch * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
 
 
 def hf_prefill(model, batch: int, prompt_len: int) -> float:
@@ -110,82 +130,128 @@ def hf_prefill(model, batch: int, prompt_len: int) -> float:
         return batch * prompt_len / (time.perf_counter() - t)
 
 
-def measure_round(engine, hf, prompt_len: int, new_tokens: int) -> dict[str, tuple]:
-    """One round of every measure, Tison then transformers, each decode measure between two
-    bandwidth readings: {name: (tison, transformers, GB/s around it or None for prefill)}."""
+def measure_round(engine, hf, prompt_len: int, new_tokens: int, flip: bool) -> dict:
+    """One round of every measure, Tison and transformers back to back (transformers first
+    when `flip`, so rounds alternate A, B / B, A), each decode pair between two bandwidth
+    readings: {name: (tison, transformers, GB/s around it or None for prefill)}."""
     p, n = prompt_len, new_tokens
+
+    def pair(ours, theirs, *args):
+        if flip:
+            b = theirs(*args)
+            return ours(*args), b
+        return ours(*args), theirs(*args)
+
     result: dict[str, tuple] = {}
     for batch in (1, 32):
         before = memory_bandwidth_gbs(0.3)
-        ours, theirs = tison_decode(engine, batch, p, n), hf_decode(hf, batch, p, n)
+        ours, theirs = pair(
+            lambda b: tison_decode(engine, b, p, n), lambda b: hf_decode(hf, b, p, n), batch
+        )
         gbs = (before + memory_bandwidth_gbs(0.3)) / 2
         result[f"batch-{batch} decode tok/s"] = (ours, theirs, gbs)
-    result["prefill tok/s (8 x 512)"] = (
-        tison_prefill(engine, 8, 512),
-        hf_prefill(hf, 8, 512),
-        None,
-    )
+    ours, theirs = pair(lambda: tison_prefill(engine, 8, 512), lambda: hf_prefill(hf, 8, 512))
+    result["prefill tok/s (8 x 512)"] = (ours, theirs, None)
     return result
 
 
-def roofline(tokens_per_s: float, batch: int, gbs: float, weight_bytes: int) -> float:
-    """Share of the decode roofline: each step reads every weight byte once (compute and KV
-    reads ignored), so `batch` tokens per weight_bytes / GB/s seconds at best."""
-    return tokens_per_s / (batch * gbs * 1e9 / weight_bytes)
+def fastest_hf(folders: dict[str, Path], prompt_len: int):
+    """(dtype name, model, {dtype: batch-32 tok/s}) of transformers' fastest dtype here: a
+    short batch-32 decode in each (bfloat16 only where oneDNN runs bf16 matmuls: torch's own
+    bf16 fallback is several times slower than float32)."""
+    import transformers
+
+    speeds, models = {}, {}
+    for name, folder in folders.items():
+        if name == "bfloat16" and not onednn_bf16():
+            continue
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=name).eval()
+        hf_decode(model, 32, prompt_len, 4)  # warm-up
+        speeds[name], models[name] = hf_decode(model, 32, prompt_len, 12), model
+    best = max(speeds, key=speeds.get)
+    return best, models[best], speeds
+
+
+def run_at_tier(tier: str | None) -> None:
+    """With --isa: restart this process with TISON_CPU_ISA (and torch's caps) set, so the
+    kernels, torch and oneDNN all run at that tier from the first operation."""
+    if tier is None or os.environ.get(cpu_isa.ENV_VAR) == tier:
+        return
+    cpu_isa.cap(tier)  # a ValueError naming the variable for an unknown tier
+    os.environ[cpu_isa.ENV_VAR] = tier
+    os.environ.pop("ATEN_CPU_CAPABILITY", None)
+    os.environ.pop("ONEDNN_MAX_CPU_ISA", None)
+    cpu_isa.cap_torch()
+    os.execv(sys.executable, [sys.executable, "-m", "loadtest.bench_engine", *sys.argv[1:]])
 
 
 def main() -> None:
-    restart_with_huge_pages()  # as the `tison` command does: weights on 2 MiB pages
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--isa", choices=cpu_isa.TIER_NAMES, help="run at this tier (TISON_CPU_ISA)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--prompt-len", type=int, default=32, help="decode measures: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds; the best of each is kept"
-    )
+    ap.add_argument("--rounds", type=int, default=4, help="paired rounds (A, B / B, A ...)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    run_at_tier(args.isa)
+    restart_with_huge_pages()  # as the `tison` command does: weights on 2 MiB pages
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
-        weight_bytes = save_random_llama(Path(tmp), MODEL, dtype)
+        folders = {name: Path(tmp) / name for name in ("bfloat16", "float32")}
+        for name, folder in folders.items():
+            save_random_llama(folder, MODEL, getattr(torch, name))
         engine = LLMEngine(
-            EngineConfig(model_dir=Path(tmp), dtype=args.dtype, kv_cache_bytes=2 << 30)
+            EngineConfig(model_dir=folders[args.dtype], dtype=args.dtype, kv_cache_bytes=2 << 30)
         )
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         tison_decode(engine, 1, 8, 4)  # warm-up
-        hf_decode(hf, 1, 8, 4)
+        hf_dtype, hf, trial = fastest_hf(folders, args.prompt_len)
         rounds = [
-            measure_round(engine, hf, args.prompt_len, args.new_tokens) for _ in range(args.rounds)
+            measure_round(engine, hf, args.prompt_len, args.new_tokens, flip=i % 2 == 1)
+            for i in range(args.rounds)
         ]
+    facts = env_report()
     print(
-        f"model: {weight_bytes / 1e6:.0f} MB of {args.dtype} weights; {args.threads} threads; "
-        f"best of {args.rounds} interleaved rounds; decode after a {args.prompt_len}-token "
-        f"prompt, {args.new_tokens} new tokens; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}"
+        f"CPU: {facts['cpu']}, tier {facts['tier']} (of {', '.join(facts['tiers_runnable'])});"
+        f" linear {facts['linear_kernel']}, other kernels at {facts['kernels_built_for']}, "
+        f"fused decoder {'on' if engine.model.model.fused is not None else 'off'}; torch "
+        f"{torch.__version__} at {facts['torch_cpu_capability']}, oneDNN bf16 "
+        f"{'yes' if facts['onednn_bf16'] else 'no'}; {args.threads} threads"
     )
-    print_table(rounds, weight_bytes)
+    print(
+        f"Tison in {args.dtype}; transformers {transformers.__version__} in {hf_dtype}, its "
+        f"fastest here (batch-32 trial: "
+        + ", ".join(f"{k} {v:.0f} tok/s" for k, v in trial.items())
+        + f"); {args.rounds} paired rounds; decode after a {args.prompt_len}-token prompt, "
+        f"{args.new_tokens} new tokens"
+    )
+    shape = LlamaShape.from_fields(MODEL)
+    print_table(rounds, shape, args.prompt_len, args.new_tokens, torch.finfo(engine.dtype).bits)
     if args.out:
-        args.out.write_text(json.dumps({"weight_bytes": weight_bytes, "rounds": rounds}, indent=1))
+        args.out.write_text(json.dumps({"facts": facts, "rounds": rounds}, indent=1))
 
 
-def print_table(rounds: list[dict[str, tuple]], weight_bytes: int) -> None:
-    """Best of the rounds for each side; the roofline share is the best of the rounds', each
-    against the bandwidth measured around it."""
-    print(f"| {'measure':24} | {'Tison':>8} | {'transformers':>12} | {'ratio':>6} | roofline |")
-    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 14}|{'-' * 8}|----------|")
+def print_table(rounds: list[dict], shape: LlamaShape, prompt: int, new: int, bits: int) -> None:
+    """Medians of the rounds for each side, the median of the per-round ratios with their
+    range, and the median roofline share: tok/s over batch x GB/s / the bytes a decode step
+    reads (roofline.py), each round against the bandwidth measured around it."""
+    print(f"| {'measure':24} | {'Tison':>8} | {'transformers':>12} | ratio (range) | roofline |")
+    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 14}|---------------|----------|")
     for name in rounds[0]:
-        ours, theirs = (max(r[name][i] for r in rounds) for i in (0, 1))
+        ours, theirs = (statistics.median(r[name][i] for r in rounds) for i in (0, 1))
+        ratios = [r[name][0] / r[name][1] for r in rounds]
         share = ""
         if rounds[0][name][2] is not None:
             batch = int(name.split()[0].removeprefix("batch-"))
-            shares = [roofline(r[name][0], batch, r[name][2], weight_bytes) for r in rounds]
+            step = mean_step_bytes(shape, batch, prompt, new, bits // 8)
+            shares = [r[name][0] / (batch * r[name][2] * 1e9 / step) for r in rounds]
             gbs = [r[name][2] for r in rounds]
-            share = f"{max(shares):.0%} at {min(gbs):.0f}-{max(gbs):.0f} GB/s"
-        print(f"| {name:24} | {ours:8.1f} | {theirs:12.1f} | {ours / theirs:5.2f}x | {share} |")
+            share = f"{statistics.median(shares):.0%} at {min(gbs):.0f}-{max(gbs):.0f} GB/s"
+        spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"| {name:24} | {ours:8.1f} | {theirs:12.1f} | {spread:13} | {share} |")
 
 
 if __name__ == "__main__":

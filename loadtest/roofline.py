@@ -1,0 +1,58 @@
+"""The bytes a decode step reads, for rooflines: a step streams every linear weight once (the
+LM head included), one embedding row per token (not the table), each sequence's K and V of
+every layer, and writes the logits. Benchmarks divide measured GB/s by these bytes; the
+embedding table of an untied model (a sixth of the bench model) is not read by a decode step,
+so counting it, as a plain parameter count does, inflates the share."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """What the byte count needs of a Llama-shaped config (HF field names in from_fields)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_fields(cls, f: dict) -> "LlamaShape":
+        heads = f["num_attention_heads"]
+        return cls(
+            vocab=f["vocab_size"], hidden=f["hidden_size"], intermediate=f["intermediate_size"],
+            layers=f["num_hidden_layers"], heads=heads,
+            kv_heads=f.get("num_key_value_heads", heads),
+            head_dim=f.get("head_dim") or f["hidden_size"] // heads,
+            tied=f.get("tie_word_embeddings", False),
+        )  # fmt: skip
+
+    def layer_weights(self) -> int:
+        """Elements of one decoder layer's linears and norms."""
+        h, hd = self.hidden, self.head_dim
+        qkv = h * (self.heads + 2 * self.kv_heads) * hd
+        return qkv + self.heads * hd * h + 3 * h * self.intermediate + 2 * h
+
+
+def decode_step_bytes(shape: LlamaShape, contexts: list[int], weight_bytes: int = 2) -> int:
+    """Bytes one decode step of len(contexts) sequences reads and writes: the sequences'
+    contexts (keys attended, the new one included), elements of weight_bytes bytes (weights
+    and KV alike), float32 logits."""
+    batch = len(contexts)
+    weights = shape.layers * shape.layer_weights() + shape.hidden  # + the final norm
+    weights += shape.vocab * shape.hidden  # the LM head (the tied embedding is this table)
+    embedding_rows = batch * shape.hidden
+    kv = sum(contexts) * shape.layers * 2 * shape.kv_heads * shape.head_dim
+    logits = batch * shape.vocab * 4
+    return (weights + embedding_rows + kv) * weight_bytes + logits
+
+
+def mean_step_bytes(shape: LlamaShape, batch: int, prompt: int, new_tokens: int, wb=2) -> float:
+    """decode_step_bytes averaged over the decode steps after a prompt of `prompt` tokens (the
+    first new token comes from the prefill): contexts prompt + 1 ... prompt + new_tokens - 1."""
+    steps = [decode_step_bytes(shape, [prompt + s] * batch, wb) for s in range(1, new_tokens)]
+    return sum(steps) / len(steps)

@@ -1,0 +1,33 @@
+"""The decode-step byte count of loadtest/roofline.py, checked on a model transformers builds:
+its linear and norm parameters plus the LM head (the embedding table read one row a token),
+and the KV each sequence's context adds."""
+
+import pytest
+import transformers
+
+from loadtest.random_model import llama_fields
+from loadtest.roofline import LlamaShape, decode_step_bytes, mean_step_bytes
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weights_counted_are_the_models_minus_the_embedding_table(tied):
+    fields = llama_fields(1000, 64, 160, layers=3, heads=4, kv_heads=2, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    params = {n: p.numel() for n, p in model.named_parameters()}  # tied: the table once
+    # untied: the table is not read, the LM head is; tied: the one table is read as the head
+    read = sum(params.values()) - (0 if tied else params["model.embed_tokens.weight"])
+    shape = LlamaShape.from_fields(fields)
+    one_token = decode_step_bytes(shape, [1], weight_bytes=2)
+    kv_one = 3 * 2 * 2 * 16  # layers x (K, V) x kv heads x head_dim, one key
+    assert one_token == (read + 64 + kv_one) * 2 + 1000 * 4  # + one embedding row, logits
+
+
+def test_kv_and_batch_terms():
+    shape = LlamaShape.from_fields(llama_fields(1000, 64, 160, layers=3, heads=4, kv_heads=2))
+    base = decode_step_bytes(shape, [10])
+    per_key = 3 * 2 * 2 * 16 * 2  # bytes of K and V of one position, all layers
+    assert decode_step_bytes(shape, [11]) - base == per_key
+    assert decode_step_bytes(shape, [10, 10]) - base == 10 * per_key + 64 * 2 + 1000 * 4
+    # decode steps after a 5-token prompt with 3 new tokens attend 6 and 7 keys
+    expected = (decode_step_bytes(shape, [6]) + decode_step_bytes(shape, [7])) / 2
+    assert mean_step_bytes(shape, 1, 5, 3) == expected
