@@ -123,3 +123,7 @@ def cap_torch() -> None:
     tier = active()
     os.environ.setdefault("ATEN_CPU_CAPABILITY", tier.aten)
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", tier.onednn)
+
+
+if __name__ == "__main__":  # .ci/run: the tiers below this run's, which it tests again
+    print(" ".join(t.name for t in tiers_up_to(active())[:-1]))

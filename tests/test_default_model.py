@@ -2,6 +2,9 @@
 it never saw is below the stated bound, it writes Python, and Tison's engine agrees."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import shared.default_model as default_model
 from shared.default_model import corpus
 from shared.default_model.train import encode
+from shared.engine.llm import LLM
 from shared.errors import ModelFolderError
+from shared.sampling.params import SamplingParams
+
+from services_harness import REPO_ROOT
 
 PROMPT = "def fibonacci(n):"
 MAX_FOLDER_BYTES = 25 * 1024 * 1024
@@ -101,10 +108,21 @@ def test_default_model_dir_missing_raises(monkeypatch):
 
 
 def test_engine_greedy_matches_transformers(model_dir, hf_greedy):
-    llm_module = pytest.importorskip("shared.engine.llm")
-    from shared.sampling.params import SamplingParams
-
-    llm = llm_module.LLM(str(model_dir), dtype="float32")
+    llm = LLM(str(model_dir), dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=32)
     out = llm.generate([PROMPT], params)[0]
     assert list(out.token_ids) == hf_greedy[0]
+
+
+def test_tison_generate_on_its_defaults_prints_the_engines_text(model_dir):
+    """The README's `tison generate`: the bundled model in its dtype (bf16) at this run's CPU
+    tier prints what the engine generates for the same prompt."""
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--max-tokens", "16", PROMPT],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = LLM(str(model_dir)).generate([PROMPT], SamplingParams(temperature=0, max_tokens=16))
+    text = out[0].text
+    assert text.strip() and result.stdout == text + ("" if text.endswith("\n") else "\n")

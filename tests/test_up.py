@@ -44,23 +44,14 @@ def alive(pid: int) -> bool:
 
 
 class Up:
+    """`tison up` on model_dir in float32, or (None) on the bundled model in its own dtype."""
+
     def __init__(self, model_dir, port: int, *args: str):
         self.port = port
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        model = [] if model_dir is None else ["--model", str(model_dir), "--dtype", "float32"]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "--model",
-                str(model_dir),
-                "--dtype",
-                "float32",
-                "--port",
-                str(port),
-                *args,
-            ],
+            [sys.executable, "-m", "services.cli", "up", *model, "--port", str(port), *args],
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -111,6 +102,16 @@ def test_up_serves_stops_cleanly_and_starts_again(tiny_llama):
         again.complete(tiny_llama.name)
     finally:
         assert again.stop() == 0
+
+
+def test_up_serves_the_bundled_model():
+    """The README's first command: `tison up` on its defaults (bf16, this run's CPU tier)."""
+    up = Up(None, free_port())
+    try:
+        up.wait_serving()
+        assert up.complete("tison-tiny-stdlib").strip()
+    finally:
+        assert up.stop() == 0
 
 
 def test_up_restarts_a_killed_worker(tiny_llama):
