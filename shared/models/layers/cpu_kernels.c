@@ -26,20 +26,6 @@
 #define PARALLEL_MIN_ELEMS 65536 /* below this an elementwise op runs on one thread */
 #define PARALLEL_MIN_KEYS 1024 /* attention: (key, kv head) pairs below which one thread runs */
 
-static inline float bf16_to_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline float f32_identity(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 

@@ -5,8 +5,23 @@
 #ifndef TISON_CPU_KERNELS_H
 #define TISON_CPU_KERNELS_H
 #include <stdint.h>
+#include <string.h>
 
 typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* Decode attention's split for n rows on `team` threads: KV heads per task (all of a row's
  * when there are rows enough to keep the team busy, else one). */

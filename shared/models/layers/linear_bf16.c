@@ -70,27 +70,13 @@ static inline vec w_odd(__m256i p) {
 #define PORTABLE 1
 #endif
 
-static inline float bf16_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16 f32_bf16(float f) { /* round to nearest even, NaN kept, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Stores acc's sums for rows [m0, m0 + mb) and outputs [n0, n0 + rows) of y (row stride N). */
 static inline void store_sums(const float sums[R][MB], const bf16 *bias, int64_t m0, int mb,
                               int64_t n0, int rows, bf16 *y, int64_t N) {
     for (int m = 0; m < mb; m++)
         for (int r = 0; r < rows; r++)
             y[(m0 + m) * N + n0 + r] =
-                f32_bf16(sums[r][m] + (bias == NULL ? 0.0f : bf16_f32(bias[n0 + r])));
+                f32_to_bf16(sums[r][m] + (bias == NULL ? 0.0f : bf16_to_f32(bias[n0 + r])));
 }
 
 #if XF32
@@ -101,8 +87,8 @@ static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf)
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K; k += 2 * VW)
             for (int i = 0; i < VW; i++) {
-                xf[m * K + k + i] = bf16_f32(x[m * xs + k + 2 * i]);
-                xf[m * K + k + VW + i] = bf16_f32(x[m * xs + k + 2 * i + 1]);
+                xf[m * K + k + i] = bf16_to_f32(x[m * xs + k + 2 * i]);
+                xf[m * K + k + VW + i] = bf16_to_f32(x[m * xs + k + 2 * i + 1]);
             }
 }
 #endif
@@ -168,8 +154,8 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
             float lane[2 * VW] = {0};
             for (int64_t k = 0; k < K; k += 2 * VW)
                 for (int i = 0; i < VW; i++) {
-                    lane[i] += xm[k + i] * bf16_f32(w[r][k + 2 * i]);
-                    lane[VW + i] += xm[k + VW + i] * bf16_f32(w[r][k + 2 * i + 1]);
+                    lane[i] += xm[k + i] * bf16_to_f32(w[r][k + 2 * i]);
+                    lane[VW + i] += xm[k + VW + i] * bf16_to_f32(w[r][k + 2 * i + 1]);
                 }
             float s = 0.0f;
             for (int i = 0; i < 2 * VW; i++) s += lane[i];
@@ -214,9 +200,17 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
     const void *xv = x;
     int64_t xstride = xs;
 #endif
-    int64_t groups = (N + R - 1) / R;
+    int64_t groups = (N + R - 1) / R, previous = -2;
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) group(w, bias, xv, xstride, M, N, K, g * R, y);
+    for (int64_t g = 0; g < groups; g++) {
+        if (g != previous + 1) { /* a thread's first group: ask for the AHEAD bytes from here */
+            const char *from = (const char *)(w + g * R * K), *end = (const char *)(w + N * K);
+            for (const char *p = from; p < from + AHEAD && p < end; p += 64)
+                __builtin_prefetch(p, 0, 1);
+        }
+        previous = g;
+        group(w, bias, xv, xstride, M, N, K, g * R, y);
+    }
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
