@@ -132,6 +132,52 @@ def test_paged_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, pa
     assert torch.equal(pool[0, slots], k) and torch.equal(pool[1, slots], v)
 
 
+def decode_against_sdpa(kv_layer, table, contexts, q, window=None, page_size=16):
+    """Runs the kernel on decode rows 0..B-1 of q (B, nh, hd) -> (ours, the torch reference)."""
+    nh, nkv, hd = q.shape[1], kv_layer.shape[3], q.shape[2]
+    d = DecodeRows(None, table, torch.tensor(contexts, dtype=torch.int32), page_size, window)
+    ref = PagedAttention(nh, nkv, hd, hd**-0.5)._decode(q, kv_layer[0], kv_layer[1], d)
+    k = v = torch.zeros(len(contexts), nkv, hd, dtype=q.dtype)
+    slots = unread_slots(kv_layer, table)[:1].repeat(len(contexts))
+    out = torch.empty_like(q)
+    cpu_kernels.paged_attention(q, k, v, kv_layer, slots, hd**-0.5, out, **d.kernel_args())
+    return out.float(), ref.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 100])
+def test_paged_attention_over_many_pages(dtype, window):
+    """Contexts of up to 128 pages (and a window across pages): the one pass's many blocks."""
+    contexts = [300, 2048, 1, 33]
+    kv_layer, table = paged_case(contexts, 12, 4, 64, 16, dtype, seed=2)
+    q = torch.randn(4, 12, 64).to(dtype)
+    ours, ref = decode_against_sdpa(kv_layer, table, contexts, q, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("growth", [0.05, 3.0])
+def test_paged_attention_maximum_late_and_far_apart(dtype, growth):
+    """Keys whose scores grow along the context, so the running maximum rises block after
+    block and the sums so far are rescaled each time; growth 3: scores spread over thousands,
+    most of them far below the maximum (their weights underflow to 0, nothing overflows)."""
+    contexts = [700, 40, 257]
+    kv_layer, table = paged_case(contexts, 8, 2, 32, 16, dtype, seed=3)
+    q = torch.ones(3, 8, 32).to(dtype)
+    pool, g = kv_layer.view(2, -1, 16, 2, 32), torch.Generator().manual_seed(4)
+    for row, ctx in enumerate(contexts):
+        pos = torch.arange(ctx)
+        pages, offsets = table[row, pos // 16].long(), pos % 16
+        # key at position p: p * growth (+ noise) in every lane -> score ~ p * growth * sqrt(32)
+        ramp = (pos * growth)[:, None, None] + torch.randn(ctx, 2, 32, generator=g) * 0.1
+        pool[0, pages, offsets] = ramp.to(dtype)
+    ours, ref = decode_against_sdpa(kv_layer, table, contexts, q)
+    assert torch.isfinite(ours).all()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # scores up to ~10^4: float32's ulp there
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
+
+
 def test_paged_attention_many_rows_uses_whole_row_tasks_alike():
     """Enough rows for one task per row (all KV heads) on 2 threads: same result."""
     contexts = [5 + 13 * i for i in range(20)]

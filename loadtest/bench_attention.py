@@ -1,0 +1,108 @@
+"""Decode attention alone (cpu_kernels.paged_attention, bfloat16, the ~150M Llama's 12 query /
+4 KV heads of 64, pages of 16 tokens) beside the memory bandwidth measured in the same run.
+Each call reads its rows' pages from another random draw out of a pool far larger than the
+last-level cache, as the engine's layers do, so the K and V come from memory. Bandwidth and
+attention are measured in turn; the figure is the median of the per-pair ratios (the
+bandwidth of this shared machine drifts), with their spread.
+
+    python -m loadtest.bench_attention [--isa avx2] [--pairs 5] [--batches 1 32]
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from loadtest.bench_engine import memory_bandwidth_gbs
+from shared import cpu_isa
+from shared.models.layers import cpu_kernels
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 12, 4, 64, 16
+POOL_BYTES = 512 << 20  # K and V of the pool: 16x this machine's 32 MiB L3
+DRAWS = 16  # block tables per case, used in turn
+
+
+def pool() -> torch.Tensor:
+    """(2, P, S, nkv, hd) bfloat16 of random values."""
+    page_bytes = PAGE_SIZE * KV_HEADS * HEAD_DIM * 2
+    pages = POOL_BYTES // (2 * page_bytes)
+    return torch.randn(2, pages, PAGE_SIZE, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+
+
+def tables(num_pages: int, batch: int, ctx: int, g: torch.Generator) -> list[torch.Tensor]:
+    """DRAWS block tables (batch, ctx / S) int32, each of distinct random pages of the pool
+    (page 0 left out: the new tokens' K/V are written there)."""
+    width = -(-ctx // PAGE_SIZE)
+    return [
+        (torch.randperm(num_pages - 1, generator=g)[: batch * width] + 1)
+        .view(batch, width)
+        .to(torch.int32)
+        for _ in range(DRAWS)
+    ]
+
+
+def attention_seconds(kv: torch.Tensor, batch: int, ctx: int, budget: float) -> float:
+    """Median seconds of one decode-attention call over `budget` seconds of calls."""
+    g = torch.Generator().manual_seed(batch * 100_000 + ctx)
+    draws = tables(kv.shape[1], batch, ctx, g)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    k, v = torch.zeros(2, batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    slots = torch.arange(batch, dtype=torch.int64) % PAGE_SIZE  # page 0, which no row reads
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    out = torch.empty_like(q)
+    times, end, i = [], time.perf_counter() + budget, 0
+    while len(times) < 5 or time.perf_counter() < end:
+        table = draws[i % DRAWS]
+        i += 1
+        t = time.perf_counter()
+        cpu_kernels.paged_attention(
+            q, k, v, kv, slots, HEAD_DIM**-0.5, out, block_table=table, context_lens=lens
+        )
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def kv_bytes(batch: int, ctx: int) -> int:
+    return 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2  # K and V, bfloat16
+
+
+def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int) -> dict:
+    """`pairs` (bandwidth, attention) measures in turn -> the figures of one table row."""
+    stream, attn = [], []
+    for _ in range(pairs):
+        stream.append(memory_bandwidth_gbs(seconds=0.3))
+        attn.append(kv_bytes(batch, ctx) / attention_seconds(kv, batch, ctx, 0.4) / 1e9)
+    ratios = sorted(a / s for a, s in zip(attn, stream))
+    return dict(
+        batch=batch, ctx=ctx, us=kv_bytes(batch, ctx) / statistics.median(attn) / 1e3,
+        kv_gbs=statistics.median(attn), stream_gbs=statistics.median(stream),
+        share=statistics.median(ratios), lo=ratios[0], hi=ratios[-1],
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", choices=cpu_isa.TIER_NAMES, help="run as this tier's CPU")
+    parser.add_argument("--pairs", type=int, default=5, help="bandwidth/attention pairs")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    args = parser.parse_args()
+    if args.isa:  # read when the kernels load, at the first call
+        os.environ[cpu_isa.ENV_VAR] = args.isa
+    kv = pool()
+    cpu_kernels.usable(kv)  # loads the library now, at the tier asked for
+    print(f"tier {cpu_kernels.built_tier().name}, {torch.get_num_threads()} threads")
+    print("batch   ctx      us  KV GB/s  stream GB/s  share (min-max)")
+    for batch in args.batches:
+        for ctx in args.contexts:
+            r = run_case(kv, batch, ctx, args.pairs)
+            print(
+                f"{r['batch']:5d} {r['ctx']:5d} {r['us']:7.0f} {r['kv_gbs']:8.1f} "
+                f"{r['stream_gbs']:12.1f}  {r['share']:5.0%} ({r['lo']:.0%}-{r['hi']:.0%})"
+            )
+
+
+if __name__ == "__main__":
+    main()
