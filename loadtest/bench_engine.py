@@ -177,7 +177,6 @@ def run_at_tier(tier: str | None) -> None:
     kernels, torch and oneDNN all run at that tier from the first operation."""
     if tier is None or os.environ.get(cpu_isa.ENV_VAR) == tier:
         return
-    cpu_isa.cap(tier)  # a ValueError naming the variable for an unknown tier
     os.environ[cpu_isa.ENV_VAR] = tier
     os.environ.pop("ATEN_CPU_CAPABILITY", None)
     os.environ.pop("ONEDNN_MAX_CPU_ISA", None)

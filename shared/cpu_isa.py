@@ -110,9 +110,9 @@ def tiers_up_to(tier: Tier) -> list[Tier]:
     return list(TIERS[: TIERS.index(tier) + 1])
 
 
-def at_least(name: str, tier: Tier | None = None) -> bool:
-    """Whether `tier` (the active one by default) includes tier `name`."""
-    return TIERS.index(tier or active()) >= TIERS.index(BY_NAME[name])
+def at_least(name: str) -> bool:
+    """Whether the active tier includes tier `name`."""
+    return TIERS.index(active()) >= TIERS.index(BY_NAME[name])
 
 
 def cap_torch() -> None:

@@ -14,10 +14,8 @@ from shared.models.layers.linear import LinearBase
 def prepare_cpu_linears(model: nn.Module) -> None:
     """For a bf16 CPU model: every linear layer and the LM head (an untied one, for oneDNN)."""
     tied = getattr(model.config, "tie_word_embeddings", False)
-    kernels, onednn = (
-        cpu_kernels.usable(torch.zeros(1, dtype=torch.bfloat16)),
-        cpu_linear.onednn_bf16(),
-    )
+    kernels = cpu_kernels.usable(torch.zeros(1, dtype=torch.bfloat16))
+    onednn = cpu_linear.onednn_bf16()
     for module in model.modules():
         if not isinstance(module, (LinearBase, ParallelLMHead)):
             continue

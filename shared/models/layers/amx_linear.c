@@ -15,7 +15,7 @@
 
 #include "cpu_kernels.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if AMX_BUILD
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>

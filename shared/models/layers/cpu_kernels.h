@@ -65,6 +65,11 @@ void linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int
                  int64_t N, int64_t K, bf16 *y, void *scratch);
 void linear_team_done(void);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AMX_BUILD 1 /* the amx tier: amx_linear.c is compiled, linear_team runs on tiles */
+#else
+#define AMX_BUILD 0
+#endif
+#if AMX_BUILD
 int amx_request(void);
 void amx_release(void);
 void amx_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,

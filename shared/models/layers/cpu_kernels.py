@@ -60,6 +60,8 @@ def flags(tier: cpu_isa.Tier) -> list[str]:
 
 
 def _load() -> bool:
+    if _built:  # every kernel call asks: no lock once the library is loaded
+        return _built[0] is not None
     with _lock:
         if not _built:
             tier, kernels = None, None

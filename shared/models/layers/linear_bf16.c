@@ -12,10 +12,8 @@
  *   call as float32 in that order (the even k of a block, then the odd k) and fed to FMAs;
  * - portable: plain C on x as float32 that the compiler vectorizes for any target.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "cpu_kernels.h"
 #if defined(__AVX2__)
@@ -23,10 +21,8 @@
 #endif
 
 #define R 4 /* weight rows (outputs) a group */
-#ifndef AHEAD
 #define AHEAD 16384 /* bytes: how far ahead of the weights being read to ask for more */
 /* (measured at one row of x: 4 KiB 77%, 16 KiB 81-85%, 32 KiB 68% of the probe) */
-#endif
 
 #if defined(__AVX512BF16__)
 #define MB 4 /* rows of x a block */
@@ -170,7 +166,7 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     int rows = N - n0 < R ? (int)(N - n0) : R;
     const bf16 *wr[R]; /* past the last row: that row again, computed and not stored */
     for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
-    float sums[R][MB];
+    float sums[R][MB] = {{0}}; /* rows past a short block: never stored */
     const char *ahead = (const char *)(w + n0 * K) + AHEAD; /* on the first pass only */
     int64_t m0 = 0;
     for (; m0 + MB <= M; m0 += MB, ahead = NULL) {
@@ -212,12 +208,6 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
         group(w, bias, xv, xstride, M, N, K, g * R, y);
     }
 }
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define AMX_BUILD 1
-#else
-#define AMX_BUILD 0
-#endif
 
 static __thread void *scratch; /* a caller's linear scratch, grown as needed, kept */
 static __thread size_t scratch_bytes;
