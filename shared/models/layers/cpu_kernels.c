@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -25,6 +25,7 @@
 #define MAX_GROUP 64 /* query heads per KV head, at most */
 #define PARALLEL_MIN_ELEMS 65536 /* below this an elementwise op runs on one thread */
 #define PARALLEL_MIN_KEYS 1024 /* attention: (key, kv head) pairs below which one thread runs */
+#define PREFETCH_KEYS 32 /* attention: positions ahead of the one read that are asked for */
 
 static inline float f32_identity(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
@@ -68,6 +69,108 @@ static inline __m512 load16_bf16(const bf16 *p) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Eight horizontal sums at once: lane k of the result is the sum of the 8 lanes of v[k]. */
+static inline __m256 sum8x8(const __m256 v[8]) {
+    __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* ab: the sums of v[0..3] over lanes 0-3, then over lanes 4-7; cd likewise for v[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+/* attention_vec_impl.h at 8 float lanes: AVX2 */
+#define W 8
+#define VJ 2 /* query heads a values block: 2 x 2 x 2 sums + 4 values in 16 registers */
+#define DPBF16 0
+#define VNAME(x) x##_w8
+#define VEC __m256
+#define VINT __m256i
+#define VZERO _mm256_setzero_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VEVEN(p) _mm256_castsi256_ps(_mm256_slli_epi32(p, 16))
+#define VODD(p) _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u)))
+#define VFMA _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#define VSET1 _mm256_set1_ps
+#define VSUMS sum8x8
+#define VSTORE_FIRST(p, v, count)                                                            \
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count)),               \
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), v)
+#include "attention_vec_impl.h"
+#endif
+
+#if defined(__AVX512F__)
+/* attention_vec_impl.h at 16 float lanes: AVX-512 (head sizes a multiple of 32) */
+#define W 16
+#define VJ 4 /* 4 x 2 x 2 sums + 4 values of 32 registers */
+#if defined(__AVX512BF16__)
+#define DPBF16 1
+#else
+#define DPBF16 0
+#endif
+#define VNAME(x) x##_w16
+#define VEC __m512
+#define VINT __m512i
+#define VZERO _mm512_setzero_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VLOADI(p) _mm512_loadu_si512((const void *)(p))
+#define VEVEN(p) _mm512_castsi512_ps(_mm512_slli_epi32(p, 16))
+#define VODD(p) _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u)))
+#define VFMA _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#define VSET1 _mm512_set1_ps
+#define VSUMS sum16x16
+#define VSTORE_FIRST(p, v, count) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (count)) - 1), v)
+#include "attention_vec_impl.h"
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The float lanes of the vector loops that decode attention over bf16 K/V runs for head size
+ * hd (a multiple of 16): 16 where the build has AVX-512 and hd is a multiple of 32, else 8
+ * (AVX2). cpu_kernels_impl.h calls the loops of that width through the kv_ functions. */
+static inline int kv_lanes(int64_t hd) {
+#if defined(__AVX512F__)
+    if (hd % 32 == 0) return 16;
+#endif
+    (void)hd;
+    return 8;
+}
+
+#if defined(__AVX512F__)
+#define KV_AT(lanes, fn) ((lanes) == 16 ? fn##_w16 : fn##_w8)
+#else
+#define KV_AT(lanes, fn) ((void)(lanes), fn##_w8)
+#endif
+
+static inline const void *kv_prepare_q(int lanes, const bf16 *q, int64_t heads, int64_t hd,
+                                       float *qf) {
+    return KV_AT(lanes, prepare_q)(q, heads, hd, qf);
+}
+
+static inline void kv_scores(int lanes, const void *q, float scale, const bf16 *pool,
+                             int64_t slot, int64_t count, int64_t g0, int64_t g1, int64_t nkv,
+                             int64_t group, int64_t hd, float *scores, int64_t score_stride) {
+    KV_AT(lanes, scores)(q, scale, pool, slot, count, g0, g1, nkv, group, hd, scores,
+                         score_stride);
+}
+
+static inline void kv_values(int lanes, const float *weights, int64_t weight_stride,
+                             const bf16 *pool, int64_t slot, int64_t count, int64_t g0,
+                             int64_t g1, int64_t nkv, int64_t group, int64_t hd, float *acc) {
+    KV_AT(lanes, values)(weights, weight_stride, pool, slot, count, g0, g1, nkv, group, hd, acc);
+}
+
+static inline void kv_store_out(int lanes, const float *acc, const float *total, int64_t heads,
+                                int64_t hd, bf16 *out) {
+    KV_AT(lanes, store_out)(acc, total, heads, hd, out);
+}
+#else
+static inline int kv_lanes(int64_t hd) { return (void)hd, 0; }
+#endif
+
 /* e^x, within 2 ulp of expf for the x that softmax and SiLU meet, in plain arithmetic that
  * the compiler vectorizes (expf from libm does not): e^x = 2^n * e^r with r = x - n ln 2 in
  * [-ln2/2, ln2/2], e^r by the polynomial of Cephes' expf (floorf would not vectorize). */
@@ -97,6 +200,7 @@ static inline float exp_approx(float x) {
 #define STORE f32_identity
 #define ROUND f32_identity
 #define LOAD16 load16_f32
+#define KV_VEC 0 /* float32 K/V: this file's loops */
 #include "cpu_kernels_impl.h"
 #undef T
 #undef NAME
@@ -104,6 +208,7 @@ static inline float exp_approx(float x) {
 #undef STORE
 #undef ROUND
 #undef LOAD16
+#undef KV_VEC
 
 #define T bf16
 #define NAME(x) x##_bf16
@@ -111,4 +216,9 @@ static inline float exp_approx(float x) {
 #define STORE f32_to_bf16
 #define ROUND bf16_round
 #define LOAD16 load16_bf16
+#if defined(__AVX2__) && defined(__FMA__)
+#define KV_VEC 1 /* attention_vec_impl.h's loops, where kv_lanes says */
+#else
+#define KV_VEC 0
+#endif
 #include "cpu_kernels_impl.h"

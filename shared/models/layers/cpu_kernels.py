@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 SOURCES = [_HERE / f for f in ("cpu_kernels.c", "linear_bf16.c", "amx_linear.c", "decode_layer.c")]
-HEADERS = [_HERE / "cpu_kernels.h", _HERE / "cpu_kernels_impl.h"]
+HEADERS = [_HERE / f for f in ("cpu_kernels.h", "cpu_kernels_impl.h", "attention_vec_impl.h")]
 AMX_MAX_ROWS = 256  # measured: above this oneDNN's large-M kernel is the faster one
 VEC_MAX_ROWS = 64  # likewise, for linear_bf16.c's vector kernels
 LANES = 16  # cpu_kernels.c: head sizes must be a multiple of this

@@ -250,21 +250,22 @@ void NAME(kv_write_team)(const T *k, int64_t k_stride, const T *v, int64_t v_str
     }
 }
 
-/* Asks for the keys (into L1) and values (into L2) that a task will read: positions [start,
- * ctx) of KV heads [g0, g1) on its pages. The task's loops read them in short strided runs
- * that the hardware prefetchers follow badly; issued together up front, the misses overlap
- * (a 32-row decode step's attention: ~450 -> ~330 us a layer on this machine's cold caches). */
-static void NAME(prefetch_task)(const T *k_pool, const T *v_pool, const int32_t *pages,
-                                int64_t start, int64_t ctx, int64_t page_size, int64_t nkv,
-                                int64_t hd, int64_t g0, int64_t g1) {
-    int64_t bytes = (g1 - g0) * hd * (int64_t)sizeof(T); /* of one key, contiguous */
-    for (int64_t p = start; p < ctx; p++) {
+/* Asks for the rows of positions [from, to) of a task's stream: its keys, positions [start,
+ * ctx) of KV heads [g0, g1) on its pages, then its values over the same positions (stream
+ * positions ctx - start and on). The loops read them in short strided runs (one key of a head
+ * is hd values, the next a page row away) that the hardware prefetchers follow badly; asked
+ * for PREFETCH_KEYS positions ahead of the one being read, the misses overlap the arithmetic. */
+static void NAME(prefetch_stream)(const T *k_pool, const T *v_pool, const int32_t *pages,
+                                  int64_t start, int64_t ctx, int64_t from, int64_t to,
+                                  int64_t page_size, int64_t nkv, int64_t hd, int64_t g0,
+                                  int64_t g1) {
+    int64_t len = ctx - start, bytes = (g1 - g0) * hd * (int64_t)sizeof(T); /* of one key */
+    to = to < 2 * len ? to : 2 * len;
+    for (int64_t s = from; s < to; s++) {
+        int64_t p = start + (s < len ? s : s - len);
         int64_t at = ((int64_t)pages[p / page_size] * page_size + p % page_size) * nkv + g0;
-        const char *k = (const char *)(k_pool + at * hd), *v = (const char *)(v_pool + at * hd);
-        for (int64_t off = 0; off < bytes; off += 64) {
-            __builtin_prefetch(k + off, 0, 3);
-            __builtin_prefetch(v + off, 0, 2);
-        }
+        const char *row = (const char *)((s < len ? k_pool : v_pool) + at * hd);
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
     }
 }
 
@@ -276,8 +277,9 @@ static void NAME(prefetch_task)(const T *k_pool, const T *v_pool, const int32_t 
  * A task is one row and `heads_per_task` of its KV heads (nkv: pages are read front to back;
  * 1 when there are too few rows to keep the threads busy). The query heads that share a KV head
  * are done together, reading each key once. Scores and softmax in float32, two passes over the
- * pages (scores; weighted values). scratch: attention_scratch(...) floats per thread of the
- * team. Needs hd % LANES == 0 and nh / nkv <= MAX_GROUP (the wrapper checks). */
+ * pages (scores; weighted values): bfloat16 K/V in attention_vec_impl.h's loops on the vector
+ * tiers, else in this file's. scratch: attention_scratch(...) floats per thread of the
+ * team. Needs hd % 16 == 0 and nh / nkv <= MAX_GROUP (the wrapper checks). */
 void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_rows,
                                  const T *k_pool, const T *v_pool, const int32_t *block_table,
                                  int64_t table_stride, const int32_t *context_lens, int64_t n,
@@ -287,6 +289,8 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
     int64_t group = nh / nkv, max_ctx = max_context(context_lens, n);
     int64_t tasks_per_row = nkv / heads_per_task, task_heads = heads_per_task * group;
     int64_t per_thread = attention_scratch(heads_per_task * group, max_ctx, hd);
+    int lanes = KV_VEC ? kv_lanes(hd) : 0;
+    int64_t block = lanes > 0 ? lanes : 16; /* keys a scores call takes at most */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * tasks_per_row; task++) {
         float *scores = scratch + per_thread * omp_get_thread_num();
@@ -294,35 +298,63 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
         float *key = acc + task_heads * hd, *total = key + hd;
         int64_t b = task / tasks_per_row, g0 = task % tasks_per_row * heads_per_task;
         int64_t g1 = g0 + heads_per_task, ctx = context_lens[b];
-        int64_t start = window > 0 && ctx > window ? ctx - window : 0;
+        int64_t start = window > 0 && ctx > window ? ctx - window : 0, len = ctx - start;
         int64_t row = q_rows != NULL ? q_rows[b] : b;
         const T *qrow = q + row * q_stride + g0 * group * hd;
         const int32_t *pages = block_table + b * table_stride;
-        NAME(prefetch_task)(k_pool, v_pool, pages, start, ctx, page_size, nkv, hd, g0, g1);
-        for (int64_t i = 0; i < task_heads * hd; i++) qf[i] = LOAD(qrow[i]) * scale;
+        NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, 0, PREFETCH_KEYS, page_size,
+                              nkv, hd, g0, g1);
+#if KV_VEC
+        const void *qv = lanes > 0 ? kv_prepare_q(lanes, qrow, task_heads, hd, qf) : qf;
+#endif
+        if (lanes == 0)
+            for (int64_t i = 0; i < task_heads * hd; i++) qf[i] = LOAD(qrow[i]) * scale;
         for (int64_t p = start; p < ctx;) {
             int64_t first = p % page_size, count = page_size - first; /* keys left in page */
             count = count < ctx - p ? count : ctx - p;
-            count = count < 16 ? count : 16; /* page_scores takes 16 keys at most */
+            count = count < block ? count : block;
             int64_t slot = (int64_t)pages[p / page_size] * page_size + first;
-            NAME(page_scores)(qf, k_pool, slot, count, g0, g1, nkv, group, hd,
-                              scores + p - start, max_ctx, key);
+            NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, p - start + PREFETCH_KEYS,
+                                  p - start + count + PREFETCH_KEYS, page_size, nkv, hd, g0, g1);
+            float *at = scores + p - start;
+#if KV_VEC
+            if (lanes > 0)
+                kv_scores(lanes, qv, scale, k_pool, slot, count, g0, g1, nkv, group, hd, at,
+                          max_ctx);
+            else
+#endif
+                NAME(page_scores)(qf, k_pool, slot, count, g0, g1, nkv, group, hd, at, max_ctx,
+                                  key);
             p += count;
         }
         for (int64_t h = 0; h < task_heads; h++)
-            total[h] = NAME(softmax_weights)(scores + h * max_ctx, ctx - start);
+            total[h] = NAME(softmax_weights)(scores + h * max_ctx, len);
         memset(acc, 0, sizeof(float) * task_heads * hd);
         for (int64_t p = start; p < ctx;) {
             int64_t first = p % page_size, count = page_size - first;
             count = count < ctx - p ? count : ctx - p;
             int64_t slot = (int64_t)pages[p / page_size] * page_size + first;
-            NAME(page_values)(scores + p - start, max_ctx, v_pool, slot, count, g0, g1, nkv,
-                              group, hd, acc, key);
+            int64_t s = len + p - start + PREFETCH_KEYS;
+            NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, s, s + count, page_size,
+                                  nkv, hd, g0, g1);
+            const float *w = scores + p - start;
+#if KV_VEC
+            if (lanes > 0)
+                kv_values(lanes, w, max_ctx, v_pool, slot, count, g0, g1, nkv, group, hd, acc);
+            else
+#endif
+                NAME(page_values)(w, max_ctx, v_pool, slot, count, g0, g1, nkv, group, hd, acc,
+                                  key);
             p += count;
         }
         T *o = out + row * nh * hd + g0 * group * hd;
-        for (int64_t h = 0; h < task_heads; h++)
-            for (int64_t d = 0; d < hd; d++) o[h * hd + d] = STORE(acc[h * hd + d] / total[h]);
+#if KV_VEC
+        if (lanes > 0)
+            kv_store_out(lanes, acc, total, task_heads, hd, o);
+        else
+#endif
+            for (int64_t h = 0; h < task_heads; h++)
+                for (int64_t d = 0; d < hd; d++) o[h * hd + d] = STORE(acc[h * hd + d] / total[h]);
     }
 }
 
