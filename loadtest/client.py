@@ -1,4 +1,8 @@
-"""Sending one request and timing its response (SSE or plain JSON) as vLLM's bench does."""
+"""Sending one request and timing its response (SSE or plain JSON) as vLLM's bench does, with
+inter-token latency per token: a server may send several tokens in one event (Tison's gateway
+sends what is queued at once), so each event's tokens are counted, from the usage in every
+chunk where the server sends one (vLLM's `continuous_usage_stats`, which Tison's gateway
+honours), else one an event."""
 
 import json
 import time
@@ -44,9 +48,9 @@ async def send(
             if resp.status != 200:
                 return failed(f"http_{resp.status}", await resp.text())
             if target.stream:
-                stamps, usage = await _read_sse(resp)
+                events, usage = await _read_sse(resp)
             else:
-                stamps, usage = [], (await resp.json()).get("usage") or {}
+                events, usage = [], (await resp.json()).get("usage") or {}
     except TimeoutError:
         return failed("timeout", f"no complete response within {target.timeout_s} s")
     except _StreamError as e:
@@ -56,18 +60,32 @@ async def send(
     except (aiohttp.ClientError, ValueError) as e:
         return failed("bad_response", f"{type(e).__name__}: {e}")
     end = time.perf_counter()
-    num_output = usage.get("completion_tokens") or len(stamps)
-    if target.stream and not stamps:
+    counted = sum(tokens for _, tokens in events)
+    num_output = usage.get("completion_tokens") or counted
+    if target.stream and not events:
         return failed("no_output", "the stream ended without a choice")
+    exact = counted == num_output
     return RequestResult(
         True,
         usage.get("prompt_tokens") or spec.prompt_len,
         num_output,
         start_s=sent - run_start,
-        ttft_s=(stamps[0] if stamps else end) - sent,
+        ttft_s=(events[0][0] if events else end) - sent,
         latency_s=end - sent,
-        itl_s=tuple(b - a for a, b in zip(stamps, stamps[1:])),
+        itl_s=token_gaps(events if exact else [(t, 1) for t, _ in events]),
+        itl_per_token=exact or not events,
     )
+
+
+def token_gaps(events: list[tuple[float, int]]) -> tuple[float, ...]:
+    """Inter-token latencies from each output event's (arrival time, tokens it carried). An
+    event of k tokens that came g after the one before gives k gaps of g / k (SGLang's bench
+    rule: its tokens were made over that gap); the first event's tokens after its first came
+    with it (gaps of 0)."""
+    gaps = [0.0] * (events[0][1] - 1) if events else []
+    for (before, _), (at, tokens) in zip(events, events[1:]):
+        gaps += [(at - before) / tokens] * tokens
+    return tuple(gaps)
 
 
 def _carries_output(chunk: dict) -> bool:
@@ -81,15 +99,18 @@ def _carries_output(chunk: dict) -> bool:
     return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
 
 
-async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[float], dict]:
-    """Arrival times of the events that carry output text, and the usage if one came. Events
-    that arrive in one read share its time: that is when the client could first see them.
+async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int]], dict]:
+    """(arrival time, output tokens) of the events that carry output, and the usage if one came.
+    Events that arrive in one read share its time: that is when the client could first see them.
+    A chunk with a running usage carries the tokens it adds to it (one with no text may carry a
+    token whose character is not complete yet); one without, a token if it has text.
 
     The stream ends at `[DONE]`, or when the server closes it after a choice with a finish
     reason (some servers send no `[DONE]`). Raises _StreamError on an error event, ValueError
     on a stream cut before either."""
-    stamps: list[float] = []
+    events: list[tuple[float, int]] = []
     usage: dict = {}
+    counted = 0  # tokens the running usage has reported
     finished = False
     partial = b""
     async for data in resp.content.iter_any():
@@ -100,15 +121,21 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[float], dict]:
                 continue  # blank separators, comments, event names
             payload = line[5:].strip()
             if payload == b"[DONE]":
-                return stamps, usage
+                return events, usage
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise _StreamError(str(chunk["error"].get("message", chunk["error"])))
-            if _carries_output(chunk):
-                stamps.append(now)
+            running = chunk.get("usage") if chunk.get("choices") else None
+            if running:
+                tokens = running["completion_tokens"] - counted
+                counted = running["completion_tokens"]
+            else:
+                tokens = 1 if _carries_output(chunk) else 0
+            if tokens > 0:
+                events.append((now, tokens))
             finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or ())
             if chunk.get("usage"):
                 usage = chunk["usage"]
     if not finished:
         raise ValueError("the stream ended before [DONE] or a finish reason")
-    return stamps, usage
+    return events, usage

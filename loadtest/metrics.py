@@ -2,7 +2,8 @@
 
 - TTFT: request sent → first streamed chunk carrying output text (vLLM takes any chunk with a
   choice, which times a role-only first chunk; the client skips those and empty closing ones).
-- ITL: the gaps between consecutive such chunks, pooled over all requests.
+- ITL: the gaps between consecutive output tokens, pooled over all requests (an event of k
+  tokens gives k gaps of its gap / k, see client.token_gaps; vLLM's bench takes a gap an event).
 - TPOT: per request, (E2E − TTFT) / (output tokens − 1); requests with one token have none.
 - E2E: request sent → response complete.
 - Goodput: completed requests per second whose every given SLO holds (TTFT ≤ slo_ttft,
@@ -28,9 +29,11 @@ class RequestResult:
     start_s: float = 0.0  # when it was sent, from the start of the run
     ttft_s: float = 0.0  # first output chunk (E2E for non-streamed requests)
     latency_s: float = 0.0  # E2E
-    itl_s: tuple[float, ...] = ()  # gaps between consecutive output chunks
+    itl_s: tuple[float, ...] = ()  # gaps between consecutive output tokens (client.token_gaps)
     error: str = ""  # error kind when not ok: "http_429", "timeout", "stream_error", ...
     detail: str = ""  # the error message, shortened
+    itl_per_token: bool = True  # False: the server sent tokens several an event uncounted,
+    # so itl_s has a gap per event
 
     @property
     def tpot_s(self) -> float | None:
@@ -117,6 +120,7 @@ class Summary:
     tpot: Dist
     itl: Dist
     e2e: Dist
+    itl_per_event: int = 0  # completed requests whose ITL could only be taken per event
     good: int | None = None  # requests meeting the SLOs (None: no SLO given)
     goodput: float | None = None  # good / s
     cost_per_m_output: float | None = None  # currency per million output tokens
@@ -161,6 +165,7 @@ def summarize(
         tpot=Dist.of_seconds([t for r in done if (t := r.tpot_s) is not None]),
         itl=Dist.of_seconds([gap for r in done for gap in r.itl_s]),
         e2e=Dist.of_seconds([r.latency_s for r in done]),
+        itl_per_event=sum(not r.itl_per_token for r in done),
         good=good,
         goodput=None if good is None else good * per_s,
         cost_per_m_output=cost.per_million(duration_s, num_out) if cost else None,

@@ -142,7 +142,13 @@ def describe(meta: dict) -> list[str]:
 def markdown(report: BenchReport, plots: list[str] = ()) -> str:
     """The whole report: what was run, the summary table, per-run details, plots."""
     parts = [f"# Bench: {report.label}", "", *describe(report.meta), "", summary_table(report)]
-    parts += ["", "Latencies in ms; goodput counts requests meeting every SLO.", ""]
+    parts += ["", "Latencies in ms; goodput counts requests meeting every SLO; ITL per token.", ""]
+    if per_event := sum(run.summary.itl_per_event for run in report.runs):
+        parts += [
+            f"ITL of {per_event} requests is per event, not per token: the server sent several "
+            "tokens an event and no running usage to count them.",
+            "",
+        ]
     for run in report.runs:
         parts += [f"## {run.load.label}", "", detail_table(run.summary), ""]
     parts += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]

@@ -22,6 +22,7 @@ class Target:
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     timeout_s: float = 600.0  # per request
     api_key: str = ""
+    extra: tuple[tuple[str, object], ...] = ()  # more body fields (a server's own extensions)
 
     def __post_init__(self) -> None:
         if self.api not in APIS:
@@ -51,10 +52,11 @@ class Target:
             body["prompt"] = spec.prefix + spec.text
         if self.stream:
             body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
+            # the running usage counts each event's tokens (servers that lack it ignore it)
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         if self.ignore_eos:
             body["ignore_eos"] = True
-        return body
+        return {**body, **dict(self.extra)}
 
 
 def check_loopback(url: str, allow_remote: bool = False) -> None:

@@ -2,6 +2,7 @@
 worker, driven with the official `openai` client (and aiohttp for malformed requests)."""
 
 import asyncio
+import json
 
 import aiohttp
 import openai
@@ -222,3 +223,32 @@ async def test_malformed_requests_get_openai_errors(cluster, tiny_llama, path, b
             error = (await resp.json())["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
     assert cluster.health() == 200
+
+
+async def test_running_usage_counts_every_token_for_the_load_generator(cluster, tiny_llama):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far, so
+    the load generator counts the tokens of each event, however many the gateway put in it."""
+    from loadtest.client import send
+    from loadtest.target import Target
+    from loadtest.workloads import RequestSpec
+
+    target = Target(cluster.base_url, tiny_llama.name, ignore_eos=True)
+    body = {**target.body(RequestSpec("Once upon a time", 40, 5)), "max_tokens": 40}
+    so_far = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(target.url, json=body) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:
+                        so_far.append(chunk["usage"]["completion_tokens"])
+        result = await send(session, target, RequestSpec("Once upon a time", 40, 5), 0.0)
+    assert so_far == sorted(so_far) and so_far[-1] == 40 and len(so_far) <= 40
+    assert result.ok and result.output_len == 40 and result.itl_per_token
+    assert len(result.itl_s) == 39  # a gap for every token after the first
+    async with aiohttp.ClientSession() as session:
+        bad = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": 1}}
+        async with session.post(target.url, json=bad) as resp:
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+            assert err["param"] == "stream_options.continuous_usage_stats"

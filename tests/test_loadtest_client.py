@@ -183,7 +183,10 @@ def test_bodies_for_both_apis():
         {"role": "system", "content": "system text "},
         {"role": "user", "content": "tail"},
     ]
-    assert chat["ignore_eos"] is True and chat["stream_options"] == {"include_usage": True}
+    assert chat["ignore_eos"] is True
+    assert chat["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    extra = Target("http://127.0.0.1:1", "m", extra=(("generation_config", "{}"),)).body(s)
+    assert extra["generation_config"] == "{}" and "ignore_eos" not in extra
     plain = Target("http://127.0.0.1:1", "m", stream=False).body(s)
     assert plain["prompt"] == "system text tail" and "stream" not in plain
     assert Target("http://127.0.0.1:1/v1/", "m", api="chat").url.endswith(":1/v1/chat/completions")

@@ -6,7 +6,10 @@ answers (prefill-heavy) among short prompts streaming long answers (decode-heavy
 - disaggregated: `tison decode` alone on core 1; `tison prefill`, NATS, the scheduler, the
   gateway and the load generator on core 0 (one torch thread per worker);
 - colocated: `taskset -c 0,1 tison up --colocated --threads N` (one engine does both; N from
-  `--colocated-threads`, a list runs each).
+  `--colocated-threads`, a list runs each: 2 gives it the threads the pair has, 1 thread each).
+
+Every setup is started first and all are loaded in paired rounds (loadtest.paired), each
+request generating exactly its tokens (ignore_eos); ITL is per token.
 
 In the colocated engine a long prefill runs inside the decode loop, so every stream stalls
 for it; disaggregated, decode steps never wait for a prompt.
@@ -15,31 +18,27 @@ for it; disaggregated, decode steps never wait for a prompt.
 """
 
 import argparse
-import os
 import shlex
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from loadtest.compare import compare_table
 from loadtest.metrics import Slo
+from loadtest.paired import Side, median_of, round_ratios, run_rounds, short_outputs
 from loadtest.plots import compare_plots
 from loadtest.report import BenchReport, fmt
 from loadtest.runner import Load
 from loadtest.scenarios.cluster import Cluster, free_port
-from loadtest.scenarios.common import (
-    bench,
-    build_small_llama,
-    md_table,
-    save,
-    wait_serving,
-    warm_up,
-)
+from loadtest.scenarios.common import build_small_llama, md_table, save, wait_serving, warm_up
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, mixed, random_requests
 from shared.tokenizer.tokenizer import Tokenizer
+
+DISAGGREGATED = "disaggregated"
 
 
 def start_disaggregated(c: Cluster, model: Path) -> str:
@@ -91,91 +90,81 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=2000.0, help="ms")
     ap.add_argument("--slo-tpot", type=float, default=50.0, help="ms")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--colocated-threads", default="1", help="torch threads; a list: one run each")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds")
+    ap.add_argument(
+        "--colocated-threads", default="2,1", help="torch threads; a list: one setup each"
+    )
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
     ap.add_argument("--out-dir", type=Path, default=Path("loadtest/results/disagg"))
     args = ap.parse_args()
     command = "python -m loadtest.scenarios.disagg " + shlex.join(sys.argv[1:])
-    with tempfile.TemporaryDirectory(prefix="tison-disagg-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tison-disagg-") as tmp, ExitStack() as stack:
         model = build_small_llama(args.model_dir or Path(tmp) / "small-llama")
         specs, text = workload(model, args)
         slo = Slo(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot)
-        threads = [int(n) for n in args.colocated_threads.split(",")]
-        setups = [(f"colocated, {n} thread{'s' * (n > 1)}", start_colocated, n) for n in threads]
-        setups.append(("disaggregated", start_disaggregated, None))
-        all_cpus = os.sched_getaffinity(0)
-        reports = {}
-        for name, start, threads in setups:
-            # The disaggregated run keeps this process (the client, NATS) on core 0 with prefill.
-            os.sched_setaffinity(0, {0} if threads is None else all_cpus)
-            with Cluster(Path(tmp) / name.replace(" ", "")) as c:
-                url = start(c, model) if threads is None else start(c, model, threads)
-                target = Target(url, model.name, ignore_eos=True)
-                wait_serving(target)
-                warm_up(target, specs[:4])
-                reports[name] = bench(
-                    target, specs, [Load(args.rate)], name, text, slo=slo, command=command
-                )
-            save(reports[name], args.out_dir, name.replace(", ", "-").replace(" ", ""))
-    dis = reports.pop("disaggregated")
-    for name, colo in reports.items():
-        stem = name.replace(", ", "-").replace(" ", "")
-        (args.out_dir / f"vs-{stem}.md").write_text(compare_table(colo, dis))
-        compare_plots(colo, dis, args.out_dir / f"vs-{stem}")
-    print(summary(reports, dis))
-    print(f"\n{text}; SLOs TTFT <= {args.slo_ttft:g} ms, TPOT <= {args.slo_tpot:g} ms")
+        sides = []
+        for n in [int(n) for n in args.colocated_threads.split(",")]:
+            name = f"colocated, {n} thread{'s' * (n > 1)}"
+            c = stack.enter_context(Cluster(Path(tmp) / name.replace(" ", "")))
+            sides.append(
+                Side(name, Target(start_colocated(c, model, n), model.name, ignore_eos=True))
+            )
+        c = stack.enter_context(Cluster(Path(tmp) / "disaggregated"))
+        target = Target(start_disaggregated(c, model), model.name, ignore_eos=True)
+        # the load generator (and NATS) stays on core 0 with prefill, off decode's core
+        sides.append(Side(DISAGGREGATED, target, cpus=frozenset({0})))
+        for side in sides:
+            wait_serving(side.target)
+            warm_up(side.target, specs[:4])
+        results = run_rounds(sides, specs, [Load(args.rate)], args.rounds, text, slo, command)
+    for name, reports in results.items():
+        for r, report in enumerate(reports):
+            save(report, args.out_dir, f"{stem(name)}-round{r + 1}")
+    dis = results.pop(DISAGGREGATED)
+    for name, colo in results.items():
+        (args.out_dir / f"vs-{stem(name)}.md").write_text(compare_table(colo[0], dis[0]))
+        compare_plots(colo[0], dis[0], args.out_dir / f"vs-{stem(name)}")
+    print(summary(results, dis, specs))
+    print(
+        f"\n{text}; SLOs TTFT <= {args.slo_ttft:g} ms, TPOT <= {args.slo_tpot:g} ms; "
+        f"{args.rounds} paired rounds"
+    )
     print(f"`{command}` — results in {args.out_dir}")
 
 
-def summary(colocated: dict[str, BenchReport], dis: BenchReport) -> str:
-    """Both setups' ITL p99, TTFT p99 and goodput, and disaggregated / colocated ratios."""
-    head = [
-        "setup",
-        "ITL p99 ms",
-        "TTFT p99 ms",
-        "goodput req/s",
-        "ITL p50 ms",
-        "TTFT p50 ms",
-        "TPOT p50 ms",
-        "out tok/s",
-        "ok",
-    ]
+def stem(name: str) -> str:
+    return name.replace(", ", "-").replace(" ", "")
 
-    def row(name, s):
-        return [
-            name,
-            fmt(s.itl.p99),
-            fmt(s.ttft.p99),
-            fmt(s.goodput, 2),
-            fmt(s.itl.p50),
-            fmt(s.ttft.p50),
-            fmt(s.tpot.p50),
-            fmt(s.output_throughput),
-            f"{s.completed}/{s.num_requests}",
-        ]
 
-    b = dis.runs[0].summary
-    firsts = [
-        row(f"{name} (tison up --colocated)", r.runs[0].summary) for name, r in colocated.items()
-    ]
-    ratios = []
-    for name, report in colocated.items():
-        a = report.runs[0].summary
-        gain = f"{b.goodput / a.goodput:.2f}x" if a.goodput else "–"
-        ratios.append(
-            [
-                f"disaggregated / {name}",
-                f"{b.itl.p99 / a.itl.p99:.2f}x",
-                f"{b.ttft.p99 / a.ttft.p99:.2f}x",
-                gain,
-                "",
-                "",
-                "",
-                "",
-                "",
-            ]
+COLUMNS = (  # (heading, metric of a Summary)
+    ("ITL p99 ms", lambda s: s.itl.p99),
+    ("TTFT p99 ms", lambda s: s.ttft.p99),
+    ("goodput req/s", lambda s: s.goodput),
+    ("ITL p50 ms", lambda s: s.itl.p50),
+    ("TTFT p50 ms", lambda s: s.ttft.p50),
+    ("TPOT p50 ms", lambda s: s.tpot.p50),
+    ("out tok/s", lambda s: s.output_throughput),
+)
+
+
+def summary(colocated: dict[str, list[BenchReport]], dis: list[BenchReport], specs) -> str:
+    """Each setup's medians over the rounds (ITL per token), then disaggregated / colocated:
+    the median per-round ratio and its range."""
+    head = ["setup", *(h for h, _ in COLUMNS), "ok", "short"]
+
+    def row(name, reports):
+        done = sum(r.runs[0].summary.completed for r in reports)
+        sent = sum(r.runs[0].summary.num_requests for r in reports)
+        cells = [fmt(median_of(reports, 0, m), 2 if "goodput" in h else 1) for h, m in COLUMNS]
+        return [name, *cells, f"{done}/{sent}", str(short_outputs(reports, specs))]
+
+    rows = [row(f"{name} (tison up --colocated)", r) for name, r in colocated.items()]
+    rows.append(row("disaggregated (decode alone on core 1)", dis))
+    for name, reports in colocated.items():
+        spreads = [round_ratios(reports, dis, 0, m) for _, m in COLUMNS]
+        rows.append(
+            [f"disaggregated / {name}", *("–" if s is None else str(s) for s in spreads), "", ""]
         )
-    rows = [*firsts, row("disaggregated (decode alone on core 1)", b), *ratios]
     return md_table(head, rows)
 
 

@@ -3,8 +3,12 @@ the same chat workload and the same concurrency sweep.
 
 Needs `pip install 'transformers[serving]'` (FastAPI, uvicorn); runs offline on a local folder.
 
-- Tison: `tison up --threads 1` (a prefill and a decode worker, one torch thread each);
+- Tison: `tison up --threads 1` (a prefill and a decode worker, one torch thread each: the two
+  cores' worth of threads that transformers gets by default);
 - transformers: `transformers serve --continuous-batching --port P MODEL_DIR`.
+
+Both run at once (each idle while the other is loaded) in paired rounds (loadtest.paired), and
+both generate exactly the asked tokens; ITL is per token.
 
     python -m loadtest.scenarios.peer [--concurrency 8,32] [--out-dir loadtest/results/peer]
 """
@@ -15,28 +19,25 @@ import shlex
 import shutil
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from loadtest.bench import run_sync, served_model
 from loadtest.compare import compare_table
+from loadtest.paired import Side, median_of, round_ratios, run_rounds, short_outputs
 from loadtest.plots import compare_plots
 from loadtest.report import BenchReport, fmt
 from loadtest.runner import Load
 from loadtest.scenarios.cluster import Cluster, free_port
-from loadtest.scenarios.common import (
-    bench,
-    build_small_llama,
-    md_table,
-    save,
-    wait_serving,
-    warm_up,
-)
+from loadtest.scenarios.common import build_small_llama, md_table, save, wait_serving, warm_up
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, random_requests
 from shared.errors import ProcessStartError
 from shared.tokenizer.tokenizer import Tokenizer
+
+PEER, OURS = "transformers serve", "tison"
 
 
 def start_tison(c: Cluster, model: Path) -> str:
@@ -67,13 +68,17 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per load point")
     ap.add_argument("--input-len", default="uniform:64:192")
     ap.add_argument("--output-len", default="64")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds per load point")
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
     ap.add_argument("--out-dir", type=Path, default=Path("loadtest/results/peer"))
     args = ap.parse_args()
     command = "python -m loadtest.scenarios.peer " + shlex.join(sys.argv[1:])
     loads = [Load(concurrency=int(n)) for n in args.concurrency.split(",")]
-    text = f"chat, random {args.input_len} in, {args.output_len} out, {args.num_prompts} requests"
-    with tempfile.TemporaryDirectory(prefix="tison-peer-") as tmp:
+    text = (
+        f"chat, random {args.input_len} in, exactly {args.output_len} out, "
+        f"{args.num_prompts} requests, {args.rounds} paired rounds"
+    )
+    with tempfile.TemporaryDirectory(prefix="tison-peer-") as tmp, ExitStack() as stack:
         model = build_small_llama(args.model_dir or Path(tmp) / "small-llama")
         maker = PromptMaker(Tokenizer.from_dir(model), np.random.default_rng(0))
         specs = random_requests(
@@ -82,65 +87,64 @@ def main() -> None:
             LengthDist.parse(args.input_len),
             LengthDist.parse(args.output_len),
         )
-        reports = {}
-        for name, start in (("transformers serve", start_transformers), ("tison", start_tison)):
-            with Cluster(Path(tmp) / name.replace(" ", "-")) as c:
-                url = start(c, model)
-                target = Target(url, run_sync(served_model(url)), "chat")
-                wait_serving(target)
-                warm_up(target, specs[:4])
-                reports[name] = bench(target, specs, loads, name, text, command=command)
-            save(reports[name], args.out_dir, name.replace(" ", "-"))
-    peer, ours = reports["transformers serve"], reports["tison"]
-    (args.out_dir / "compare.md").write_text(compare_table(peer, ours))
-    compare_plots(peer, ours, args.out_dir / "compare")
-    print(summary(peer, ours))
+        sides = []
+        for name, start in ((PEER, start_transformers), (OURS, start_tison)):
+            c = stack.enter_context(Cluster(Path(tmp) / name.replace(" ", "-")))
+            url = start(c, model)
+            served = run_sync(served_model(url))
+            # Both generate exactly max_tokens: Tison by vLLM's ignore_eos; transformers serve
+            # by a generation config of its own, which has no end-of-sequence token.
+            target = (
+                Target(url, served, "chat", ignore_eos=True)
+                if name == OURS
+                else Target(url, served, "chat", extra=(("generation_config", "{}"),))
+            )
+            wait_serving(target)
+            warm_up(target, specs[:4])
+            sides.append(Side(name, target))
+        results = run_rounds(sides, specs, loads, args.rounds, text, command=command)
+    for name, reports in results.items():
+        for r, report in enumerate(reports):
+            save(report, args.out_dir, f"{name.replace(' ', '-')}-round{r + 1}")
+    peer, ours = results[PEER], results[OURS]
+    (args.out_dir / "compare.md").write_text(compare_table(peer[0], ours[0]))
+    compare_plots(peer[0], ours[0], args.out_dir / "compare")
+    print(summary(peer, ours, specs))
     print(f"\n{text}\n`{command}` — results in {args.out_dir}")
 
 
-def summary(peer: BenchReport, ours: BenchReport) -> str:
-    head = [
-        "server",
-        "streams",
-        "out tok/s",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "E2E p50 ms",
-        "ok",
-    ]
+COLUMNS = (  # (heading, metric of a Summary)
+    ("out tok/s", lambda s: s.output_throughput),
+    ("TTFT p50 ms", lambda s: s.ttft.p50),
+    ("TTFT p99 ms", lambda s: s.ttft.p99),
+    ("ITL p50 ms", lambda s: s.itl.p50),
+    ("ITL p99 ms", lambda s: s.itl.p99),
+    ("E2E p50 ms", lambda s: s.e2e.p50),
+)
+
+
+def summary(peer: list[BenchReport], ours: list[BenchReport], specs) -> str:
+    """Each server's medians over the rounds, then the median per-round ratio and its range;
+    ITL is per token (see loadtest.client)."""
+    head = ["server", "streams", *(h for h, _ in COLUMNS), "ok", "short / per-event ITL"]
     rows = []
-    for report in (peer, ours):
-        for run in report.runs:
-            s = run.summary
+    for reports in (peer, ours):
+        for i, run in enumerate(reports[0].runs):
+            done = sum(r.runs[i].summary.completed for r in reports)
+            sent = sum(r.runs[i].summary.num_requests for r in reports)
+            per_event = sum(r.runs[i].summary.itl_per_event for r in reports)
+            short = short_outputs([BenchReport(r.meta, (r.runs[i],)) for r in reports], specs)
             rows.append(
-                [
-                    report.label,
-                    str(run.load.concurrency),
-                    fmt(s.output_throughput),
-                    fmt(s.ttft.p50),
-                    fmt(s.ttft.p99),
-                    fmt(s.itl.p50),
-                    fmt(s.itl.p99),
-                    fmt(s.e2e.p50),
-                    f"{s.completed}/{s.num_requests}",
-                ]
+                [reports[0].label, str(run.load.concurrency)]
+                + [fmt(median_of(reports, i, m)) for _, m in COLUMNS]
+                + [f"{done}/{sent}", f"{short} / {per_event}"]
             )
-    for a, b in zip(peer.runs, ours.runs):
-        sa, sb = a.summary, b.summary
+    for i, run in enumerate(peer[0].runs):
+        spreads = [round_ratios(peer, ours, i, m) for _, m in COLUMNS]
         rows.append(
-            [
-                "tison / transformers",
-                str(a.load.concurrency),
-                f"{sb.output_throughput / sa.output_throughput:.2f}x",
-                f"{sb.ttft.p50 / sa.ttft.p50:.2f}x",
-                f"{sb.ttft.p99 / sa.ttft.p99:.2f}x",
-                f"{sb.itl.p50 / sa.itl.p50:.2f}x",
-                f"{sb.itl.p99 / sa.itl.p99:.2f}x",
-                f"{sb.e2e.p50 / sa.e2e.p50:.2f}x",
-                "",
-            ]
+            ["tison / transformers", str(run.load.concurrency)]
+            + ["–" if s is None else str(s) for s in spreads]
+            + ["", ""]
         )
     return md_table(head, rows)
 

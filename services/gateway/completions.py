@@ -25,7 +25,7 @@ from services.gateway.openai_response import (
 from services.gateway.request_state import Delta, RequestStream, coalesce
 from shared import protocol
 from shared.errors import InvalidRequestError
-from shared.protocol import SubmitMsg, SubmitReplyMsg
+from shared.protocol import SubmitMsg, SubmitReplyMsg, Usage
 from shared.tokenizer.tokenizer import Tokenizer
 
 _REFUSALS = {  # submit reply status → (HTTP status, OpenAI error type)
@@ -145,7 +145,7 @@ class CompletionService:
         )
         await resp.prepare(request)
         want_logprobs = stream.sampling.logprobs is not None
-        first = True
+        first, sent = True, 0  # tokens behind the chunks sent
         async for delta in deltas:
             if delta.finish_reason in (protocol.FINISH_ERROR, protocol.FINISH_ABORT):
                 await resp.write(
@@ -153,8 +153,10 @@ class CompletionService:
                 )
                 break
             logprobs = delta.logprobs if want_logprobs else None
+            sent += delta.tokens
+            so_far = Usage(stream.num_prompt_tokens, sent) if parsed.continuous_usage else None
             chunk = fmt.chunk(
-                delta.text, logprobs, delta.finish_reason, first, parsed.include_usage
+                delta.text, logprobs, delta.finish_reason, first, parsed.include_usage, so_far
             )
             await resp.write(sse_event(chunk))
             first = False

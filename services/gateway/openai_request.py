@@ -32,6 +32,7 @@ class ParsedRequest:
     sampling: tuple[tuple[str, Any], ...] = ()  # other SamplingParams fields, as (name, value)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): in every chunk
     num_logprobs: int | None = None  # None: no logprobs; n: chosen token + top n
 
 
@@ -86,11 +87,15 @@ def _common(body: Any) -> dict:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise InvalidRequestError("stream_options.include_usage", "must be a boolean")
+    continuous = options.get("continuous_usage_stats", False)
+    if not isinstance(continuous, bool):
+        raise InvalidRequestError("stream_options.continuous_usage_stats", "must be a boolean")
     return dict(
         model=model,
         sampling=tuple(sampling.items()),
         stream=stream,
         include_usage=stream and include_usage,
+        continuous_usage=stream and include_usage and continuous,
     )
 
 

@@ -65,9 +65,16 @@ class ResponseFormat:
         return {**self._envelope(self._object, [choice]), "usage": usage_body(usage)}
 
     def chunk(
-        self, text: str, logprobs, finish_reason: str | None, first: bool, usage_field: bool
+        self,
+        text: str,
+        logprobs,
+        finish_reason: str | None,
+        first: bool,
+        usage_field: bool,
+        usage: Usage | None = None,
     ) -> dict:
-        """One streamed chunk; `usage_field` adds `"usage": null` (include_usage was asked)."""
+        """One streamed chunk; `usage_field` adds `"usage"`: the usage so far when given
+        (continuous_usage_stats), else null (include_usage was asked)."""
         choice = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         if self.kind == CHAT:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -76,7 +83,7 @@ class ResponseFormat:
             choice["text"] = text
             body = self._envelope("text_completion", [choice])
         if usage_field:
-            body["usage"] = None
+            body["usage"] = None if usage is None else usage_body(usage)
         return body
 
     def usage_chunk(self, usage: Usage) -> dict:

@@ -24,6 +24,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # "stop", "length", or FINISH_ERROR / FINISH_ABORT
     error: str = ""  # with FINISH_ERROR
+    tokens: int = 0  # output tokens behind it (a held-back partial character: text "")
 
 
 def coalesce(deltas: list[Delta]) -> list[Delta]:
@@ -37,7 +38,10 @@ def coalesce(deltas: list[Delta]) -> list[Delta]:
             continue
         prev = merged[-1]
         merged[-1] = Delta(
-            prev.text + delta.text, prev.logprobs + delta.logprobs, delta.finish_reason
+            prev.text + delta.text,
+            prev.logprobs + delta.logprobs,
+            delta.finish_reason,
+            tokens=prev.tokens + delta.tokens,
         )
     return merged
 
@@ -80,13 +84,16 @@ class RequestStream:
             self.finish_reason, self.error = item.finish_reason, item.error or "request aborted"
             return Delta(finish_reason=item.finish_reason, error=self.error)
         self._pending.append(item)
+        before = self.num_output
         texts: list[str] = []
         logprobs: list[TokenLogprob] = []
         while not self.done and (ready := self._next_ready()) is not None:
             self._apply(ready, texts, logprobs)
         if not texts and not logprobs and not self.done:
             return None
-        return Delta("".join(texts), tuple(logprobs), self.finish_reason)
+        return Delta(
+            "".join(texts), tuple(logprobs), self.finish_reason, tokens=self.num_output - before
+        )
 
     def _next_ready(self) -> TokenItem | None:
         for item in self._pending:
