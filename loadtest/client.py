@@ -102,15 +102,17 @@ def _carries_output(chunk: dict) -> bool:
 async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int]], dict]:
     """(arrival time, output tokens) of the events that carry output, and the usage if one came.
     Events that arrive in one read share its time: that is when the client could first see them.
-    A chunk with a running usage carries the tokens it adds to it (one with no text may carry a
-    token whose character is not complete yet); one without, a token if it has text.
+    Where the chunks carry a running usage, each carries the tokens it adds to it (one with no
+    text may carry a token whose character is not complete yet); else each with text carries
+    one, and a usage on the closing chunk (transformers serve puts it there) is the final one.
 
     The stream ends at `[DONE]`, or when the server closes it after a choice with a finish
     reason (some servers send no `[DONE]`). Raises _StreamError on an error event, ValueError
     on a stream cut before either."""
     events: list[tuple[float, int]] = []
     usage: dict = {}
-    counted = 0  # tokens the running usage has reported
+    running = None  # whether the chunks carry a running usage
+    counted = 0  # tokens it has reported
     finished = False
     partial = b""
     async for data in resp.content.iter_any():
@@ -125,11 +127,13 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise _StreamError(str(chunk["error"].get("message", chunk["error"])))
-            running = chunk.get("usage") if chunk.get("choices") else None
-            if running:
-                tokens = running["completion_tokens"] - counted
-                counted = running["completion_tokens"]
-            else:
+            usage_now = chunk.get("usage") if chunk.get("choices") else None
+            if running is None and (usage_now or _carries_output(chunk)):
+                running = bool(usage_now)  # the first chunk with output says which
+            if running and usage_now:
+                tokens = usage_now["completion_tokens"] - counted
+                counted = usage_now["completion_tokens"]
+            else:  # a usage on a closing chunk with choices is the final one, not a token
                 tokens = 1 if _carries_output(chunk) else 0
             if tokens > 0:
                 events.append((now, tokens))

@@ -31,7 +31,8 @@ async def server():
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         done = 0
-        for tokens, text in EVENTS:
+        events = [(1, c) for c in "abcdef"] if body.get("closing_usage") else EVENTS
+        for tokens, text in events:
             done += tokens
             chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
             if running:
@@ -39,7 +40,9 @@ async def server():
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         end = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": done}}
         closing = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
-        for payload in (closing, end):
+        if body.get("closing_usage"):  # as transformers serve sends it: on the closing chunk
+            closing["usage"], end = end["usage"], None
+        for payload in filter(None, (closing, end)):
             await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -60,6 +63,16 @@ async def test_a_running_usage_gives_a_gap_per_token(server):
     assert r.ok and r.output_len == 6 and r.itl_per_token
     assert len(r.itl_s) == 5  # six tokens: five gaps, though three events
     assert summarize([r], 1.0).itl_per_event == 0
+
+
+async def test_a_final_usage_on_the_closing_chunk_is_not_a_running_one(server):
+    """One token an event and the usage on the last chunk with a choice (transformers serve's
+    stream): each event is a token, and the usage is the total, not six more tokens."""
+    target = Target(server, "m", extra=(("old", True), ("closing_usage", True)))
+    async with aiohttp.ClientSession() as session:
+        r = await send(session, target, RequestSpec("p", 6, 3), 0.0)
+    assert r.ok and r.output_len == 6 and r.itl_per_token
+    assert len(r.itl_s) == 5
 
 
 async def test_without_counts_the_gaps_stay_per_event_and_say_so(server):

@@ -72,7 +72,7 @@ class RankExecutor:
         self.plan_extras: Callable[[SchedulerOutput], dict] | None = None
         self._ids = itertools.count()
         self._pending: deque[StepResult] = deque()
-        self.last_stage_wait_s = 0.0  # the last stage's idle seconds, as it last reported
+        self.last_stage_busy_s = 0.0  # the last stage's seconds of work, as it last reported
 
     @property
     def num_in_flight(self) -> int:
@@ -90,7 +90,7 @@ class RankExecutor:
         if self.depth > 1:  # the samples come from the last stage
             reply = decode_result(self.comm.recv_bytes(self.last_rank, RESULT))
             result.sample_index, result.samples = reply.sample_index, reply.samples
-            self.last_stage_wait_s = reply.wait_s
+            self.last_stage_busy_s = reply.busy_s
         return result
 
     def close(self) -> None:

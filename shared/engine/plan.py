@@ -86,11 +86,11 @@ def _decode_row(row: list) -> SamplingRow:
 
 
 def encode_result(
-    micro_batch: int, sample_index: list[int], samples: SamplerOutput | None, wait_s: float
+    micro_batch: int, sample_index: list[int], samples: SamplerOutput | None, busy_s: float
 ) -> bytes:
-    """The last stage's answer to one plan (no samples when nothing sampled); wait_s: the
-    sender's seconds idle so far, for utilisation reports."""
-    body = {"v": PLAN_VERSION, "mb": micro_batch, "index": sample_index, "wait_s": wait_s}
+    """The last stage's answer to one plan (no samples when nothing sampled); busy_s: the
+    sender's seconds of work so far (ModelRunner.busy_s), for utilisation reports."""
+    body = {"v": PLAN_VERSION, "mb": micro_batch, "index": sample_index, "busy_s": busy_s}
     if samples is not None:
         body["tokens"] = samples.token_ids.tolist()
         for key in ("logprobs", "top_logprob_ids", "top_logprobs"):
@@ -104,20 +104,20 @@ class StepReply:
     micro_batch: int
     sample_index: list[int]  # indices into the plan's seqs that sampled
     samples: SamplerOutput | None
-    wait_s: float  # the last stage's seconds idle so far
+    busy_s: float  # the last stage's seconds of work so far
 
 
 def decode_result(data: bytes) -> StepReply:
     body = msgpack.unpackb(data)
     if "tokens" not in body:
-        return StepReply(body["mb"], body["index"], None, body["wait_s"])
+        return StepReply(body["mb"], body["index"], None, body["busy_s"])
     samples = SamplerOutput(
         token_ids=torch.tensor(body["tokens"], dtype=torch.int64),
         logprobs=_tensor(body["logprobs"], torch.float32),
         top_logprob_ids=_tensor(body["top_logprob_ids"], torch.int64),
         top_logprobs=_tensor(body["top_logprobs"], torch.float32),
     )
-    return StepReply(body["mb"], body["index"], samples, body["wait_s"])
+    return StepReply(body["mb"], body["index"], samples, body["busy_s"])
 
 
 def _tensor(value, dtype):

@@ -56,7 +56,7 @@ def serve(runner: ModelRunner, comm: RankComm, on_plan=None) -> None:
             on_plan(plan, runner)
         index, samples = runner.execute(plan.scheduler_output(), plan.rows)
         if replies:
-            reply = encode_result(plan.micro_batch, index, samples, comm.wait_s)
+            reply = encode_result(plan.micro_batch, index, samples, runner.busy_s)
             comm.send_bytes(reply, 0, RESULT)
     comm.flush()
 

@@ -2,6 +2,7 @@
 stage, sampling. With pipeline stages, hidden states arrive from the previous stage's rank of
 the same TP rank and leave for the next one."""
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -36,14 +37,27 @@ class ModelRunner:
         self.dtype = kv.spec.dtype
         # after each layer of a forward pass: (global layer index, the step) -> push its new KV
         self.on_layer_done: Callable[[int, SchedulerOutput], None] | None = None
+        self.busy_s = 0.0  # seconds in execute, less those blocked on the previous stage
 
-    @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, rows: list[SamplingRow] | None = None
     ) -> tuple[list[int], SamplerOutput | None]:
         """Runs this rank's part of the step; returns (indices into out.scheduled that sampled,
         their samples). Samples only on TP rank 0 of the last stage (None elsewhere).
-        rows: sampling states when out holds planned (not engine) requests."""
+        rows: sampling states when out holds planned (not engine) requests. The time it takes,
+        less the time spent waiting for the previous stage's hidden states, adds to busy_s
+        (a stage's utilisation: its forward work, not the Python around the steps)."""
+        start, waited = time.perf_counter(), self._waited_s()
+        try:
+            return self._execute(out, rows)
+        finally:
+            self.busy_s += time.perf_counter() - start - (self._waited_s() - waited)
+
+    def _waited_s(self) -> float:
+        return 0.0 if self.comm is None else self.comm.wait_s
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None):
         batch = build_batch(out, self.kv.spec.page_size, self.sliding_window)
         hook = self.on_layer_done
         after_layer = None if hook is None else (lambda layer: hook(layer, out))
