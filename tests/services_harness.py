@@ -32,7 +32,7 @@ import openai
 from shared import protocol, subjects
 from shared.nats_server import NatsServer
 from shared.proc import stop_processes
-from shared.protocol import SubmitMsg, SubmitReplyMsg
+from shared.protocol import HeartbeatMsg, SubmitMsg, SubmitReplyMsg
 from shared.sampling.params import SamplingParams
 
 from waiting import until, wait_until
@@ -193,19 +193,46 @@ async def scheduler_routes(nc) -> bool:
     return protocol.decode(reply.data, SubmitReplyMsg).status == protocol.TOO_LONG
 
 
+async def next_heartbeat(url: str, role: str) -> HeartbeatMsg:
+    """The first heartbeat of a `role` worker that NATS takes in after this call. A new
+    subscription gets only what the server takes in after it, so the beat counts all the work
+    whose messages reached the server before (the worker published those before the beat)."""
+    nc = await nats.connect(url)
+    beats: list[HeartbeatMsg] = []
+
+    async def keep(msg):
+        beat = protocol.decode(msg.data, HeartbeatMsg)
+        if beat.role == role:
+            beats.append(beat)
+
+    try:
+        await nc.subscribe(subjects.all_heartbeats(), cb=keep)
+        await until(lambda: beats, 30, f"a heartbeat of a {role} worker")
+    finally:
+        await nc.close()
+    return beats[0]
+
+
 async def nats_bytes_per_request(cluster, send) -> int:
-    """Bytes published on NATS (heartbeats aside) while `await send()` runs to completion."""
+    """Bytes published on NATS (heartbeats aside) for the requests `await send()` makes, each
+    run to its end by the workers (length or stop: the gateway then publishes no cancel)."""
     nc = await nats.connect(cluster.nats.url)
     counted: list[int] = []
+    marker, marked = nc.new_inbox(), asyncio.Event()
 
     async def count(msg):
-        if ".heartbeat." not in msg.subject:
+        if msg.subject == marker:
+            marked.set()
+        elif ".heartbeat." not in msg.subject:
             counted.append(len(msg.data))
 
     await nc.subscribe(">", cb=count)
     await nc.flush()
     await send()
-    await asyncio.sleep(0.2)  # the last messages (cancel, finish) are on their way
+    # Every message of those requests reached the server before their answers did, so before
+    # this marker; NATS delivers to a subscriber in the order the server took messages in.
+    await nc.publish(marker, b"")
+    await until(marked.is_set, 30, "the marker behind the requests' messages")
     await nc.close()
     return sum(counted)
 
