@@ -37,10 +37,14 @@ def start_workers(s: Services, model_dir, layout: str, *extra: str) -> None:
 def cluster_for(tmp_path_factory, model_dir, layout: str, monkeypatch_env=None):
     s = Services(tmp_path_factory.mktemp(f"cluster-{layout}"), model_dir)
     s.__enter__()
-    s.scheduler()
-    start_workers(s, model_dir, layout)
-    s.gateway()
-    s.wait_healthy(90)
+    try:
+        s.scheduler()
+        start_workers(s, model_dir, layout)
+        s.gateway()
+        s.wait_healthy(90)
+    except BaseException:
+        s.stop_all()  # the caller gets no cluster to stop
+        raise
     return s
 
 
