@@ -22,14 +22,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
 import nats
 import openai
 
+from shared import protocol, subjects
 from shared.nats_server import NatsServer
 from shared.proc import stop_processes
+from shared.protocol import HeartbeatMsg, SubmitMsg, SubmitReplyMsg
+from shared.sampling.params import SamplingParams
+
+from waiting import until, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LAUNCH = "import sys; from services.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -107,21 +113,30 @@ class Services:
             return 0
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.health() != 200:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway not healthy after {timeout_s} s:\n{self.logs()}")
-            time.sleep(0.1)
-        # The gateway hears the workers; make sure the scheduler is subscribed and has too.
-        log = self.tmp_path / "scheduler.log"
-        while "scheduler" in self.procs and "scheduler up" not in log.read_text(errors="replace"):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"scheduler not up after {timeout_s} s:\n{self.logs()}")
-            time.sleep(0.05)
-        time.sleep(2.5 * self.heartbeat_s)  # at least two heartbeats since it subscribed
+        """Until the gateway's /health answers 200 and the scheduler (if started) can route."""
+        try:
+            wait_until(self._healthy, timeout_s, "the gateway's /health to answer 200")
+            if "scheduler" in self.procs:
+                # A loop of its own, in a thread of its own: a test's loop may be running here.
+                with ThreadPoolExecutor(1) as pool:
+                    pool.submit(asyncio.run, self._wait_scheduler_routes(timeout_s)).result()
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.logs()}") from None
+
+    def _healthy(self) -> bool:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
+        return self.health() == 200
+
+    async def _wait_scheduler_routes(self, timeout_s: float) -> None:
+        # The gateway has heard the workers; the scheduler hears them on its own subscription.
+        nc = await nats.connect(self.nats.url)
+        try:
+            what = "the scheduler to know a prefill and a decode worker"
+            await until(lambda: scheduler_routes(nc), timeout_s, what)
+        finally:
+            await nc.close()
 
     def kill(self, name: str) -> None:
         """kill -9 one process."""
@@ -154,27 +169,70 @@ async def metric(cluster, name: str, role: str | None = None) -> float:
     )
 
 
-async def wait_pages_free(cluster, timeout_s=5.0):
-    for _ in range(int(timeout_s / 0.1)):
-        if await metric(cluster, "tison_kv_pages_used") == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("KV pages still in use")
+async def wait_metric(cluster, name: str, ok, what: str, role: str | None = None) -> None:
+    """Until ok(metric(cluster, name, role)) holds."""
+
+    async def holds() -> bool:
+        return ok(await metric(cluster, name, role))
+
+    await until(holds, 30, what)
+
+
+async def wait_pages_free(cluster) -> None:
+    await wait_metric(cluster, "tison_kv_pages_used", lambda used: used == 0, "KV pages all free")
+
+
+async def scheduler_routes(nc) -> bool:
+    """Whether the scheduler knows a live prefill and a live decode worker: only then does it
+    answer a request no KV pool can hold with TOO_LONG (placing it nowhere)."""
+    probe = SubmitMsg("probe", "probe", (1,), SamplingParams(max_tokens=2**40), time.time() + 30)
+    try:
+        reply = await nc.request(subjects.scheduler_submit(), protocol.encode(probe), timeout=5)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return False  # not subscribed yet
+    return protocol.decode(reply.data, SubmitReplyMsg).status == protocol.TOO_LONG
+
+
+async def next_heartbeat(url: str, role: str) -> HeartbeatMsg:
+    """The first heartbeat of a `role` worker that NATS takes in after this call. A new
+    subscription gets only what the server takes in after it, so the beat counts all the work
+    whose messages reached the server before (the worker published those before the beat)."""
+    nc = await nats.connect(url)
+    beats: list[HeartbeatMsg] = []
+
+    async def keep(msg):
+        beat = protocol.decode(msg.data, HeartbeatMsg)
+        if beat.role == role:
+            beats.append(beat)
+
+    try:
+        await nc.subscribe(subjects.all_heartbeats(), cb=keep)
+        await until(lambda: beats, 30, f"a heartbeat of a {role} worker")
+    finally:
+        await nc.close()
+    return beats[0]
 
 
 async def nats_bytes_per_request(cluster, send) -> int:
-    """Bytes published on NATS (heartbeats aside) while `await send()` runs to completion."""
+    """Bytes published on NATS (heartbeats aside) for the requests `await send()` makes, each
+    run to its end by the workers (length or stop: the gateway then publishes no cancel)."""
     nc = await nats.connect(cluster.nats.url)
     counted: list[int] = []
+    marker, marked = nc.new_inbox(), asyncio.Event()
 
     async def count(msg):
-        if ".heartbeat." not in msg.subject:
+        if msg.subject == marker:
+            marked.set()
+        elif ".heartbeat." not in msg.subject:
             counted.append(len(msg.data))
 
     await nc.subscribe(">", cb=count)
     await nc.flush()
     await send()
-    await asyncio.sleep(0.2)  # the last messages (cancel, finish) are on their way
+    # Every message of those requests reached the server before their answers did, so before
+    # this marker; NATS delivers to a subscriber in the order the server took messages in.
+    await nc.publish(marker, b"")
+    await until(marked.is_set, 30, "the marker behind the requests' messages")
     await nc.close()
     return sum(counted)
 

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from services_harness import Services, metric, stream_until_error, wait_pages_free
+from waiting import until
 
 FAILURE_BOUND_S = 10.0
 
@@ -30,10 +31,12 @@ async def test_full_queue_answers_429_with_retry_after(cluster, tiny_llama):
     url = cluster.base_url + "/v1/completions"
     async with aiohttp.ClientSession() as http:
         streams = [asyncio.create_task(http.post(url, json=body)) for _ in range(6)]
-        for _ in range(100):  # 4 running, 2 waiting in the scheduler
-            if await metric(cluster, "tison_requests_waiting") == 2:
-                break
-            await asyncio.sleep(0.05)
+
+        async def queue_full() -> bool:
+            running = await metric(cluster, "tison_requests_running")
+            return (running, await metric(cluster, "tison_requests_waiting")) == (4, 2)
+
+        await until(queue_full, 30, "4 requests running and 2 waiting in the scheduler")
         async with http.post(url, json=body) as resp:
             assert resp.status == 429 and resp.headers["Retry-After"] == "2"
             error = (await resp.json())["error"]

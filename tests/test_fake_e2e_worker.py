@@ -4,6 +4,7 @@ with the test acting as the gateway."""
 import asyncio
 import time
 
+import aiohttp
 import nats
 import pytest
 
@@ -24,6 +25,9 @@ from shared.protocol import (
     TokensMsg,
 )
 from shared.sampling.params import SamplingParams
+
+from services_harness import scheduler_routes
+from waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,7 @@ class Cluster:
         self.beats: dict[str, HeartbeatMsg] = {}
 
     async def __aenter__(self):
-        scheduler = Scheduler(SchedulerConfig(nats_url=self.url, max_waiting=2))
+        self.scheduler = Scheduler(SchedulerConfig(nats_url=self.url, max_waiting=2))
         worker = FakeWorkerConfig(
             role="both",
             model_dir=self.model_dir,
@@ -118,17 +122,14 @@ class Cluster:
             **self.worker_options,
         )
         self.tasks = [
-            asyncio.create_task(scheduler.run(self.stop)),
+            asyncio.create_task(self.scheduler.run(self.stop)),
             asyncio.create_task(run_fake_worker(worker, self.stop)),
         ]
         self.nc = await nats.connect(self.url)
         await self.nc.subscribe(subjects.gateway_tokens("gw"), cb=self._on_tokens)
         await self.nc.subscribe(subjects.all_heartbeats(), cb=self._on_beat)
-        await self.wait_for(lambda: len(self.beats) == 2)
-        # The scheduler knows both workers once it stops answering NO_WORKERS (a too-long probe
-        # is refused without touching any worker).
-        while (await self.submit("probe", (1,), max_tokens=10**6)).status == protocol.NO_WORKERS:
-            await asyncio.sleep(0.02)
+        await until(lambda: len(self.beats) == 2, 30, "heartbeats of both fake workers")
+        await until(lambda: scheduler_routes(self.nc), 30, "the scheduler to know both workers")
         return self
 
     async def __aexit__(self, *exc):
@@ -155,12 +156,6 @@ class Cluster:
     def pages_used(self) -> int:
         return sum(b.total_pages - b.free_pages for b in self.beats.values())
 
-    async def wait_for(self, predicate, timeout=5.0):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert time.monotonic() < deadline, "condition not reached"
-            await asyncio.sleep(0.01)
-
 
 async def test_requests_flow_and_garbage_is_dropped(tmp_path, tiny_llama, info):
     with NatsServer(tmp_path / "nats") as server:
@@ -181,14 +176,14 @@ async def test_requests_flow_and_garbage_is_dropped(tmp_path, tiny_llama, info):
                 "w-prefill",
                 "w-decode",
             )
-            await c.wait_for(lambda: c.finished("r1"))
+            await until(lambda: c.finished("r1"), 30, "r1 to finish")
             items = sorted(c.tokens["r1"], key=lambda item: item.index)
             ids = [t for item in items for t in item.token_ids]
             assert ids == [fake_token(info, prompt_digest(prompt), i) for i in range(5)]
             assert items[-1].usage == protocol.Usage(3, 5)
             too_long = await c.submit("r2", prompt, max_tokens=4096 * 16)
             assert (too_long.status, too_long.limit) == ("too_long", 4096 * 16)
-            await c.wait_for(lambda: c.pages_used() == 0)
+            await until(lambda: c.pages_used() == 0, 30, "the workers to report their pages free")
 
 
 async def test_queue_full_and_cancel_frees_pages(tmp_path, tiny_llama):
@@ -197,34 +192,42 @@ async def test_queue_full_and_cancel_frees_pages(tmp_path, tiny_llama):
         async with Cluster(server.url, tiny_llama, num_pages=2, step_s=0.2) as c:
             assert (await c.submit("a", (1,) * 10, max_tokens=10)).status == "accepted"
             waiting = [asyncio.create_task(c.submit(r, (1,) * 10, max_tokens=10)) for r in "bc"]
-            await asyncio.sleep(0.2)
+            await until(lambda: len(c.scheduler.queue) == 2, 30, "b and c to queue behind a")
             full = await c.submit("d", (1,) * 10, max_tokens=10)
             assert (full.status, full.retry_after_s) == ("queue_full", 1.0)
-            await c.wait_for(lambda: c.pages_used() == 2)
+            await until(lambda: c.pages_used() == 2, 30, "a's pages reported in use")
             await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("a")))
             assert (await waiting[0]).status == "accepted"  # b got a's pages
             await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("b")))
             assert (await waiting[1]).status == "accepted"
             await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("c")))
-            await c.wait_for(lambda: c.pages_used() == 0)
+            await until(lambda: c.pages_used() == 0, 30, "the cancels to free every page")
             assert not c.finished("a")
+
+
+async def subscribed(server: NatsServer, subject: str) -> bool:
+    """Whether the NATS server itself holds a subscription to `subject` (a client's subscribe
+    returns before the server has it)."""
+    url = f"http://{server.host}:{server.monitor_port}/subsz?subs=1&test={subject}"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        return (await resp.json())["total"] > 0
 
 
 async def test_requests_sent_before_workers_report_wait_for_them(tmp_path, tiny_llama):
     """Right after start the scheduler queues requests until workers' first heartbeats
     (grace period) instead of answering "no workers"; after it, it answers at once."""
-    with NatsServer(tmp_path / "nats") as server:
+    with NatsServer(tmp_path / "nats", monitor=True) as server:
         stop = asyncio.Event()
-        scheduler = Scheduler(SchedulerConfig(nats_url=server.url, startup_grace_s=1.5))
+        # A long grace: the worker started below must report within it however busy the host.
+        scheduler = Scheduler(SchedulerConfig(nats_url=server.url, startup_grace_s=30))
         tasks = [asyncio.create_task(scheduler.run(stop))]
         nc = await nats.connect(server.url)
         try:
-            await asyncio.sleep(0.3)  # the scheduler is up, no worker yet
+            submit = subjects.scheduler_submit()
+            await until(lambda: subscribed(server, submit), 30, "the scheduler to subscribe")
             msg = SubmitMsg("early", "gw", (5, 6), SamplingParams(max_tokens=4), time.time() + 30)
-            early = asyncio.create_task(
-                nc.request(subjects.scheduler_submit(), protocol.encode(msg), timeout=10)
-            )
-            await asyncio.sleep(0.3)
+            early = asyncio.create_task(nc.request(submit, protocol.encode(msg), timeout=30))
+            await until(lambda: len(scheduler.queue) == 1, 30, "the early request to queue")
             worker = FakeWorkerConfig(
                 role="both",
                 model_dir=tiny_llama,

@@ -11,7 +11,14 @@ import pytest
 from shared.engine.llm import LLM
 from shared.sampling.params import SamplingParams
 
-from services_harness import Services, metric, nats_bytes_per_request, wait_pages_free
+from services_harness import (
+    Services,
+    metric,
+    nats_bytes_per_request,
+    next_heartbeat,
+    wait_metric,
+    wait_pages_free,
+)
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"]
 
@@ -30,10 +37,14 @@ def start_workers(s: Services, model_dir, layout: str, *extra: str) -> None:
 def cluster_for(tmp_path_factory, model_dir, layout: str, monkeypatch_env=None):
     s = Services(tmp_path_factory.mktemp(f"cluster-{layout}"), model_dir)
     s.__enter__()
-    s.scheduler()
-    start_workers(s, model_dir, layout)
-    s.gateway()
-    s.wait_healthy(90)
+    try:
+        s.scheduler()
+        start_workers(s, model_dir, layout)
+        s.gateway()
+        s.wait_healthy(90)
+    except BaseException:
+        s.stop_all()  # the caller gets no cluster to stop
+        raise
     return s
 
 
@@ -141,28 +152,22 @@ async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama
     await wait_pages_free(cluster)
 
 
-async def steady(read, differs_from: float | None = None, timeout: float = 15.0) -> float:
-    """read()'s value once two readings 0.5 s apart (over two heartbeats, which carry the
-    counters late when the machine is busy) agree and, if given, differ from differs_from."""
-    last, deadline = None, asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        value = await read()
-        if value == last and value != differs_from:
-            return value
-        last = value
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"the counter did not settle (last {last}, from {differs_from})")
-
-
 async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llama):
     """Per extra prompt token, NATS carries a few bytes of token ids while the KV transport
     moves the token's KV (2 layers x 2 KV heads x 16 dims x K,V x 4 B = 512 B)."""
 
-    async def measure(num_tokens):
-        def kv_bytes():
-            return metric(cluster, "tison_kv_transfer_bytes", "prefill")
+    async def kv_bytes() -> int:
+        """What the prefill worker has pushed, every request that has ended counted, as the
+        gateway's /metrics shows it."""
+        pushed = (await next_heartbeat(cluster.nats.url, "prefill")).kv_transfer_bytes
+        what = f"/metrics to show the {pushed} KV bytes the prefill worker sent"
+        await wait_metric(
+            cluster, "tison_kv_transfer_bytes", lambda n: n == pushed, what, "prefill"
+        )
+        return pushed
 
-        before = await steady(kv_bytes)  # earlier tests' transfers all counted
+    async def measure(num_tokens):
+        before = await kv_bytes()
 
         async def send():
             await client.completions.create(
@@ -170,7 +175,7 @@ async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llam
             )
 
         sent = await nats_bytes_per_request(cluster, send)
-        return sent, await steady(kv_bytes, differs_from=before) - before
+        return sent, await kv_bytes() - before
 
     (short_nats, short_kv), (long_nats, long_kv) = await measure(10), await measure(210)
     assert (long_nats - short_nats) / 200 <= 8, (short_nats, long_nats)
@@ -189,12 +194,8 @@ async def test_client_disconnect_frees_pages_on_both_workers(cluster, tiny_llama
         async with http.post(cluster.base_url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
             await resp.content.readuntil(b"\n\n")
-            for _ in range(20):  # heartbeats report the decode worker's pages every 0.2 s
-                if await metric(cluster, "tison_kv_pages_used", "decode") > 0:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("the decode worker never reported pages in use")
+            what = "the decode worker to report pages in use"
+            await wait_metric(cluster, "tison_kv_pages_used", lambda n: n > 0, what, "decode")
     await wait_pages_free(cluster)
     assert await metric(cluster, "tison_requests_running") == 0
 
@@ -235,8 +236,8 @@ async def test_colocated_and_tcp_give_the_same_tokens(
                 )
                 assert (text, finish) == (ref.text, ref.finish_reason)
             if layout == "tcp":
-                await asyncio.sleep(0.5)
-                assert await metric(s, "tison_kv_transfer_bytes", "decode") > 0  # received over TCP
+                what = "the decode worker to report KV bytes received over TCP"
+                await wait_metric(s, "tison_kv_transfer_bytes", lambda n: n > 0, what, "decode")
         await wait_pages_free(s)
     finally:
         s.stop_all()

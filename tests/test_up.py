@@ -15,6 +15,7 @@ import pytest
 from services.up.plan import RestartPolicy, UpConfig, plan
 
 from services_harness import REPO_ROOT, free_port
+from waiting import wait_until
 
 
 def descendants(pid: int) -> set[int]:
@@ -93,8 +94,8 @@ def test_up_serves_stops_cleanly_and_starts_again(tiny_llama):
     finally:
         code = up.stop()
     assert code == 0
-    time.sleep(0.5)
-    assert not [pid for pid in children if alive(pid)], "tison up left processes behind"
+    what = "the processes tison up started to exit, none left behind"
+    wait_until(lambda: not any(alive(pid) for pid in children), 30, what)
 
     again = Up(tiny_llama, port, "--colocated")
     try:
@@ -124,15 +125,17 @@ def test_up_restarts_a_killed_worker(tiny_llama):
             if b"\x00decode\x00" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
         )
         os.kill(decode, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while True:  # the gateway answers 503 until the restarted worker reports in
+
+        def serves() -> bool:
             try:
                 up.complete(tiny_llama.name)
-                break
             except openai.APIStatusError as e:
-                assert e.status_code == 503
-                assert time.monotonic() < deadline, "the killed worker was not replaced"
-                time.sleep(0.5)
+                assert e.status_code == 503  # until the restarted worker reports in
+                return False
+            return True
+
+        # Each check is a completion: a slower poll leaves the CPU to the restarting worker.
+        wait_until(serves, 60, "a restarted decode worker to serve", interval=0.5)
         assert not alive(decode)
     finally:
         assert up.stop() == 0
