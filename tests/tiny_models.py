@@ -88,7 +88,7 @@ def hf_config(family: str, **overrides) -> dict:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        initializer_range=0.5,  # logits of std ~4
+        initializer_range=0.5,  # logits of std ~4; engine_helpers rejects references with near-ties
         torch_dtype="float32",
     )
     cfg.update(FAMILIES[family])
