@@ -10,6 +10,13 @@ from tiny_models import load_hf
 
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 30, 45, 60]
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32)
+# float32 logprobs of the engine and transformers agree within this (nats, absolute): the
+# largest difference measured on the tiny models is 3.1e-5 (portable tier; at most 2.1e-5 at
+# the other tiers and on the torch ops), so 1e-4 leaves 3x for other CPUs' rounding.
+LOGPROB_TOL = 1e-4
+# Every greedy choice of a reference beats the runner-up logit by this much: two tokens' logprobs
+# each within LOGPROB_TOL cannot swap, so greedy parity does not hinge on float32 rounding.
+MIN_TOP_GAP = 2 * LOGPROB_TOL
 
 
 def make_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 384) -> list[list[int]]:
@@ -17,17 +24,39 @@ def make_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 384) -> lis
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(
+def hf_greedy_logits(
     model_dir, prompts: list[list[int]], max_new_tokens: int = 32, eos: int = 2
-) -> list[list[int]]:
-    """transformers generate(do_sample=False), cut after the first EOS (the engine stops there)."""
+) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers generate(do_sample=False) per prompt: the new tokens, cut after the first EOS
+    (the engine stops there), and the float32 logits (n, V) each was chosen from. Fails if a
+    choice is a near-tie (top-1 - top-2 below MIN_TOP_GAP): the model cannot test parity there."""
     hf = load_hf(model_dir)
     refs = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)
-        new = out[0, len(p) :].tolist()
-        refs.append(new[: new.index(eos) + 1] if eos in new else new)
+    for i, p in enumerate(prompts):
+        out = hf.generate(
+            torch.tensor([p]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[0, len(p) :].tolist()
+        new = new[: new.index(eos) + 1] if eos in new else new
+        logits = torch.cat(out.logits[: len(new)])  # (n, V)
+        top2 = logits.topk(2, dim=-1).values
+        gaps = top2[:, 0] - top2[:, 1]
+        step = int(gaps.argmin())
+        assert gaps[step] > MIN_TOP_GAP, (
+            f"near-tie in the reference of prompt {i} at step {step}: top-1 - top-2 = "
+            f"{float(gaps[step]):.2g} <= MIN_TOP_GAP ({MIN_TOP_GAP})"
+        )
+        refs.append((new, logits))
     return refs
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int = 32) -> list[list[int]]:
+    """hf_greedy_logits without the logits."""
+    return [new for new, _ in hf_greedy_logits(model_dir, prompts, max_new_tokens)]
 
 
 def new_engine(model_dir, **options) -> LLMEngine:

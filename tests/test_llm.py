@@ -34,7 +34,7 @@ def test_text_prompts_match_transformers(llm, tiny_llama):
 
 def test_chat_uses_the_template(llm):
     messages = [{"role": "user", "content": "hello"}]
-    out = llm.chat([messages], greedy(8))[0]
+    out = llm.chat([messages], greedy(8, ignore_eos=True))[0]
     assert out.prompt_token_ids == llm.tokenizer.encode_chat(messages)
     assert len(out.token_ids) == 8
 

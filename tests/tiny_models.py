@@ -1,5 +1,7 @@
 """Tiny model folders built in tests: a BPE tokenizer trained on a fixed corpus and a
-random-initialised Hugging Face model of each family, saved as safetensors. Fixed seeds."""
+random-initialised Hugging Face model of each family, saved as safetensors. Fixed seeds: each
+family's is its position in FAMILIES (so add new families at the end), so that no two families
+share weights (mistral without a sliding window would otherwise be llama, byte for byte)."""
 
 import json
 from pathlib import Path
@@ -86,7 +88,7 @@ def hf_config(family: str, **overrides) -> dict:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        initializer_range=0.5,  # peaked logits: greedy parity must not hinge on near-ties
+        initializer_range=0.5,  # logits of std ~4; engine_helpers rejects references with near-ties
         torch_dtype="float32",
     )
     cfg.update(FAMILIES[family])
@@ -94,7 +96,7 @@ def hf_config(family: str, **overrides) -> dict:
     return cfg
 
 
-def build_model(out: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_model(out: Path, family: str = "llama", **overrides) -> Path:
     """Save a random-initialised HF model of `family` plus tokenizer into `out`."""
     import transformers
 
@@ -102,12 +104,24 @@ def build_model(out: Path, family: str = "llama", seed: int = 0, **overrides) ->
     cfg_dict = hf_config(family, **overrides)
     config_cls = transformers.AutoConfig.for_model(cfg_dict.pop("model_type")).__class__
     config = config_cls(**cfg_dict)
-    torch.manual_seed(seed)
+    torch.manual_seed(list(FAMILIES).index(family))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _soften_attention(model, config.hidden_size)
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
     build_tokenizer(out)
     return out
+
+
+def _soften_attention(model, hidden_size: int) -> None:
+    """q and k projections at std hidden_size**-0.5: attention scores (over RMS-normed inputs)
+    of std ~1, as in trained models. At initializer_range=0.5 they have std ~16: attention
+    close to an argmax whose near-tied scores amplify float32 rounding: transformers' own cached
+    and uncached forwards then differ by 1.1e-4 in logprobs (llama), against 1.7e-5 at std ~1."""
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.normal_(0.0, hidden_size**-0.5)
 
 
 def load_hf(model_dir: Path, dtype=torch.float32):
