@@ -1,9 +1,11 @@
-"""Decode attention alone (cpu_kernels.paged_attention, bfloat16, the ~150M Llama's 12 query /
-4 KV heads of 64, pages of 16 tokens) beside the memory bandwidth measured in the same run.
-Each call reads its rows' pages from another random draw out of a pool far larger than the
-last-level cache, as the engine's layers do, so the K and V come from memory. Bandwidth and
-attention are measured in turn; the figure is the median of the per-pair ratios (the
-bandwidth of this shared machine drifts), with their spread.
+"""Decode attention alone (the C kernel of cpu_kernels.paged_attention, bfloat16, the ~150M
+Llama's 12 query / 4 KV heads of 64, pages of 16 tokens) beside the memory bandwidth measured in
+the same run. Each call reads its rows' pages from another random draw out of a pool far larger
+than the last-level cache, as the engine's layers do, so the K and V come from memory; the pool
+is on 2 MiB pages, as the `tison` command puts it. The kernel is called as the fused decoder
+calls it, with its arguments made beforehand (the Python wrapper adds ~20 us a call, which is
+most of a batch-1 call). Bandwidth and attention are measured in turn; the figure is the median
+of the per-pair ratios (the bandwidth of this shared machine drifts), with their spread.
 
     python -m loadtest.bench_attention [--isa avx2] [--pairs 5] [--batches 1 32]
 """
@@ -17,6 +19,7 @@ import torch
 
 from loadtest.bench_engine import memory_bandwidth_gbs
 from shared import cpu_isa
+from shared.huge_pages import restart_with_huge_pages
 from shared.models.layers import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 12, 4, 64, 16
@@ -52,14 +55,28 @@ def attention_seconds(kv: torch.Tensor, batch: int, ctx: int, budget: float) -> 
     slots = torch.arange(batch, dtype=torch.int64) % PAGE_SIZE  # page 0, which no row reads
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     out = torch.empty_like(q)
+    ref = torch.empty_like(q)  # the wrapper's answer for the first draw: the same call
+    cpu_kernels.paged_attention(
+        q, k, v, kv, slots, HEAD_DIM**-0.5, ref, block_table=draws[0], context_lens=lens
+    )
+    fn = cpu_kernels.kernel("tk_paged_attention", torch.bfloat16)
+    row = KV_HEADS * HEAD_DIM
+    calls = [
+        (k.data_ptr(), row, v.data_ptr(), row, slots.data_ptr(), batch, q.data_ptr(),
+         HEADS * HEAD_DIM, None, kv[0].data_ptr(), kv[1].data_ptr(), table.data_ptr(),
+         table.stride(0), lens.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, 0,
+         HEAD_DIM**-0.5, out.data_ptr(), torch.get_num_threads())
+        for table in draws
+    ]  # fmt: skip
+    fn(*calls[0])
+    if not torch.equal(out, ref):
+        raise AssertionError("the kernel called directly differs from paged_attention")
     times, end, i = [], time.perf_counter() + budget, 0
     while len(times) < 5 or time.perf_counter() < end:
-        table = draws[i % DRAWS]
+        args = calls[i % DRAWS]
         i += 1
         t = time.perf_counter()
-        cpu_kernels.paged_attention(
-            q, k, v, kv, slots, HEAD_DIM**-0.5, out, block_table=table, context_lens=lens
-        )
+        fn(*args)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -89,6 +106,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048])
     args = parser.parse_args()
+    restart_with_huge_pages()  # the pool on 2 MiB pages, as in the engine
     if args.isa:  # read when the kernels load, at the first call
         os.environ[cpu_isa.ENV_VAR] = args.isa
     kv = pool()

@@ -44,10 +44,9 @@ static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *rest
             for (int i = 0; i < W; i++) dots[i] = VZERO();
             for (int64_t d = 0; d < hd; d += 2 * W) {
 #if DPBF16
-                __m512bh qd = (__m512bh)VLOADI((const bf16 *)qv + j * hd + d);
+                VINT qd = VLOADI((const bf16 *)qv + j * hd + d);
 #pragma GCC unroll 16
-                for (int i = 0; i < W; i++)
-                    dots[i] = _mm512_dpbf16_ps(dots[i], qd, (__m512bh)VLOADI(rows[i] + d));
+                for (int i = 0; i < W; i++) dots[i] = VDPBF16(dots[i], qd, VLOADI(rows[i] + d));
 #else
                 const float *q = (const float *)qv + j * hd + d;
                 VEC qe = VLOAD(q), qo = VLOAD(q + W);
@@ -151,6 +150,7 @@ static void VNAME(store_out)(const float *restrict acc, const float *restrict to
 #undef W
 #undef VJ
 #undef DPBF16
+#undef VDPBF16
 #undef VNAME
 #undef VEC
 #undef VINT

@@ -53,8 +53,11 @@ static inline __m512 sum16x16(__m512 v[16]) {
         {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
          {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}},
     };
-    for (int round = 0, n = 16; round < 4; round++, n /= 2) {
+#pragma GCC unroll 4
+    for (int round = 0; round < 4; round++) {
+        int n = 16 >> round;
         __m512i lo = _mm512_loadu_si512(pick[round][0]), hi = _mm512_loadu_si512(pick[round][1]);
+#pragma GCC unroll 8
         for (int k = 0; k < n / 2; k++)
             v[k] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * k], lo, v[2 * k + 1]),
                                  _mm512_permutex2var_ps(v[2 * k], hi, v[2 * k + 1]));
@@ -81,7 +84,12 @@ static inline __m256 sum8x8(const __m256 v[8]) {
 /* attention_vec_impl.h at 8 float lanes: AVX2 */
 #define W 8
 #define VJ 2 /* query heads a values block: 2 x 2 x 2 sums + 4 values in 16 registers */
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define DPBF16 1
+#define VDPBF16(acc, q, k) _mm256_dpbf16_ps(acc, (__m256bh)(q), (__m256bh)(k))
+#else
 #define DPBF16 0
+#endif
 #define VNAME(x) x##_w8
 #define VEC __m256
 #define VINT __m256i
@@ -107,6 +115,7 @@ static inline __m256 sum8x8(const __m256 v[8]) {
 #define VJ 4 /* 4 x 2 x 2 sums + 4 values of 32 registers */
 #if defined(__AVX512BF16__)
 #define DPBF16 1
+#define VDPBF16(acc, q, k) _mm512_dpbf16_ps(acc, (__m512bh)(q), (__m512bh)(k))
 #else
 #define DPBF16 0
 #endif

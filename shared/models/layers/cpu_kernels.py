@@ -124,12 +124,12 @@ def linear_max_rows() -> int:
     return AMX_MAX_ROWS if amx_ready() else VEC_MAX_ROWS
 
 
-def kernel(name: str):
-    """The bfloat16-only C function `name` of _BF16_ONLY, for callers that pass their own
-    addresses (decode_layer.py). RuntimeError where the kernels cannot be built."""
+def kernel(name: str, dtype: torch.dtype = torch.bfloat16):
+    """The C function `name` for `dtype`, for callers that pass their own addresses
+    (decode_layer.py, bench_attention.py). RuntimeError where the kernels cannot be built."""
     if not _load():
         raise RuntimeError(f"{name}: the C CPU kernels could not be built (no C compiler?)")
-    return _kernels[name, torch.bfloat16]
+    return _kernels[name, dtype]
 
 
 def linear_fits(weight: torch.Tensor) -> bool:
