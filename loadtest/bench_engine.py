@@ -25,8 +25,8 @@ import torch
 
 from loadtest.random_model import llama_fields, save_random_llama
 from loadtest.roofline import LlamaShape, mean_step_bytes
-from services.cli.env import report as env_report
 from shared import cpu_isa
+from shared.cpu_report import report as env_report
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages

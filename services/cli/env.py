@@ -3,57 +3,14 @@ torch's own choice, threads), to check a machine or to attach to a bug report.""
 
 import argparse
 import json
-import os
-import platform
 
-from shared import cpu_isa
+from shared.cpu_report import report
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("env", help="CPU flags seen, tier chosen, kernels built, threads")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.set_defaults(func=run)
-
-
-def report() -> dict:
-    """The facts `tison env` prints, as a dict."""
-    import torch
-
-    from shared.models.layers import cpu_kernels
-    from shared.models.layers.cpu_linear import onednn_bf16
-
-    flags = cpu_isa.cpu_flags()
-    wanted = sorted(set().union(*(t.needs for t in cpu_isa.TIERS)))
-    built = cpu_kernels.built_tier()
-    return {
-        "machine": platform.machine(),
-        "cpu": _cpu_model(),
-        "cpu_flags": {flag: flag in flags for flag in wanted},
-        "tier_detected": cpu_isa.detected().name,
-        "TISON_CPU_ISA": os.environ.get(cpu_isa.ENV_VAR) or None,
-        "tier": cpu_isa.active().name,
-        "tiers_runnable": [t.name for t in cpu_isa.tiers_up_to(cpu_isa.detected())],
-        "kernels_built_for": None if built is None else built.name,
-        "linear_kernel": "none" if built is None else ("amx" if cpu_kernels.amx_ready() else
-                                                       f"vector ({built.name})"),
-        "fused_decoder": built is not None,
-        "torch": torch.__version__,
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "onednn_bf16": onednn_bf16(),
-        "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA") or None,
-        "threads": torch.get_num_threads(),
-        "cores": os.cpu_count(),
-    }  # fmt: skip
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(("model name", "Model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run(args: argparse.Namespace) -> int:
