@@ -34,15 +34,20 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir())
 
 
+def compiler() -> str | None:
+    """The system C compiler's path (cc, else gcc), or None."""
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def _compile(target: Path, sources: list[Path], flags: list[str]) -> None:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *flags, "-o", tmp, *map(str, sources)],
+            [compiler_path, *flags, "-o", tmp, *map(str, sources)],
             check=True,
             capture_output=True,
             timeout=180,

@@ -11,7 +11,9 @@ from shared.codec import native
 from shared.codec.crc import crc32c, crc32c_combine
 from shared.codec.tensor import checksum
 
-needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler for the fast path")
+from compilers import needs_compiler
+
+needs_native = needs_compiler
 
 
 def test_check_values():

@@ -10,10 +10,11 @@ import torch
 
 from shared.codec import decode_tensor, decode_tensors, encode_tensor
 from shared.codec.format import LAYOUTS, MAX_CODE_LEN
-from shared.codec.native import load
 from shared.codec.tensor import full_lengths
 
-pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler for the fast path")
+from compilers import needs_compiler
+
+pytestmark = needs_compiler
 
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 

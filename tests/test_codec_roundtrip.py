@@ -10,12 +10,14 @@ from hypothesis import strategies as st
 
 from shared.codec import decode_tensor, decode_tensors, encode_tensor
 from shared.codec.format import LAYOUTS, SEGS_PER_BLOCK
-from shared.codec.native import load
 from shared.errors import ModelFolderError
+from shared.native_build import compiler
+
+from compilers import needs_compiler
 
 BACKENDS = ["native", "reference"]
 FLOAT_DTYPES = list(LAYOUTS)
-needs_native = pytest.mark.skipif(load() is None, reason="no C compiler for the fast path")
+needs_native = needs_compiler
 
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:
@@ -151,8 +153,8 @@ def test_a_batch_decodes_like_one_tensor_at_a_time():
 def test_the_fused_check_catches_a_flipped_raw_bit(backend, threads):
     # The code stream stays valid, so only the checksum of the output can catch this; on the
     # C path it is computed tile by tile, per run, and joined across threads.
-    if backend == "native" and load() is None:
-        pytest.skip("no C compiler for the fast path")
+    if backend == "native" and compiler() is None:
+        pytest.skip("no C compiler (cc or gcc) on PATH")
     tensors = [weights((40, 40), torch.bfloat16), weights((1100, 1000), torch.bfloat16, seed=4)]
     encoded = [encode_tensor(t, f"w{i}") for i, t in enumerate(tensors)]
     raw = encoded[1].planes.raw

@@ -6,9 +6,13 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from shared import cpu_isa
+from shared.codec import native
 from shared.models.layers import cpu_kernels
+
+from compilers import needs_compiler
 
 CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
 
@@ -42,3 +46,13 @@ def test_portable_sources_compile_for_aarch64(tmp_path):
     assert objects == sorted(p.stem + ".o" for p in cpu_kernels.SOURCES)
     header = (tmp_path / "cpu_kernels.o").read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+
+
+@needs_compiler
+def test_the_c_libraries_build_wherever_there_is_a_compiler():
+    """A compile error in our own C fails here: the C paths' tests skip only without a
+    compiler, and the kernels load at the tier this CPU runs, not one below it."""
+    assert native.load() is not None
+    assert cpu_kernels.usable(torch.zeros(1))
+    active = cpu_isa.active()
+    assert cpu_kernels.built_tier() == active or active.name == "amx"  # amx: if the OS grants

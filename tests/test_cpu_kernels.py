@@ -8,11 +8,10 @@ from shared.models.layers import cpu_kernels
 from shared.models.layers.attention import DecodeRows, PagedAttention
 from shared.models.layers.rotary import RotaryEmbedding, _rotate
 
+from compilers import needs_compiler
 from tiers import tier_params, use_tier
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.usable(torch.zeros(1)), reason="no C compiler: the kernels are not built"
-)
+pytestmark = needs_compiler
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -10,12 +10,11 @@ from shared.models.layers import cpu_kernels
 from shared.models.layers.decode_layer import FusedDecoder
 from shared.sampling.params import SamplingParams
 
+from compilers import needs_compiler
 from engine_helpers import make_prompts, new_engine, run_all
 from tiers import tier_params, use_tier
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.usable(torch.zeros(1)), reason="no C compiler: the kernels are not built"
-)
+pytestmark = needs_compiler
 
 VARIANTS = {  # family, overrides: each flag of the layer that the C code branches on
     "llama": ("llama", {}),

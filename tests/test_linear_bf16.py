@@ -11,11 +11,10 @@ from shared.models.layers import cpu_kernels, cpu_linear
 from shared.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shared.models.packing import prepare_cpu_linears
 
+from compilers import needs_compiler
 from tiers import tier_params, use_tier
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.usable(torch.zeros(1)), reason="no C compiler: the kernels are not built"
-)
+pytestmark = needs_compiler
 
 
 @pytest.fixture(autouse=True, params=tier_params())
