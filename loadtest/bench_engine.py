@@ -174,12 +174,12 @@ def fastest_hf(folders: dict[str, Path], prompt_len: int):
 
 def run_at_tier(tier: str | None) -> None:
     """With --isa: restart this process with TISON_CPU_ISA (and torch's caps) set, so the
-    kernels, torch and oneDNN all run at that tier from the first operation."""
+    kernels, torch, oneDNN and MKL all run at that tier from the first operation."""
     if tier is None or os.environ.get(cpu_isa.ENV_VAR) == tier:
         return
     os.environ[cpu_isa.ENV_VAR] = tier
-    os.environ.pop("ATEN_CPU_CAPABILITY", None)
-    os.environ.pop("ONEDNN_MAX_CPU_ISA", None)
+    for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        os.environ.pop(cap, None)
     cpu_isa.cap_torch()
     os.execv(sys.executable, [sys.executable, "-m", "loadtest.bench_engine", *sys.argv[1:]])
 

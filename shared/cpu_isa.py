@@ -33,26 +33,29 @@ class Tier:
     cflags: tuple[str, ...]  # compiler flags for this tier's code (x86-64 gcc/clang)
     aten: str  # ATEN_CPU_CAPABILITY of torch's kernels at most this wide
     onednn: str  # ONEDNN_MAX_CPU_ISA likewise
+    mkl: str  # MKL_ENABLE_INSTRUCTIONS likewise (MKL runs torch's float32 matmuls, which use
+    # no more than AVX-512 at any tier)
 
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 _AVX512_NEEDS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 TIERS = (
-    Tier("portable", frozenset(), (), "default", "SSE41"),
-    Tier("avx2", frozenset({"avx2", "fma", "f16c"}), _AVX2, "avx2", "AVX2"),
+    Tier("portable", frozenset(), (), "default", "SSE41", "SSE4_2"),
+    Tier("avx2", frozenset({"avx2", "fma", "f16c"}), _AVX2, "avx2", "AVX2", "AVX2"),
     Tier(
         "avx512", frozenset(_AVX512_NEEDS), (*_AVX512, "-mprefer-vector-width=512"), "avx512",
-        "AVX512_CORE",
+        "AVX512_CORE", "AVX512",
     ),
     Tier(
         "avx512_bf16", frozenset({*_AVX512_NEEDS, "avx512_bf16"}),
         (*_AVX512, "-mavx512bf16", "-mprefer-vector-width=512"), "avx512", "AVX512_CORE_BF16",
+        "AVX512",
     ),
     Tier(
         "amx", frozenset({*_AVX512_NEEDS, "avx512_bf16", "amx_tile", "amx_bf16"}),
         (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512"),
-        "avx512", "AVX512_CORE_AMX",
+        "avx512", "AVX512_CORE_AMX", "AVX512",
     ),
 )  # fmt: skip
 TIER_NAMES = tuple(t.name for t in TIERS)
@@ -116,13 +119,15 @@ def at_least(name: str) -> bool:
 
 
 def cap_torch() -> None:
-    """When TISON_CPU_ISA caps the tier, cap torch's and oneDNN's kernels the same way (unless
-    their own variables are set). Takes effect only before torch's first CPU operation."""
+    """When TISON_CPU_ISA caps the tier, cap torch's, oneDNN's and MKL's kernels the same way
+    (unless their own variables are set). Takes effect only before torch's first CPU
+    operation."""
     if cap() is None:
         return
     tier = active()
     os.environ.setdefault("ATEN_CPU_CAPABILITY", tier.aten)
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", tier.onednn)
+    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", tier.mkl)
 
 
 if __name__ == "__main__":  # .ci/run: the tiers below this run's, which it tests again

@@ -33,6 +33,7 @@ def report() -> dict:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "onednn_bf16": onednn_bf16(),
         "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA") or None,
+        "MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS") or None,
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
     }  # fmt: skip

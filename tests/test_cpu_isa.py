@@ -47,9 +47,11 @@ def test_unknown_tier_names_the_variable(monkeypatch):
 def test_cap_torch_sets_torchs_and_onednns_caps_unless_set(monkeypatch):
     monkeypatch.setenv(cpu_isa.ENV_VAR, "portable")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     cpu_isa.cap_torch()
     assert os.environ["ATEN_CPU_CAPABILITY"] == "default"
+    assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"  # the user's own setting wins
 
 
@@ -58,7 +60,7 @@ def run_tison(*args: str, **env: str) -> subprocess.CompletedProcess:
     base = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+        if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
     }
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
