@@ -31,7 +31,7 @@ import openai
 
 from shared import protocol, subjects
 from shared.nats_server import NatsServer
-from shared.proc import stop_processes
+from shared.proc import die_with_parent, stop_processes
 from shared.protocol import HeartbeatMsg, SubmitMsg, SubmitReplyMsg
 from shared.sampling.params import SamplingParams
 
@@ -74,7 +74,14 @@ class Services:
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
         log = open(self.tmp_path / f"{name}.log", "ab")
         cmd = [sys.executable, "-c", _LAUNCH, *args, "--nats-url", self.nats.url]
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # a killed test run leaves no services behind
+        )
         log.close()
         self.procs[name] = proc
         return proc

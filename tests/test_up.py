@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from services.up.plan import RestartPolicy, UpConfig, plan
+from shared.proc import die_with_parent
 
 from services_harness import REPO_ROOT, free_port
 from waiting import wait_until
@@ -58,6 +59,7 @@ class Up:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            preexec_fn=die_with_parent,  # a killed test run leaves no tison up behind
         )
 
     def wait_serving(self, timeout_s=120) -> None:
