@@ -17,14 +17,14 @@ ZipNN's compress rewrites its input buffer in place, so it gets a fresh copy.
 
 import argparse
 import json
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from loadtest.metrics import Spread
 from shared.codec import decode_tensor, decode_tensors, encode_tensor
 
 
@@ -176,10 +176,7 @@ def _vs_zipnn(name: str, best: dict) -> dict | None:
     base = best.get(f"zipnn {threads}")
     if base is None or name.startswith("zipnn"):
         return None
-    ratios = sorted(z / t for z, t in zip(base["decodes"], best[name]["decodes"]))
-    return {"median": round(statistics.median(ratios), 3), "min": round(ratios[0], 3)} | {
-        "max": round(ratios[-1], 3)
-    }
+    return asdict(Spread.of([z / t for z, t in zip(base["decodes"], best[name]["decodes"])]))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -187,7 +184,7 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'':<36} {'':>7} {'GB/s':>8} {'GB/s':>8} {'GB/s':>8}")
     for r in rows:
         checked, vs = r["checked_decode_gb_per_s"], r["decode_vs_zipnn"]
-        paired = "" if vs is None else f"{vs['median']:.2f}x ({vs['min']:.2f}-{vs['max']:.2f})"
+        paired = "" if vs is None else str(Spread(**vs))
         print(
             f"{r['codec']:<36} {r['saved']:>7.2%} {r['encode_gb_per_s']:>8.3f} "
             f"{r['decode_gb_per_s']:>8.3f} {'-' if checked is None else f'{checked:.3f}':>8}  "

@@ -69,6 +69,22 @@ class Dist:
 
 
 @dataclass(frozen=True)
+class Spread:
+    """Per-round ratios of a paired comparison: their median and range."""
+
+    median: float
+    lo: float
+    hi: float
+
+    @classmethod
+    def of(cls, ratios: list[float]) -> "Spread":
+        return cls(float(np.median(ratios)), min(ratios), max(ratios))
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x ({self.lo:.2f}-{self.hi:.2f})"
+
+
+@dataclass(frozen=True)
 class Slo:
     """Service-level objectives in milliseconds; None: not part of goodput."""
 

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loadtest.metrics import Slo, Summary
+from loadtest.metrics import Slo, Spread, Summary
 from loadtest.report import BenchReport
 from loadtest.runner import Load
 from loadtest.scenarios.common import bench
@@ -27,18 +27,6 @@ class Side:
     name: str
     target: Target
     cpus: frozenset[int] | None = None  # where the load generator runs while loading it
-
-
-@dataclass(frozen=True)
-class Spread:
-    """The median of per-round ratios and their range."""
-
-    median: float
-    lo: float
-    hi: float
-
-    def __str__(self) -> str:
-        return f"{self.median:.2f}x ({self.lo:.2f}-{self.hi:.2f})"
 
 
 def round_order(sides: list, round_index: int) -> list:
@@ -94,7 +82,7 @@ def round_ratios(
         if va is None or vb is None or va == 0:
             return None
         ratios.append(vb / va)
-    return Spread(statistics.median(ratios), min(ratios), max(ratios))
+    return Spread.of(ratios)
 
 
 def median_of(reports: list[BenchReport], run: int, metric: Callable[[Summary], float | None]):
@@ -103,13 +91,18 @@ def median_of(reports: list[BenchReport], run: int, metric: Callable[[Summary], 
     return None if any(v is None for v in values) else statistics.median(values)
 
 
-def short_outputs(reports: list[BenchReport], specs: list[RequestSpec]) -> int:
-    """Completed requests, over every round and load point, that produced fewer tokens than
-    they asked for (a server that stopped at an end-of-sequence token despite ignore_eos):
-    their sides did not do the same work. A run's requests are the specs sent, in order."""
+def sum_of(reports: list[BenchReport], run: int, metric: Callable[[Summary], int]) -> int:
+    """The sum over rounds of a count at load point `run` (requests completed, sent, ...)."""
+    return sum(metric(r.runs[run].summary) for r in reports)
+
+
+def short_outputs(reports: list[BenchReport], run: int, specs: list[RequestSpec]) -> int:
+    """Completed requests at load point `run`, over every round, that produced fewer tokens
+    than they asked for (a server that stopped at an end-of-sequence token despite
+    ignore_eos): their sides did not do the same work. A run's requests are the specs sent,
+    in order."""
     return sum(
         r.ok and r.output_len < spec.max_tokens
         for report in reports
-        for run in report.runs
-        for r, spec in zip(run.requests, specs)
+        for r, spec in zip(report.runs[run].requests, specs)
     )

@@ -9,7 +9,15 @@ import pytest
 from aiohttp import web
 
 from loadtest.metrics import RequestResult, summarize
-from loadtest.paired import Side, median_of, round_order, round_ratios, run_rounds, short_outputs
+from loadtest.paired import (
+    Side,
+    median_of,
+    round_order,
+    round_ratios,
+    run_rounds,
+    short_outputs,
+    sum_of,
+)
 from loadtest.report import BenchReport, RunRecord
 from loadtest.runner import Load
 from loadtest.target import Target
@@ -44,7 +52,8 @@ def test_ratios_are_paired_round_by_round():
 
 def test_short_outputs_are_counted():
     specs = [RequestSpec("x", 4, 3), RequestSpec("y", 4, 3)]
-    assert short_outputs([report(1.0), report(1.0, outputs=(4, 2))], specs) == 1
+    assert short_outputs([report(1.0), report(1.0, outputs=(4, 2))], 0, specs) == 1
+    assert sum_of([report(1.0), report(2.0)], 0, lambda s: s.completed) == 4
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import numpy as np
 
 from loadtest.compare import compare_table
 from loadtest.metrics import Slo
-from loadtest.paired import Side, median_of, round_ratios, run_rounds, short_outputs
+from loadtest.paired import Side, median_of, round_ratios, run_rounds, short_outputs, sum_of
 from loadtest.plots import compare_plots
 from loadtest.report import BenchReport, fmt
 from loadtest.runner import Load
@@ -153,10 +153,10 @@ def summary(colocated: dict[str, list[BenchReport]], dis: list[BenchReport], spe
     head = ["setup", *(h for h, _ in COLUMNS), "ok", "short"]
 
     def row(name, reports):
-        done = sum(r.runs[0].summary.completed for r in reports)
-        sent = sum(r.runs[0].summary.num_requests for r in reports)
+        done = sum_of(reports, 0, lambda s: s.completed)
+        sent = sum_of(reports, 0, lambda s: s.num_requests)
         cells = [fmt(median_of(reports, 0, m), 2 if "goodput" in h else 1) for h, m in COLUMNS]
-        return [name, *cells, f"{done}/{sent}", str(short_outputs(reports, specs))]
+        return [name, *cells, f"{done}/{sent}", str(short_outputs(reports, 0, specs))]
 
     rows = [row(f"{name} (tison up --colocated)", r) for name, r in colocated.items()]
     rows.append(row("disaggregated (decode alone on core 1)", dis))

@@ -26,7 +26,7 @@ import numpy as np
 
 from loadtest.bench import run_sync, served_model
 from loadtest.compare import compare_table
-from loadtest.paired import Side, median_of, round_ratios, run_rounds, short_outputs
+from loadtest.paired import Side, median_of, round_ratios, run_rounds, short_outputs, sum_of
 from loadtest.plots import compare_plots
 from loadtest.report import BenchReport, fmt
 from loadtest.runner import Load
@@ -130,14 +130,13 @@ def summary(peer: list[BenchReport], ours: list[BenchReport], specs) -> str:
     rows = []
     for reports in (peer, ours):
         for i, run in enumerate(reports[0].runs):
-            done = sum(r.runs[i].summary.completed for r in reports)
-            sent = sum(r.runs[i].summary.num_requests for r in reports)
-            per_event = sum(r.runs[i].summary.itl_per_event for r in reports)
-            short = short_outputs([BenchReport(r.meta, (r.runs[i],)) for r in reports], specs)
+            done = sum_of(reports, i, lambda s: s.completed)
+            sent = sum_of(reports, i, lambda s: s.num_requests)
+            per_event = sum_of(reports, i, lambda s: s.itl_per_event)
             rows.append(
                 [reports[0].label, str(run.load.concurrency)]
                 + [fmt(median_of(reports, i, m)) for _, m in COLUMNS]
-                + [f"{done}/{sent}", f"{short} / {per_event}"]
+                + [f"{done}/{sent}", f"{short_outputs(reports, i, specs)} / {per_event}"]
             )
     for i, run in enumerate(peer[0].runs):
         spreads = [round_ratios(peer, ours, i, m) for _, m in COLUMNS]
