@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from shared.errors import ProcessStartError
-from shared.proc import die_with_parent
+from shared.proc import child_setup
 
 BINARY = "nats-server"
 
@@ -39,8 +39,15 @@ def find_binary() -> Path:
 class NatsServer:
     """One nats-server process with JetStream, its store in `state_dir`; a context manager."""
 
-    def __init__(self, state_dir: Path, host: str = "127.0.0.1", monitor: bool = False):
+    def __init__(
+        self,
+        state_dir: Path,
+        host: str = "127.0.0.1",
+        monitor: bool = False,
+        cores: tuple[int, ...] = (),
+    ):
         self.state_dir = Path(state_dir)
+        self.cores = cores  # run on these CPUs; (): any
         self.host = host
         self.monitor = monitor  # also serve the HTTP monitoring endpoints (/varz) on a free port
         self.port = 0
@@ -63,7 +70,7 @@ class NatsServer:
             args,
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
+            preexec_fn=child_setup(self.cores),
             start_new_session=True,  # stopped by its owner, after the services using it
         )
         log.close()

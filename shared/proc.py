@@ -1,6 +1,8 @@
 """Child-process helpers shared by `tison up` and the NATS server runner."""
 
 import ctypes
+import functools
+import os
 import signal
 import subprocess
 import time
@@ -15,6 +17,17 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def child_setup(cores: tuple[int, ...] = ()):
+    """preexec_fn: die_with_parent, and run on `cores` (all its threads inherit them)."""
+    return functools.partial(_setup, tuple(cores))
+
+
+def _setup(cores: tuple[int, ...]) -> None:
+    die_with_parent()
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> list[subprocess.Popen]:

@@ -2,6 +2,7 @@
 leaving no process behind, and starts again on the same port."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from services.up.plan import RestartPolicy, UpConfig, plan
+from shared.parallel.cores import available_cores, parse_cpulist
 from shared.proc import die_with_parent
 
 from services_harness import REPO_ROOT, free_port
@@ -85,6 +87,32 @@ class Up:
         return self.proc.wait(timeout=60)
 
 
+def cmdline(pid: int) -> list[str]:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+
+
+def cores_of_every_thread(pid: int) -> set[tuple[int, ...]]:
+    """The CPU set of each thread of pid (torch's and OpenMP's included)."""
+    found = set()
+    for task in (Path("/proc") / str(pid) / "task").iterdir():
+        status = (task / "status").read_text()
+        found.add(parse_cpulist(re.search(r"Cpus_allowed_list:\s*(\S+)", status).group(1)))
+    return found
+
+
+def worker_pids(up: "Up") -> dict[str, int]:
+    """role (prefill, decode, colocated) or rank1, rank2 ... -> pid."""
+    found = {}
+    for pid in descendants(up.proc.pid):
+        args = cmdline(pid)
+        for role in ("prefill", "decode", "colocated"):
+            if role in args[2:4]:
+                found[role] = pid
+        if "shared.engine.rank_worker" in args:
+            found[f"rank{args[args.index('--rank') + 1]}"] = pid
+    return found
+
+
 def test_up_serves_stops_cleanly_and_starts_again(tiny_llama):
     port = free_port()
     up = Up(tiny_llama, port)
@@ -93,6 +121,11 @@ def test_up_serves_stops_cleanly_and_starts_again(tiny_llama):
         children = descendants(up.proc.pid)
         assert len(children) >= 5  # nats-server, scheduler, prefill, decode, gateway
         up.complete(tiny_llama.name)
+        if len(available_cores()) == 2:  # the default plan here: a core each
+            pids = worker_pids(up)
+            first, second = available_cores()
+            assert cores_of_every_thread(pids["prefill"]) == {(first,)}
+            assert cores_of_every_thread(pids["decode"]) == {(second,)}
     finally:
         code = up.stop()
     assert code == 0
@@ -105,6 +138,27 @@ def test_up_serves_stops_cleanly_and_starts_again(tiny_llama):
         again.complete(tiny_llama.name)
     finally:
         assert again.stop() == 0
+
+
+def test_up_workers_and_their_ranks_run_on_the_planned_cores(tiny_llama):
+    """--cores-*: each worker's threads stay on its cores; a 2-rank worker splits its cores."""
+    first, second = available_cores()[:2]
+    both = f"{first},{second}"
+    up = Up(
+        tiny_llama,
+        free_port(),
+        *("--prefill-tp", "2", "--cores-prefill", both, "--cores-decode", str(second)),
+        "--allow-oversubscribe",
+    )
+    try:
+        up.wait_serving()
+        up.complete(tiny_llama.name)
+        pids = worker_pids(up)
+        assert cores_of_every_thread(pids["prefill"]) == {(first,)}  # rank 0
+        assert cores_of_every_thread(pids["rank1"]) == {(second,)}
+        assert cores_of_every_thread(pids["decode"]) == {(second,)}
+    finally:
+        assert up.stop() == 0
 
 
 def test_up_serves_the_bundled_model():
@@ -153,7 +207,9 @@ def test_up_refuses_a_busy_port(tiny_llama):
 
 
 def test_plan_and_restart_policy(tiny_llama):
-    names = [c.name for c in plan(UpConfig(tiny_llama, prefill_workers=2, decode_workers=3))]
+    eight = tuple(range(8))
+    cfg = UpConfig(tiny_llama, prefill_workers=2, decode_workers=3, cores=eight)
+    names = [c.name for c in plan(cfg)]
     assert names == [
         "scheduler",
         "prefill-0",
@@ -163,7 +219,7 @@ def test_plan_and_restart_policy(tiny_llama):
         "decode-2",
         "gateway",
     ]
-    assert [c.name for c in plan(UpConfig(tiny_llama, colocated=True))] == [
+    assert [c.name for c in plan(UpConfig(tiny_llama, mode="colocated"))] == [
         "scheduler",
         "colocated-0",
         "gateway",

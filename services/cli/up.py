@@ -13,7 +13,9 @@ import urllib.request
 from pathlib import Path
 
 from services.cli.generate import add_model_options, resolve_model
-from services.up.plan import UpConfig, plan
+from services.cli.worker import cpulist_arg
+from services.up.placement import MODES
+from services.up.plan import UpConfig, placement, plan
 from services.up.supervisor import Supervisor, child_env
 from shared.errors import TisonError
 from shared.nats_server import NatsServer
@@ -29,14 +31,25 @@ def register(subparsers) -> None:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument(
-        "--colocated", action="store_true", help="prefill and decode in one engine per worker"
+        "--mode",
+        choices=MODES,
+        default="auto",
+        help="disaggregated prefill and decode workers, or colocated (one engine does both); "
+        "auto: colocated only when the cores are too few for both",
     )
+    p.add_argument(
+        "--colocated", dest="mode", action="store_const", const="colocated", help="--mode colocated"
+    )
+    p.add_argument("--cores-prefill", type=cpulist_arg, default=(), help="CPUs of prefill workers")
+    p.add_argument("--cores-decode", type=cpulist_arg, default=(), help="CPUs of decode workers")
     p.add_argument("--nats-url", default="", help="use this NATS instead of starting one")
     p.add_argument(
         "--state-dir", type=Path, default=None, help="NATS JetStream store (default: a temp dir)"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads per worker, unpinned (no core plan)"
+    )
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size of every worker")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages of every worker")
     for role in ("prefill", "decode"):
@@ -59,22 +72,30 @@ def main(args: argparse.Namespace) -> int:
             port=args.port,
             prefill_workers=args.prefill_workers,
             decode_workers=args.decode_workers,
-            colocated=args.colocated,
+            mode=args.mode,
             nats_url=args.nats_url,
             kv_cache_bytes=args.kv_cache_bytes,
             threads=args.threads,
             **_shapes(args),
             allow_oversubscribe=args.allow_oversubscribe,
+            cores_prefill=args.cores_prefill,
+            cores_decode=args.cores_decode,
         )
+        where = placement(cfg)
         _check_port_free(cfg.host, cfg.port)
     except (TisonError, ValueError, OSError) as e:
         print(f"tison up: {e}", file=sys.stderr)
         return 2
+    for line in where.describe():
+        log.info("placement: %s", line)
     stop = _stop_on_signals()
     with tempfile.TemporaryDirectory(prefix="tison-") as tmp:
-        nats = None if cfg.nats_url else NatsServer(args.state_dir or Path(tmp) / "nats").start()
+        nats = None
+        if not cfg.nats_url:
+            state = args.state_dir or Path(tmp) / "nats"
+            nats = NatsServer(state, cores=where.services).start()
         supervisor = Supervisor(
-            plan(cfg), cfg.nats_url or nats.url, child_env(secrets.token_hex(16))
+            plan(cfg, where), cfg.nats_url or nats.url, child_env(secrets.token_hex(16))
         )
         try:
             supervisor.start_all()

@@ -9,6 +9,8 @@ from services.cli.generate import add_model_options, add_parallel_options, resol
 from services.runtime import run_service
 from services.worker.config import WorkerConfig
 from services.worker.worker import run_worker
+from shared.errors import InvalidRequestError
+from shared.parallel.cores import parse_cpulist
 
 D = WorkerConfig
 HELP = {
@@ -35,9 +37,22 @@ def register(subparsers) -> None:
         p.add_argument("--kv-transport", choices=["auto", "shm", "tcp"], default=D.kv_transport)
         p.add_argument("--kv-host", default=D.kv_host, help="address of the TCP KV server")
         p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+        p.add_argument(
+            "--cpus",
+            type=cpulist_arg,
+            default=(),
+            help="run on these cores (0-3,8), one thread per core; ranks split them",
+        )
         add_parallel_options(p)
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=functools.partial(main, role))
+
+
+def cpulist_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpulist(text)
+    except InvalidRequestError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(role: str, args: argparse.Namespace) -> int:
@@ -66,5 +81,6 @@ def main(role: str, args: argparse.Namespace) -> int:
         pp=args.pp,
         pp_layers=args.pp_layers,
         allow_oversubscribe=args.allow_oversubscribe,
+        cpus=args.cpus,
     )
     return run_service(functools.partial(run_worker, config), args.log_level)

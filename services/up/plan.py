@@ -1,8 +1,12 @@
-"""What `tison up` runs: the child processes and when to restart them. Pure: no processes here."""
+"""What `tison up` runs: the child processes, their cores, and when to restart them. Pure: no
+processes here."""
 
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.up.placement import Placement, Request, place
+from shared.parallel.cores import available_cores, format_cpulist
 
 
 @dataclass(frozen=True)
@@ -13,16 +17,19 @@ class UpConfig:
     port: int = 8000
     prefill_workers: int = 1
     decode_workers: int = 1
-    colocated: bool = False  # one engine doing prefill and decode per worker (the baseline)
+    mode: str = "auto"  # disaggregated | colocated (one engine does both) | auto (placement.py)
     nats_url: str = ""  # "" -> start an embedded nats-server
     kv_cache_bytes: int | None = None
-    threads: int = 0  # torch threads per worker (0: torch's default)
+    threads: int = 0  # torch threads per worker, unpinned (0: pinned, a thread per planned core)
     worker_args: tuple[str, ...] = ()  # extra flags passed to every worker
     prefill_tp: int = 1  # shape of each prefill worker (colocated workers take the decode one)
     prefill_pp: int = 1
     decode_tp: int = 1  # shape of each decode worker
     decode_pp: int = 1
     allow_oversubscribe: bool = False  # workers may run more ranks than CPU cores
+    cores: tuple[int, ...] = field(default_factory=available_cores)  # the CPUs tison up may use
+    cores_prefill: tuple[int, ...] = ()  # explicit cores of the prefill (or colocated) workers
+    cores_decode: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -38,13 +45,32 @@ class UpConfig:
 class ChildSpec:
     name: str  # shown in logs: scheduler, prefill-0, decode-1, gateway, ...
     args: tuple[str, ...]  # `tison` subcommand and flags (--nats-url is added at start)
+    cores: tuple[int, ...] = ()  # the supervisor pins the child here; (): any core
 
     def argv(self, nats_url: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", *self.args, "--nats-url", nats_url]
 
 
-def plan(cfg: UpConfig) -> list[ChildSpec]:
+def placement(cfg: UpConfig) -> Placement:
+    return place(
+        Request(
+            cores=cfg.cores,
+            mode=cfg.mode,
+            prefill_workers=cfg.prefill_workers,
+            decode_workers=cfg.decode_workers,
+            prefill_ranks=cfg.prefill_tp * cfg.prefill_pp,
+            decode_ranks=cfg.decode_tp * cfg.decode_pp,
+            cores_prefill=cfg.cores_prefill,
+            cores_decode=cfg.cores_decode,
+            pinned=not cfg.threads,
+            allow_oversubscribe=cfg.allow_oversubscribe,
+        )
+    )
+
+
+def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
     """Scheduler first, workers next, gateway last (it answers /health once workers report)."""
+    where = where or placement(cfg)
     model = ["--model", str(cfg.model_dir)]
     worker = [*model, "--dtype", cfg.dtype, *cfg.worker_args]
     if cfg.kv_cache_bytes:
@@ -55,21 +81,14 @@ def plan(cfg: UpConfig) -> list[ChildSpec]:
         worker.append("--allow-oversubscribe")
     prefill = [*worker, "--tp", str(cfg.prefill_tp), "--pp", str(cfg.prefill_pp)]
     decode = [*worker, "--tp", str(cfg.decode_tp), "--pp", str(cfg.decode_pp)]
-    children = [ChildSpec("scheduler", ("scheduler",))]
-    if cfg.colocated:
-        children += [
-            ChildSpec(f"colocated-{i}", ("colocated", *decode)) for i in range(cfg.prefill_workers)
-        ]
-    else:
-        children += [
-            ChildSpec(f"prefill-{i}", ("prefill", *prefill)) for i in range(cfg.prefill_workers)
-        ]
-        children += [
-            ChildSpec(f"decode-{i}", ("decode", *decode)) for i in range(cfg.decode_workers)
-        ]
-    children.append(
-        ChildSpec("gateway", ("gateway", *model, "--host", cfg.host, "--port", str(cfg.port)))
-    )
+    children = [ChildSpec("scheduler", ("scheduler",), where.services)]
+    for w in where.workers:
+        args = [w.role, *(prefill if w.role == "prefill" else decode)]
+        if w.cores:
+            args += ["--cpus", format_cpulist(w.cores)]
+        children.append(ChildSpec(w.name, tuple(args)))
+    gateway = ("gateway", *model, "--host", cfg.host, "--port", str(cfg.port))
+    children.append(ChildSpec("gateway", gateway, where.services))
     return children
 
 

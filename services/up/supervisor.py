@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from services.up.plan import ChildSpec, RestartPolicy
-from shared.proc import die_with_parent, stop_processes
+from shared.proc import child_setup, stop_processes
 
 log = logging.getLogger("tison.up")
 
@@ -47,7 +47,7 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
+            preexec_fn=child_setup(spec.cores),
             start_new_session=True,  # Ctrl-C reaches `tison up` only; it stops children in order
         )
         threading.Thread(target=_forward, args=(spec.name, proc.stdout), daemon=True).start()

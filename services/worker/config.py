@@ -40,6 +40,7 @@ class WorkerConfig:
     pp: int = 1  # pipeline stages
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
     allow_oversubscribe: bool = False  # more ranks than CPU cores
+    cpus: tuple[int, ...] = ()  # cores of this worker's ranks (`tison up` plans them); (): any
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -51,6 +51,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None) -> LLMEngine:
         pp=config.pp,
         pp_layers=config.pp_layers,
         allow_oversubscribe=config.allow_oversubscribe,
+        cpus=config.cpus,
         kv_push=config.role != "decode",
     )
     eos = Tokenizer.from_dir(config.model_dir).eos_token_ids

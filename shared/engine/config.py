@@ -32,6 +32,7 @@ class EngineConfig:
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
     allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
+    cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -47,6 +48,13 @@ class EngineConfig:
         if self.kv_shm_path is not None:
             object.__setattr__(self, "kv_shm_path", Path(self.kv_shm_path))
         object.__setattr__(self, "pp_layers", self.parallel.pp_layers)  # validates the shape
+        object.__setattr__(self, "cpus", tuple(self.cpus))
+        if len(self.cpus) < self.parallel.world_size and self.cpus and not self.allow_oversubscribe:
+            raise InvalidRequestError(
+                "cpus",
+                f"{len(self.cpus)} CPUs for {self.parallel.world_size} ranks "
+                "(one core per rank at least, or allow_oversubscribe)",
+            )
 
     @property
     def parallel(self) -> ParallelConfig:

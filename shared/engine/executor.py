@@ -18,6 +18,7 @@ from shared.engine.scheduler import SchedulerOutput
 from shared.engine.shard import build_shard
 from shared.models.config import ModelConfig
 from shared.parallel.comm import PLAN, RESULT, RankComm
+from shared.parallel.cores import pin, rank_cores
 from shared.parallel.group import SINGLE
 from shared.parallel.pipeline import WHOLE_MODEL
 from shared.sampling.sampler import SamplerOutput
@@ -109,6 +110,8 @@ def _run(runner: ModelRunner, out: SchedulerOutput) -> StepResult:
 def start_executor(config: EngineConfig, cfg: ModelConfig, num_pages: int):
     """The executor for config's shape; with T x P > 1 this starts the other ranks."""
     shape = config.parallel
+    if config.cpus:
+        pin(rank_cores(config.cpus, shape.world_size, 0))
     if shape.world_size == 1:
         model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages)
         return LocalExecutor(ModelRunner(model, kv, cfg.vocab_size, cfg.sliding_window))

@@ -17,6 +17,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.shard import build_shard
 from shared.models.config import ModelConfig
 from shared.parallel.comm import PLAN, RESULT, RankComm, open_store
+from shared.parallel.cores import pin, rank_cores
 
 log = logging.getLogger("tison.rank")
 
@@ -69,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="JSON: engine config and pool size")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format=f"%(asctime)s rank{args.rank} %(message)s")
-    torch.set_num_threads(args.threads)
-    runner, comm, on_plan = build_runner(args.rank, args.port, json.loads(args.spec))
+    spec = json.loads(args.spec)
+    config = EngineConfig(**spec["engine"])
+    if config.cpus:  # this rank's share of the worker's cores, one thread per core
+        pin(rank_cores(config.cpus, config.parallel.world_size, args.rank))
+    else:
+        torch.set_num_threads(args.threads)
+    runner, comm, on_plan = build_runner(args.rank, args.port, spec)
     try:
         serve(runner, comm, on_plan)
     finally:
