@@ -49,6 +49,28 @@ def test_chunked_prefill_respects_the_token_budget():
     assert [x.num_tokens for x in out.scheduled] == [1, 1]
 
 
+def test_a_long_prompt_never_stalls_running_streams():
+    """Mixed batches: every step has each decoding stream's token, then a chunk of the long
+    prompt in what the budget leaves, even when the prompt is older (a recomputed one keeps
+    its arrival)."""
+    s = scheduler(num_pages=64, budget=8)
+    streams = [request(f"s{i}", 2, 1 + i, max_tokens=30) for i in range(3)]
+    for r in streams:
+        s.add(r)
+    run_step(s)  # the streams' prompts; they decode from now on
+    long = request("long", 40, 0)
+    s.add(long)
+    steps = 0
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out, _ = run_step(s)
+        steps += 1
+        rows = {x.request.request_id: x.num_tokens for x in out.scheduled}
+        assert all(rows.get(r.request_id) == 1 for r in streams), rows  # no stream waits
+        assert rows["long"] == min(8 - len(streams), 40 - 5 * (steps - 1))
+    assert steps == 8  # 40 prompt tokens, 5 a step
+    assert all(len(r.output_token_ids) == steps + 1 for r in streams)
+
+
 def test_newest_running_request_is_preempted_and_recomputed():
     s = scheduler(num_pages=4)  # 16 token slots
     old, new = request("old", 8, 0, max_tokens=20), request("new", 6, 1, max_tokens=20)

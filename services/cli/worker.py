@@ -30,7 +30,13 @@ def register(subparsers) -> None:
         p.add_argument("--kv-cache-bytes", type=int, default=D.kv_cache_bytes)
         p.add_argument("--num-pages", type=int, default=None, help="exact KV pool size (pages)")
         p.add_argument("--page-size", type=int, default=D.page_size)
-        p.add_argument("--max-num-batched-tokens", type=int, default=D.max_num_batched_tokens)
+        p.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=0,
+            help="token budget of a step (default: 2048; colocated: 256, the most a prompt "
+            "chunk makes running streams wait)",
+        )
         p.add_argument("--max-num-seqs", type=int, default=D.max_num_seqs)
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--heartbeat", type=float, default=D.heartbeat_s, help="seconds")

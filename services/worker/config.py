@@ -9,6 +9,9 @@ from pathlib import Path
 from shared.engine.config import DEFAULT_KV_CACHE_BYTES
 
 ROLES = ("prefill", "decode", "colocated")
+# Token budget of a step. A colocated step mixes the decode rows with a prompt chunk, and every
+# stream waits for that chunk: a smaller budget bounds the stall (ITL) at some prefill speed.
+STEP_TOKENS = {"prefill": 2048, "decode": 2048, "colocated": 256}
 
 
 def default_worker_id(role: str) -> str:
@@ -28,7 +31,7 @@ class WorkerConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_pages: int | None = None
     page_size: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 0  # 0: the role's STEP_TOKENS
     max_num_seqs: int = 256
     max_model_len: int | None = None
     heartbeat_s: float = 0.5
@@ -49,6 +52,8 @@ class WorkerConfig:
             raise ValueError(f"kv_transport must be auto, shm or tcp, got {self.kv_transport!r}")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be > 0")
+        if not self.max_num_batched_tokens:
+            object.__setattr__(self, "max_num_batched_tokens", STEP_TOKENS[self.role])
         if not self.worker_id:
             object.__setattr__(self, "worker_id", default_worker_id(self.role))
 

@@ -1,9 +1,10 @@
 """Continuous-batching scheduler: pure policy over counters and the page allocator.
 
-Each step: running requests first (oldest first), each gets the tokens it has not computed
-yet, capped by the step's token budget (chunked prefill); when pages run out the newest
-running request is preempted (pages freed, recomputed later). Then waiting requests are
-admitted while the budget, the sequence limit and the free pages allow."""
+Each step is a mixed batch under a token budget: running requests that decode first (a token
+each), then running requests still prefilling (oldest first), each getting the tokens it has
+not computed yet, capped by what is left of the budget (chunked prefill); when pages run out
+the newest running request is preempted (pages freed, recomputed later). Then waiting
+requests are admitted while the budget, the sequence limit and the free pages allow."""
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +34,13 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+
+def _decodes_first(req: Request) -> tuple[bool, float]:
+    """Running requests that decode (one token pending) before those still prefilling, each
+    group oldest first: a long prompt takes what the decode rows leave of the budget, so
+    running streams never wait more than one chunk (Sarathi-Serve's stall-free batching)."""
+    return (req.num_tokens - req.num_computed_tokens > 1, req.arrival)
 
 
 class Scheduler:
@@ -94,7 +102,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         room = max_requests if max_requests is not None else len(self.running) + len(self.waiting)
-        for req in sorted(self.running, key=lambda r: r.arrival):
+        for req in sorted(self.running, key=_decodes_first):
             if budget == 0 or len(out.scheduled) == room:
                 break
             if req in exclude or req not in self.running:  # in flight, or preempted just now
