@@ -29,10 +29,16 @@ def test_plan_gives_disjoint_core_sets_that_cover_the_machine(n, workers):
         return
     placement = place(Request(cores, prefill_workers=p, decode_workers=d))
     assert placement.mode == "disaggregated"
-    assert_disjoint(placement)
+    workers = [set(w.cores) for w in placement.workers]
+    assert sum(map(len, workers)) == len(set().union(*workers))  # workers never share a core
     used = set(placement.services).union(*(w.cores for w in placement.workers))
     assert used == set(cores)  # nothing idle
-    assert len(placement.services) == service_core_count(n)
+    if service_core_count(n):
+        assert len(placement.services) == service_core_count(n)
+        assert_disjoint(placement)
+    else:  # the services share the prefill workers' cores, never decode's
+        prefill = {c for w in placement.workers if w.role == "prefill" for c in w.cores}
+        assert set(placement.services) == prefill
     assert all(w.cores for w in placement.workers)
     prefill = sum(len(w.cores) for w in placement.workers if w.role == "prefill")
     decode = sum(len(w.cores) for w in placement.workers if w.role == "decode")
@@ -41,12 +47,12 @@ def test_plan_gives_disjoint_core_sets_that_cover_the_machine(n, workers):
         assert abs(prefill - decode) <= 1  # an even split when both roles fit
 
 
-def test_two_cores_one_each_and_services_anywhere():
+def test_two_cores_one_each_and_services_beside_prefill():
     placement = place(Request((0, 1)))
     assert cores_of(placement) == {"prefill-0": (0,), "decode-0": (1,)}
-    assert placement.services == ()
+    assert placement.services == (0,)
     text = "\n".join(placement.describe())
-    assert "prefill-0: CPU 0 (1 thread)" in text and "any core" in text
+    assert "prefill-0: CPU 0 (1 thread)" in text and "NATS: CPU 0" in text
 
 
 def test_one_core_or_too_few_runs_colocated():

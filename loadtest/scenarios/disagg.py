@@ -3,18 +3,19 @@
 A mixed Poisson load on a small random-weight Llama-shaped model: long prompts with short
 answers (prefill-heavy) among short prompts streaming long answers (decode-heavy).
 
-- disaggregated: `tison decode` alone on core 1; `tison prefill`, NATS, the scheduler, the
-  gateway and the load generator on core 0 (one torch thread per worker);
-- colocated: `taskset -c 0,1 tison up --colocated --threads N` (one engine does both; N from
-  `--colocated-threads`, a list runs each: 2 gives it the threads the pair has, 1 thread each).
+- disaggregated: `tison up` with its defaults (its core plan on two cores: decode alone on
+  core 1; prefill, NATS, the scheduler and the gateway on core 0, where this load generator
+  runs too);
+- colocated: `tison up --colocated` (one engine on both cores, two threads; mixed batches: the
+  decode rows and a prompt chunk under a 256-token budget each step).
 
 Every setup is started first and all are loaded in paired rounds (loadtest.paired), each
 request generating exactly its tokens (ignore_eos); ITL is per token.
 
-In the colocated engine a long prefill runs inside the decode loop, so every stream stalls
-for it; disaggregated, decode steps never wait for a prompt.
+Colocated, every stream waits for the prompt chunk of each step; disaggregated, decode steps
+never wait for a prompt, but each role has one core instead of two.
 
-    python -m loadtest.scenarios.disagg [--rate 1] [--colocated-threads 1,2] [--out-dir DIR]
+    python -m loadtest.scenarios.disagg [--rate 1] [--out-dir DIR]
 """
 
 import argparse
@@ -38,29 +39,12 @@ from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, mixed, random_requests
 from shared.tokenizer.tokenizer import Tokenizer
 
-DISAGGREGATED = "disaggregated"
+DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
 
 
-def start_disaggregated(c: Cluster, model: Path) -> str:
-    """Decode alone on core 1; prefill, NATS, scheduler, gateway (and this load generator, see
-    main) on core 0, so nothing that a long prefill pushes off core 0 lands on decode's."""
+def start_up(c: Cluster, model: Path, *flags: str) -> str:
     port = free_port()
-    c.nats()
-    c.tison("scheduler", ["scheduler"], cpus="0")
-    worker = ["--model", str(model), "--threads", "1"]
-    c.tison("prefill", ["prefill", *worker], cpus="0")
-    c.tison("decode", ["decode", *worker], cpus="1")
-    c.tison("gateway", ["gateway", "--model", str(model), "--port", str(port)], cpus="0")
-    url = f"http://127.0.0.1:{port}"
-    c.wait_healthy(url + "/health")
-    return url
-
-
-def start_colocated(c: Cluster, model: Path, threads: int) -> str:
-    port = free_port()
-    up = ["up", "--colocated", "--model", str(model), "--threads", str(threads)]
-    up += ["--port", str(port)]
-    c.tison("up", up, cpus="0,1", nats=False)
+    c.tison("up", ["up", "--model", str(model), "--port", str(port), *flags], nats=False)
     url = f"http://127.0.0.1:{port}"
     c.wait_healthy(url + "/health")
     return url
@@ -91,9 +75,6 @@ def main() -> None:
     ap.add_argument("--slo-tpot", type=float, default=50.0, help="ms")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds")
-    ap.add_argument(
-        "--colocated-threads", default="2,1", help="torch threads; a list: one setup each"
-    )
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
     ap.add_argument("--out-dir", type=Path, default=Path("loadtest/results/disagg"))
     args = ap.parse_args()
@@ -103,15 +84,12 @@ def main() -> None:
         specs, text = workload(model, args)
         slo = Slo(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot)
         sides = []
-        for n in [int(n) for n in args.colocated_threads.split(",")]:
-            name = f"colocated, {n} thread{'s' * (n > 1)}"
-            c = stack.enter_context(Cluster(Path(tmp) / name.replace(" ", "")))
-            sides.append(
-                Side(name, Target(start_colocated(c, model, n), model.name, ignore_eos=True))
-            )
+        c = stack.enter_context(Cluster(Path(tmp) / "colocated"))
+        target = Target(start_up(c, model, "--colocated"), model.name, ignore_eos=True)
+        sides.append(Side(COLOCATED, target))
         c = stack.enter_context(Cluster(Path(tmp) / "disaggregated"))
-        target = Target(start_disaggregated(c, model), model.name, ignore_eos=True)
-        # the load generator (and NATS) stays on core 0 with prefill, off decode's core
+        target = Target(start_up(c, model), model.name, ignore_eos=True)
+        # the load generator stays on core 0 with prefill and the services, off decode's core
         sides.append(Side(DISAGGREGATED, target, cpus=frozenset({0})))
         for side in sides:
             wait_serving(side.target)
@@ -159,7 +137,7 @@ def summary(colocated: dict[str, list[BenchReport]], dis: list[BenchReport], spe
         return [name, *cells, f"{done}/{sent}", str(short_outputs(reports, 0, specs))]
 
     rows = [row(f"{name} (tison up --colocated)", r) for name, r in colocated.items()]
-    rows.append(row("disaggregated (decode alone on core 1)", dis))
+    rows.append(row("disaggregated (tison up)", dis))
     for name, reports in colocated.items():
         spreads = [round_ratios(reports, dis, 0, m) for _, m in COLUMNS]
         rows.append(

@@ -1,16 +1,20 @@
-"""Tison beside Hugging Face `transformers serve --continuous-batching` on the same model folder,
-the same chat workload and the same concurrency sweep.
+"""Tison beside Hugging Face `transformers serve --continuous-batching` (and llama.cpp's
+`llama-server` when installed) on the same model, the same chat workload and the same
+concurrency sweep.
 
 Needs `pip install 'transformers[serving]'` (FastAPI, uvicorn); runs offline on a local folder.
 
-- Tison: `tison up --threads 1` (a prefill and a decode worker, one torch thread each: the two
-  cores' worth of threads that transformers gets by default);
-- transformers: `transformers serve --continuous-batching --port P MODEL_DIR`.
+- Tison: `tison up` with its defaults (its core plan: a core each for prefill and decode on
+  two cores);
+- transformers: `transformers serve --continuous-batching --port P MODEL_DIR`;
+- llama.cpp, optional: `llama-server -m GGUF -t <cores> --parallel <max streams>` when
+  `llama-server` is on PATH and `--gguf` names the same model converted to GGUF (llama.cpp's
+  `convert_hf_to_gguf.py MODEL_DIR --outtype bf16`); skipped otherwise.
 
-Both run at once (each idle while the other is loaded) in paired rounds (loadtest.paired), and
-both generate exactly the asked tokens; ITL is per token.
+All run at once (each idle while another is loaded) in paired rounds (loadtest.paired), and
+all generate exactly the asked tokens; ITL is per token.
 
-    python -m loadtest.scenarios.peer [--concurrency 8,32] [--out-dir loadtest/results/peer]
+    python -m loadtest.scenarios.peer [--concurrency 1,4,16,32] [--gguf MODEL.gguf]
 """
 
 import argparse
@@ -35,14 +39,15 @@ from loadtest.scenarios.common import build_small_llama, md_table, save, wait_se
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, random_requests
 from shared.errors import ProcessStartError
+from shared.parallel.cores import available_cores
 from shared.tokenizer.tokenizer import Tokenizer
 
-PEER, OURS = "transformers serve", "tison"
+PEER, OURS, LLAMA_CPP = "transformers serve", "tison", "llama.cpp"
 
 
 def start_tison(c: Cluster, model: Path) -> str:
     port = free_port()
-    c.tison("up", ["up", "--model", str(model), "--threads", "1", "--port", str(port)], nats=False)
+    c.tison("up", ["up", "--model", str(model), "--port", str(port)], nats=False)
     url = f"http://127.0.0.1:{port}"
     c.wait_healthy(url + "/health")
     return url
@@ -62,9 +67,22 @@ def start_transformers(c: Cluster, model: Path) -> str:
     return url
 
 
+def start_llama_server(c: Cluster, gguf: Path, streams: int) -> str:
+    """llama.cpp's server on every core this process has, a slot per stream."""
+    port = free_port()
+    cores = len(available_cores())
+    cmd = [shutil.which("llama-server"), "-m", str(gguf), "--port", str(port), "-t", str(cores)]
+    cmd += ["--parallel", str(streams), "-c", str(streams * 512)]
+    c.start(LLAMA_CPP, cmd)
+    url = f"http://127.0.0.1:{port}"
+    c.wait_healthy(url + "/health")
+    return url
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", default="8,32", help="comma list of concurrent streams")
+    ap.add_argument("--concurrency", default="1,4,16,32", help="comma list of concurrent streams")
+    ap.add_argument("--gguf", type=Path, default=None, help="the model as GGUF, for llama-server")
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per load point")
     ap.add_argument("--input-len", default="uniform:64:192")
     ap.add_argument("--output-len", default="64")
@@ -88,16 +106,22 @@ def main() -> None:
             LengthDist.parse(args.output_len),
         )
         sides = []
-        for name, start in ((PEER, start_transformers), (OURS, start_tison)):
+        servers = [(PEER, start_transformers), (OURS, start_tison)]
+        if args.gguf and shutil.which("llama-server"):
+            most = max(load.concurrency for load in loads)
+            servers.append((LLAMA_CPP, lambda c, _: start_llama_server(c, args.gguf, most)))
+        else:
+            print("llama.cpp: skipped (needs llama-server on PATH and --gguf)", file=sys.stderr)
+        for name, start in servers:
             c = stack.enter_context(Cluster(Path(tmp) / name.replace(" ", "-")))
             url = start(c, model)
             served = run_sync(served_model(url))
             # Both generate exactly max_tokens: Tison by vLLM's ignore_eos; transformers serve
             # by a generation config of its own, which has no end-of-sequence token.
             target = (
-                Target(url, served, "chat", ignore_eos=True)
-                if name == OURS
-                else Target(url, served, "chat", extra=(("generation_config", "{}"),))
+                Target(url, served, "chat", extra=(("generation_config", "{}"),))
+                if name == PEER
+                else Target(url, served, "chat", ignore_eos=True)  # llama-server has it too
             )
             wait_serving(target)
             warm_up(target, specs[:4])
@@ -109,7 +133,7 @@ def main() -> None:
     peer, ours = results[PEER], results[OURS]
     (args.out_dir / "compare.md").write_text(compare_table(peer[0], ours[0]))
     compare_plots(peer[0], ours[0], args.out_dir / "compare")
-    print(summary(peer, ours, specs))
+    print(summary(results, specs))
     print(f"\n{text}\n`{command}` — results in {args.out_dir}")
 
 
@@ -123,12 +147,12 @@ COLUMNS = (  # (heading, metric of a Summary)
 )
 
 
-def summary(peer: list[BenchReport], ours: list[BenchReport], specs) -> str:
-    """Each server's medians over the rounds, then the median per-round ratio and its range;
-    ITL is per token (see loadtest.client)."""
+def summary(results: dict[str, list[BenchReport]], specs) -> str:
+    """Each server's medians over the rounds, then per peer the median per-round ratio of Tison
+    to it and its range; ITL is per token (see loadtest.client)."""
     head = ["server", "streams", *(h for h, _ in COLUMNS), "ok", "short / per-event ITL"]
     rows = []
-    for reports in (peer, ours):
+    for reports in results.values():
         for i, run in enumerate(reports[0].runs):
             done = sum_of(reports, i, lambda s: s.completed)
             sent = sum_of(reports, i, lambda s: s.num_requests)
@@ -138,13 +162,17 @@ def summary(peer: list[BenchReport], ours: list[BenchReport], specs) -> str:
                 + [fmt(median_of(reports, i, m)) for _, m in COLUMNS]
                 + [f"{done}/{sent}", f"{short_outputs(reports, i, specs)} / {per_event}"]
             )
-    for i, run in enumerate(peer[0].runs):
-        spreads = [round_ratios(peer, ours, i, m) for _, m in COLUMNS]
-        rows.append(
-            ["tison / transformers", str(run.load.concurrency)]
-            + ["–" if s is None else str(s) for s in spreads]
-            + ["", ""]
-        )
+    ours = results[OURS]
+    for name, peer in results.items():
+        if name == OURS:
+            continue
+        for i, run in enumerate(peer[0].runs):
+            spreads = [round_ratios(peer, ours, i, m) for _, m in COLUMNS]
+            rows.append(
+                [f"tison / {name}", str(run.load.concurrency)]
+                + ["–" if s is None else str(s) for s in spreads]
+                + ["", ""]
+            )
     return md_table(head, rows)
 
 

@@ -114,6 +114,7 @@ class ControlPlane:
 
     @protocol.on_message(TokensMsg)
     async def _on_tokens(self, tokens: TokensMsg, msg: Msg) -> None:
+        self.metrics.observe_tokens(tokens, time.time())
         for item in tokens.items:
             request = self._open.get(item.request_id)
             if request is None:

@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from shared.protocol import HeartbeatMsg
+from shared.protocol import HeartbeatMsg, TokensMsg
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
@@ -31,6 +31,24 @@ class GatewayMetrics:
             "tison_e2e_request_latency_seconds",
             "Request arrival to last token",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step = Histogram(
+            "tison_decode_step_seconds",
+            "A decode worker's engine step, per tokens message",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.cycle = Histogram(
+            "tison_decode_cycle_seconds",
+            "A decode worker's step to step time (engine step plus its loop's overhead)",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.transit = Histogram(
+            "tison_tokens_transit_seconds",
+            "A tokens message from the decode worker's publish to the gateway (same host)",
+            buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.running = Gauge("tison_requests_running", "Requests generating", registry=r)
@@ -72,6 +90,12 @@ class GatewayMetrics:
                 gauge.remove(beat.worker_id, beat.role)
             except KeyError:
                 pass
+
+    def observe_tokens(self, tokens: TokensMsg, received_at: float) -> None:
+        if tokens.step_s:
+            self.step.observe(tokens.step_s)
+            self.cycle.observe(tokens.cycle_s)
+            self.transit.observe(max(0.0, received_at - tokens.sent_at))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,7 +2,8 @@
 comes out; the workers pin themselves to theirs (`--cpus`), the supervisor pins the rest.
 
 Policy: from 6 cores up the gateway, scheduler and NATS get a core of their own (two from
-32), so that no worker's OpenMP thread waits on them; below that they run anywhere. The
+32), so that no worker's OpenMP thread waits on them; below that they share the prefill
+workers' cores (a prefill is throughput, a decode step is every stream's ITL). The
 workers split the other cores, each rank at least one: decode half (memory-bound, it stops
 scaling first), prefill the rest (compute-bound). With too few cores to give every rank of a
 prefill and a decode worker its own, `auto` runs colocated (unless told to oversubscribe)."""
@@ -96,6 +97,8 @@ def place(req: Request) -> Placement:
             )
         for i, name in enumerate(mine):
             workers.append(WorkerCores(name, role, rank_cores(tuple(block), len(mine), i)))
+    if not services and mode == "disaggregated":  # no core of their own: prefill's, not decode's
+        services = tuple(sorted({c for w in workers if w.role == "prefill" for c in w.cores}))
     return Placement(mode, tuple(workers), services, reason)
 
 

@@ -2,6 +2,7 @@
 the rest of the batch, publishing one TokensMsg per step per gateway."""
 
 import logging
+import time
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -100,5 +101,8 @@ class DecodeRole:
             gateway = self.gateways[rid] if item.finish_reason is None else self.gateways.pop(rid)
             by_gateway.setdefault(gateway, []).append(item)
         for gateway, batch in by_gateway.items():
-            body = protocol.encode(TokensMsg(self.worker_id, tuple(batch)))
+            tokens = TokensMsg(
+                self.worker_id, tuple(batch), self.loop.step_s, self.loop.cycle_s, time.time()
+            )
+            body = protocol.encode(tokens)
             await self.nc.publish(subjects.gateway_tokens(gateway), body)

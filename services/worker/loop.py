@@ -4,6 +4,7 @@ for heartbeats, assignments and cancels."""
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from shared.engine.engine import LLMEngine, StepOutput
@@ -19,6 +20,9 @@ class EngineLoop:
         self.on_outputs = on_outputs
         self._commands: list[tuple[Callable, tuple, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self.step_s = 0.0  # the last step's time in the engine
+        self.cycle_s = 0.0  # from the previous step's end to this one's: step + loop overhead
+        self._step_end = 0.0  # 0: the loop was idle since
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the engine between two steps; returns its result (or raises)."""
@@ -42,8 +46,14 @@ class EngineLoop:
             self._apply_commands()
             if not self.engine.has_unfinished():
                 self._wake.clear()
+                self._step_end = 0.0
                 if not self._commands:
                     await self._wake.wait()
                 continue
+            started = time.perf_counter()
             outputs = await asyncio.to_thread(self.engine.step)
+            now = time.perf_counter()
+            self.step_s = now - started
+            self.cycle_s = now - (self._step_end or started)
+            self._step_end = now
             await self.on_outputs(outputs)

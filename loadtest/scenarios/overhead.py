@@ -1,0 +1,190 @@
+"""Serving overhead: what the service adds to the decode engine's own step, per streamed token.
+
+`tison up` with its defaults serves the small random Llama; at each concurrency B, B streams of
+chats with exactly N tokens out. Measured in the same run, in paired rounds (the order of the
+two reversed each round; the other one idle meanwhile):
+
+- client: ITL p50 per token (loadtest.client, the gateway's running usage);
+- engine: the decode engine's own step at batch B: an LLMEngine in a process of its own,
+  pinned to the decode worker's planned cores, with B requests of the same lengths (median
+  step, the prefills excluded);
+- inside the service, from the gateway's /metrics over the load: the decode worker's engine
+  step (`tison_decode_step_seconds`), its step-to-step cycle (`tison_decode_cycle_seconds`:
+  the step plus its loop's publish and commands) and the worker-to-gateway transit.
+
+ITL p50 / engine step is the overhead the issue bounds (<= 1.15 at 32 streams); the rest says
+where a token's time goes: served step / engine step (the service's processes sharing cores
+with the worker), cycle - step (the worker's loop), and ITL - cycle (NATS, the gateway's demux,
+detokenizer and SSE, the client).
+
+    python -m loadtest.scenarios.overhead [--concurrency 1,4,16,32] [--rounds 3]
+"""
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from loadtest.bench import run_sync, served_model
+from loadtest.report import fmt
+from loadtest.runner import Load
+from loadtest.scenarios.cluster import REPO_ROOT, Cluster, free_port
+from loadtest.scenarios.common import bench, build_small_llama, md_table, wait_serving, warm_up
+from loadtest.target import Target
+from loadtest.workloads import LengthDist, PromptMaker, random_requests
+from services.up.plan import UpConfig, placement
+from shared.parallel.cores import format_cpulist
+from shared.tokenizer.tokenizer import Tokenizer
+
+SERVICE_METRICS = {  # our name: the gateway's histogram
+    "served step": "tison_decode_step_seconds",
+    "cycle": "tison_decode_cycle_seconds",
+    "transit": "tison_tokens_transit_seconds",
+}
+
+
+def histogram_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """{our name: (sum, count)} of the gateway's histograms now."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    totals = {}
+    for name, metric in SERVICE_METRICS.items():
+        total = re.search(rf"^{metric}_sum (\S+)$", text, re.M)
+        count = re.search(rf"^{metric}_count (\S+)$", text, re.M)
+        totals[name] = (float(total.group(1)), float(count.group(1)))
+    return totals
+
+
+def mean_between(before: dict, after: dict) -> dict[str, float]:
+    """Mean of each histogram over what was observed between two readings, in ms."""
+    means = {}
+    for name in SERVICE_METRICS:
+        total = after[name][0] - before[name][0]
+        count = after[name][1] - before[name][1]
+        means[name] = 1e3 * total / count if count else float("nan")
+    return means
+
+
+def engine_steps(model: Path, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+    """{batch: median decode step ms} of an LLMEngine in this process (run pinned, below)."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.sampling.params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=model))
+    rng = np.random.default_rng(1)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    steps = {}
+    for batch in [1, *batches]:  # the first, batch 1, warms up
+        for i in range(batch):
+            prompt = rng.integers(3, 1000, prompt_len).tolist()
+            engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", prompt, params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            engine.step()
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        steps[batch] = 1e3 * statistics.median(times)
+    engine.close()
+    return steps
+
+
+def measure_engine(model: Path, cores: tuple[int, ...], batches, prompt_len, new_tokens) -> dict:
+    """engine_steps in a process of its own on `cores`, a thread per core (as the worker)."""
+    code = (
+        "import json, sys; from shared.parallel.cores import pin; "
+        "from loadtest.scenarios.overhead import engine_steps; "
+        f"pin({tuple(cores)!r}); "
+        f"print(json.dumps(engine_steps(__import__('pathlib').Path({str(model)!r}), "
+        f"{list(batches)!r}, {prompt_len}, {new_tokens})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,4,16,32", help="comma list of concurrent streams")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
+    args = ap.parse_args()
+    command = "python -m loadtest.scenarios.overhead " + shlex.join(sys.argv[1:])
+    batches = [int(n) for n in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory(prefix="tison-overhead-") as tmp, Cluster(Path(tmp)) as c:
+        model = build_small_llama(args.model_dir or Path(tmp) / "small-llama")
+        decode_cores = next(
+            w.cores for w in placement(UpConfig(model)).workers if w.role in ("decode", "colocated")
+        )
+        port = free_port()
+        c.tison("up", ["up", "--model", str(model), "--port", str(port)], nats=False)
+        url = f"http://127.0.0.1:{port}"
+        c.wait_healthy(url + "/health")
+        target = Target(url, run_sync(served_model(url)), "chat", ignore_eos=True)
+        maker = PromptMaker(Tokenizer.from_dir(model), np.random.default_rng(0))
+        fixed_in = LengthDist.parse(f"{args.input_len}")
+        fixed_out = LengthDist.parse(f"{args.output_len}")
+        wait_serving(target)
+        warm_up(target, random_requests(maker, 4, fixed_in, fixed_out))
+        served: dict[int, list[dict]] = {b: [] for b in batches}
+        engine: dict[int, list[float]] = {b: [] for b in batches}
+        for r in range(args.rounds):
+            for side in ("service", "engine") if r % 2 == 0 else ("engine", "service"):
+                if side == "engine":
+                    steps = measure_engine(
+                        model, decode_cores, batches, args.input_len, args.output_len
+                    )
+                    for b in batches:
+                        engine[b].append(steps[b])
+                    continue
+                for b in batches:
+                    specs = random_requests(
+                        maker, b * args.requests_per_stream, fixed_in, fixed_out
+                    )
+                    before = histogram_totals(url + "/metrics")
+                    report = bench(target, specs, [Load(concurrency=b)], "tison up", "overhead")
+                    means = mean_between(before, histogram_totals(url + "/metrics"))
+                    summary = report.runs[0].summary
+                    served[b].append(dict(means, itl=summary.itl.p50, ok=summary.completed))
+    print(summary_table(served, engine, decode_cores))
+    print(
+        f"\nchat, {args.input_len} tokens in, exactly {args.output_len} out, "
+        f"{args.requests_per_stream} requests per stream, {args.rounds} paired rounds; "
+        f"engine on CPU {format_cpulist(decode_cores)}\n`{command}`"
+    )
+
+
+def summary_table(served: dict, engine: dict, cores) -> str:
+    """Medians over the rounds (ms), and ITL p50 / engine step with its range over rounds."""
+    head = ["streams", "engine step", "served step", "cycle", "transit", "client ITL p50"]
+    head += ["ITL / engine step", "ok"]
+    rows = []
+    for b, rounds in served.items():
+        ratios = [s["itl"] / e for s, e in zip(rounds, engine[b])]
+        rows.append(
+            [str(b), fmt(statistics.median(engine[b]))]
+            + [fmt(statistics.median(s[k] for s in rounds)) for k in SERVICE_METRICS]
+            + [fmt(statistics.median(s["itl"] for s in rounds))]
+            + [f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"]
+            + [str(sum(s["ok"] for s in rounds))]
+        )
+    return md_table(head, rows)
+
+
+if __name__ == "__main__":
+    main()
