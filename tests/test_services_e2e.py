@@ -152,6 +152,33 @@ async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama
     await wait_pages_free(cluster)
 
 
+async def test_metrics_show_where_a_tokens_time_goes(cluster, client, tiny_llama):
+    """Each decode step's tokens message tells the gateway its engine step, its step-to-step
+    cycle (never shorter) and its publish time (loadtest/scenarios/overhead.py reads them)."""
+    names = {
+        "step": "tison_decode_step_seconds",
+        "cycle": "tison_decode_cycle_seconds",
+        "transit": "tison_tokens_transit_seconds",
+    }
+
+    async def read() -> dict[str, tuple[float, float]]:
+        return {
+            k: (await metric(cluster, f"{n}_sum"), await metric(cluster, f"{n}_count"))
+            for k, n in names.items()
+        }
+
+    before = await read()
+    await client.completions.create(
+        model=tiny_llama.name, prompt="hello", max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    after = await read()
+    delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in names}
+    assert delta["step"][1] >= 10  # the first token comes from prefill, then a step each
+    assert delta["step"][1] == delta["cycle"][1] == delta["transit"][1]
+    assert delta["cycle"][0] >= delta["step"][0] > 0
+    assert 0 <= delta["transit"][0] / delta["transit"][1] < 1.0
+
+
 async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llama):
     """Per extra prompt token, NATS carries a few bytes of token ids while the KV transport
     moves the token's KV (2 layers x 2 KV heads x 16 dims x K,V x 4 B = 512 B)."""
