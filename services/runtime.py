@@ -5,12 +5,19 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from shared.proc import process_age_s
+
+log = logging.getLogger(__name__)
+
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log_level: str = "INFO") -> int:
     """Run `main(stop)` on a fresh event loop; `stop` is set on SIGINT or SIGTERM."""
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    age_s = process_age_s()
+    if age_s is not None:  # start-up phases (loadtest/startup.py): interpreter and imports
+        log.info("process started %.2f s ago (interpreter and imports)", age_s)
     try:
         import uvloop
     except ImportError:  # uvloop is not built for every platform

@@ -45,3 +45,16 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> list[subp
             proc.wait()
             killed.append(proc)
     return killed
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process was started (exec'd), from /proc (Linux; None elsewhere):
+    the time a service spent starting the interpreter and importing before its first line."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return uptime_s - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime

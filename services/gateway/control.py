@@ -125,7 +125,8 @@ class ControlPlane:
 
     @protocol.on_message(HeartbeatMsg)
     async def _on_heartbeat(self, beat: HeartbeatMsg, msg: Msg) -> None:
-        self.registry.observe(beat, time.time())
+        if self.registry.observe(beat, time.time()):
+            log.info("%s worker %s joined", beat.role, beat.worker_id)
         self.metrics.observe_worker(beat)
 
     async def _watch(self) -> None:

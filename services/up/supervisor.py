@@ -52,6 +52,7 @@ class Supervisor:
         )
         threading.Thread(target=_forward, args=(spec.name, proc.stdout), daemon=True).start()
         self.children[spec.name] = Child(spec, proc, time.monotonic())
+        log.info("started %s (pid %d)", spec.name, proc.pid)
 
     def poll(self) -> None:
         """Restarts children that died, after their backoff."""

@@ -1,6 +1,8 @@
 """What one rank of a worker holds: its model shard (layers of its stage, heads of its TP rank)
 and a KV pool for exactly those layers and heads. Page ids are the same on every rank."""
 
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +14,8 @@ from shared.models.config import ModelConfig
 from shared.models.loader import load_model
 from shared.parallel.group import TPGroup
 from shared.parallel.pipeline import PPStage
+
+log = logging.getLogger(__name__)
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
@@ -43,7 +47,17 @@ def build_shard(
     rank: int = 0,
 ) -> tuple[torch.nn.Module, KVCache]:
     dtype = config.torch_dtype(cfg.torch_dtype)
+    start = time.perf_counter()
     model = load_model(config.model_dir, cfg, dtype, tp, stage)
+    loaded = time.perf_counter()
+    log.info("rank %d: model loaded in %.2f s", rank, loaded - start)
     spec = shard_kv_spec(cfg, config, dtype, tp.size, stage)
     kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank))
+    log.info(
+        "rank %d: KV pool of %d pages (%.0f MiB) in %.2f s",
+        rank,
+        num_pages,
+        kv.nbytes / 2**20,
+        time.perf_counter() - loaded,
+    )
     return model, kv

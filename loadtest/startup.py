@@ -1,0 +1,168 @@
+"""Start-up time of `tison up`: launch → the "Tison is serving" line (gateway /health 200), with
+a per-phase breakdown taken from the children's log lines. Each run starts `tison up` on a free
+port, waits for it to be ready and stops it; a warm-up run first (it may compile the kernels)
+is left out of the figures, which are the median and range over the runs.
+
+    python -m loadtest.startup [--runs 5] [--warmup 1] [--model DIR] [--out FILE.json]
+
+Times are seconds since launch, from each line's log timestamp (the line's arrival when it has
+none); "took" is the duration the line itself reports (imports, model load, KV pool).
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from loadtest.scenarios.cluster import REPO_ROOT, free_port
+from shared.proc import die_with_parent, stop_processes
+
+READY = "Tison is serving"
+# "[child] 2026-12-01 11:58:36,904 INFO logger: message", or up's own line without "[child] "
+LINE = re.compile(
+    r"^(?:\[(?P<child>[\w-]+)\] )?(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?P<msg>.*)$"
+)
+# (phase, pattern on the message); a "took" group is the duration the line reports
+PHASES = [
+    ("spawned", re.compile(r"tison\.up: started (?P<name>[\w-]+) \(pid")),
+    ("imports done", re.compile(r"process started (?P<took>[\d.]+) s ago")),
+    ("model loaded", re.compile(r"rank 0: model loaded in (?P<took>[\d.]+) s")),
+    ("KV pool", re.compile(r"rank 0: KV pool of \d+ pages \(\d+ MiB\) in (?P<took>[\d.]+) s")),
+    ("serving", re.compile(r"(worker \S+ serving|gateway \S+ serving|scheduler up on)")),
+    ("saw prefill", re.compile(r"prefill worker \S+ joined")),
+    ("saw decode", re.compile(r"decode worker \S+ joined")),
+]
+
+
+@dataclass
+class Run:
+    ready_s: float | None = None  # launch → READY (None: not ready before the timeout)
+    at: dict[tuple[str, str], float] = field(default_factory=dict)  # (child, phase) → s
+    took: dict[tuple[str, str], float] = field(default_factory=dict)  # (child, phase) → s
+    lines: list[str] = field(default_factory=list)
+
+
+def record(run: Run, line: str, launched: float, arrived_s: float) -> None:
+    """Adds the phase this output line marks (if any) to the run."""
+    m = LINE.match(line)
+    if m is None:
+        return
+    stamp = datetime.strptime(m["ts"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    at_s = stamp - launched if stamp >= launched - 1 else arrived_s
+    for phase, pattern in PHASES:
+        found = pattern.search(m["msg"])
+        if found is None:
+            continue
+        child = found.groupdict().get("name") or m["child"] or "up"
+        key = (child, phase)
+        run.at.setdefault(key, at_s)  # a child's first such line (rank 0 of a worker)
+        if found.groupdict().get("took"):
+            run.took.setdefault(key, float(found["took"]))
+        return
+
+
+def start_up(model: str | None, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port)]
+    if model:
+        cmd += ["--model", model]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+        start_new_session=True,
+    )
+
+
+def run_once(model: str | None, timeout_s: float) -> Run:
+    """One `tison up` from launch to ready; stops it (SIGINT, as Ctrl-C would) afterwards."""
+    run = Run()
+    launched, start = time.time(), time.monotonic()
+    proc = start_up(model, free_port())
+    try:
+        signal.signal(signal.SIGALRM, lambda *_: proc.kill())  # readline cannot time out
+        signal.alarm(int(timeout_s))
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            run.lines.append(line)
+            arrived_s = time.monotonic() - start
+            if READY in line:
+                run.ready_s = arrived_s
+                break
+            record(run, line, launched, arrived_s)
+    finally:
+        signal.alarm(0)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        stop_processes([proc], timeout_s=15)
+        proc.stdout.close()
+    return run
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):5.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(runs: list[Run]) -> str:
+    """One row per (child, phase) seen: when (s since launch) and what the line says it took."""
+    keys = sorted(
+        {k for r in runs for k in r.at}, key=lambda k: (min(r.at.get(k, 1e9) for r in runs), k)
+    )
+    rows = ["| child | phase | at (s since launch) | took (s) |", "|---|---|---|---|"]
+    for key in keys:
+        at = [r.at[key] for r in runs if key in r.at]
+        took = [r.took[key] for r in runs if key in r.took]
+        rows.append(f"| {key[0]} | {key[1]} | {spread(at)} | {spread(took)} |")
+    ready = [r.ready_s for r in runs if r.ready_s is not None]
+    rows.append(f"| up | **ready** (/health 200) | **{spread(ready)}** | |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5, help="measured runs")
+    ap.add_argument("--warmup", type=int, default=1, help="runs first, not counted")
+    ap.add_argument("--model", default=None, help="model folder (default: the bundled model)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait per run")
+    ap.add_argument("--out", type=Path, default=None, help="also write the runs as JSON here")
+    args = ap.parse_args()
+    runs = []
+    for i in range(args.warmup + args.runs):
+        load = os.getloadavg()[0]  # other work on this host skews the figures
+        run = run_once(args.model, args.timeout)
+        counted = i >= args.warmup
+        ready = "not ready" if run.ready_s is None else f"ready in {run.ready_s:.2f} s"
+        print(f"run {i + 1}{'' if counted else ' (warm-up)'}: {ready}, load {load:.2f} before")
+        if run.ready_s is None:
+            print("\n".join(run.lines[-40:]), file=sys.stderr)
+            return 1
+        if counted:
+            runs.append(run)
+    print(f"\n{os.cpu_count()} CPUs; median (range) over {len(runs)} runs\n")
+    print(table(runs))
+    if args.out is not None:
+        body = [{"ready_s": r.ready_s, "at": _flat(r.at), "took": _flat(r.took)} for r in runs]
+        args.out.write_text(json.dumps(body, indent=1))
+    return 0
+
+
+def _flat(d: dict[tuple[str, str], float]) -> dict[str, float]:
+    return {f"{child}: {phase}": v for (child, phase), v in d.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
