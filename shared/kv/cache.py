@@ -1,6 +1,9 @@
 """The KV pool tensor of one worker rank, in process memory or in shared memory (/dev/shm)
 so that a prefill worker on the same host can write pages into it directly."""
 
+import contextlib
+import math
+import mmap
 from pathlib import Path
 
 import torch
@@ -17,14 +20,11 @@ class KVCache:
         self.shm_path = Path(shm_path) if shm_path else None
         shape = spec.pool_shape(num_pages)
         if self.shm_path is None:
-            self.data = torch.zeros(shape, dtype=spec.dtype)
+            self.data = zeroed_pages(shape, spec.dtype)
         else:
-            numel = 1
-            for d in shape:
-                numel *= d
             # shared=True maps the file MAP_SHARED: writes by any process are seen by all
             self.data = torch.from_file(
-                str(self.shm_path), shared=True, size=numel, dtype=spec.dtype
+                str(self.shm_path), shared=True, size=math.prod(shape), dtype=spec.dtype
             )
             self.data = self.data.view(shape)
 
@@ -39,3 +39,18 @@ class KVCache:
         """Unlinks the shared-memory file (owner only); mappings stay valid until dropped."""
         if self.shm_path is not None and self.shm_path.exists():
             self.shm_path.unlink()
+
+
+def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on fresh private anonymous memory, which the kernel zeroes a page at a time
+    on first touch: a pool costs nothing until requests use it (torch.zeros wrote all of it
+    first: ~0.6 s per GiB). Transparent huge pages where the kernel offers them on request,
+    as malloc's would be with `tison`'s glibc.malloc.hugetlb tunable (shared/huge_pages.py)."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE on this platform
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    # the tensor holds a reference to buf: the mapping lives as long as the tensor
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
