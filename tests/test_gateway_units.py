@@ -1,7 +1,12 @@
 """Gateway pure parts: OpenAI body parsing, the per-request stream state, response shapes."""
 
-import pytest
+import logging
 
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from services.gateway.app import QuietHealthAccessLogger
 from services.gateway.openai_request import (
     CHAT,
     build_sampling,
@@ -151,3 +156,11 @@ def test_response_shapes(tokenizer):
     text = ResponseFormat.for_request("completion", "cmpl-1", "m", tokenizer)
     lps = text.full("hi", lp, "length", Usage(3, 1))["choices"][0]["logprobs"]
     assert lps["token_logprobs"] == [-0.5] and len(lps["top_logprobs"][0]) == 2
+
+
+def test_the_access_log_leaves_out_health_polls(caplog):
+    access = QuietHealthAccessLogger(logging.getLogger("aiohttp.access"), '"%r" %s')
+    with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+        for path in ("/health", "/v1/models", "/health?verbose=1"):
+            access.log(make_mocked_request("GET", path), web.Response(status=200), 0.001)
+    assert [r.getMessage() for r in caplog.records] == ['"GET /v1/models HTTP/1.1" 200']

@@ -6,6 +6,7 @@ import logging
 import time
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
 
 from services.gateway.completions import CompletionService, json_error
 from services.gateway.config import GatewayConfig
@@ -18,6 +19,16 @@ from shared.tokenizer.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # larger bodies get a 413
 SERVICE = web.AppKey("service", CompletionService)
+HEALTH_PATH = "/health"
+
+
+class QuietHealthAccessLogger(AccessLogger):
+    """aiohttp's access log less /health, which `tison up` and load balancers poll several
+    times a second: a line per poll would bury the requests."""
+
+    def log(self, request, response, time: float) -> None:
+        if request.path != HEALTH_PATH:
+            super().log(request, response, time)
 
 
 @web.middleware
@@ -81,7 +92,7 @@ def build_app(service: CompletionService) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
+    app.router.add_get(HEALTH_PATH, health)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -95,7 +106,9 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
     )
     await control.start()
     service = CompletionService(config, tokenizer, control, gateway_metrics)
-    runner = web.AppRunner(build_app(service), handler_cancellation=True)
+    runner = web.AppRunner(
+        build_app(service), handler_cancellation=True, access_log_class=QuietHealthAccessLogger
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
