@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -45,6 +46,7 @@ PHASES = [
 @dataclass
 class Run:
     ready_s: float | None = None  # launch → READY (None: not ready before the timeout)
+    cpu_s: float = 0.0  # CPU seconds of the whole process tree, launch to stopped
     at: dict[tuple[str, str], float] = field(default_factory=dict)  # (child, phase) → s
     took: dict[tuple[str, str], float] = field(default_factory=dict)  # (child, phase) → s
     lines: list[str] = field(default_factory=list)
@@ -89,6 +91,7 @@ def start_up(model: str | None, port: int) -> subprocess.Popen:
 def run_once(model: str | None, timeout_s: float) -> Run:
     """One `tison up` from launch to ready; stops it (SIGINT, as Ctrl-C would) afterwards."""
     run = Run()
+    cpu_before = _children_cpu_s()
     launched, start = time.time(), time.monotonic()
     proc = start_up(model, free_port())
     try:
@@ -108,7 +111,14 @@ def run_once(model: str | None, timeout_s: float) -> Run:
             proc.send_signal(signal.SIGINT)
         stop_processes([proc], timeout_s=15)
         proc.stdout.close()
+    run.cpu_s = _children_cpu_s() - cpu_before
     return run
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of the reaped children (`tison up` reaps its own)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def spread(values: list[float]) -> str:
@@ -129,6 +139,7 @@ def table(runs: list[Run]) -> str:
         rows.append(f"| {key[0]} | {key[1]} | {spread(at)} | {spread(took)} |")
     ready = [r.ready_s for r in runs if r.ready_s is not None]
     rows.append(f"| up | **ready** (/health 200) | **{spread(ready)}** | |")
+    rows.append(f"| all | CPU s, launch to stopped | {spread([r.cpu_s for r in runs])} | |")
     return "\n".join(rows)
 
 
@@ -155,7 +166,10 @@ def main() -> int:
     print(f"\n{os.cpu_count()} CPUs; median (range) over {len(runs)} runs\n")
     print(table(runs))
     if args.out is not None:
-        body = [{"ready_s": r.ready_s, "at": _flat(r.at), "took": _flat(r.took)} for r in runs]
+        body = [
+            {"ready_s": r.ready_s, "cpu_s": r.cpu_s, "at": _flat(r.at), "took": _flat(r.took)}
+            for r in runs
+        ]
         args.out.write_text(json.dumps(body, indent=1))
     return 0
 
