@@ -48,7 +48,7 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> list[subp
 
 
 def process_age_s() -> float | None:
-    """Seconds since this process was started (exec'd), from /proc (Linux; None elsewhere):
+    """Seconds since this process was forked, from /proc (Linux; None elsewhere): roughly
     the time a service spent starting the interpreter and importing before its first line."""
     try:
         with open("/proc/self/stat") as f:

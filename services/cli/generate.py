@@ -3,7 +3,8 @@
 import argparse
 import sys
 
-from shared.errors import TisonError
+from shared.errors import InvalidRequestError, TisonError
+from shared.parallel.cores import parse_cpulist
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,14 @@ def _counts(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected counts like 3,1, got {text!r}") from None
+
+
+def cpulist_arg(text: str) -> tuple[int, ...]:
+    """--cpus and the like: "0-3,8" -> (0, 1, 2, 3, 8)."""
+    try:
+        return parse_cpulist(text)
+    except InvalidRequestError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def resolve_model(model: str | None) -> str:

@@ -12,8 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.cli.generate import add_model_options, resolve_model
-from services.cli.worker import cpulist_arg
+from services.cli.generate import add_model_options, cpulist_arg, resolve_model
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
 from services.up.supervisor import Supervisor, child_env

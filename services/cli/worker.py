@@ -5,12 +5,15 @@ import functools
 import os
 from pathlib import Path
 
-from services.cli.generate import add_model_options, add_parallel_options, resolve_model
+from services.cli.generate import (
+    add_model_options,
+    add_parallel_options,
+    cpulist_arg,
+    resolve_model,
+)
 from services.runtime import run_service
 from services.worker.config import WorkerConfig
 from services.worker.worker import run_worker
-from shared.errors import InvalidRequestError
-from shared.parallel.cores import parse_cpulist
 
 D = WorkerConfig
 HELP = {
@@ -52,13 +55,6 @@ def register(subparsers) -> None:
         add_parallel_options(p)
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=functools.partial(main, role))
-
-
-def cpulist_arg(text: str) -> tuple[int, ...]:
-    try:
-        return parse_cpulist(text)
-    except InvalidRequestError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(role: str, args: argparse.Namespace) -> int:
