@@ -58,7 +58,9 @@ def record(run: Run, line: str, launched: float, arrived_s: float) -> None:
     if m is None:
         return
     stamp = datetime.strptime(m["ts"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    at_s = stamp - launched if stamp >= launched - 1 else arrived_s
+    at_s = stamp - launched
+    if not -1 < at_s < arrived_s + 1:  # not this machine's local clock: when it arrived
+        at_s = arrived_s
     for phase, pattern in PHASES:
         found = pattern.search(m["msg"])
         if found is None:
