@@ -8,7 +8,8 @@ two reversed each round; the other one idle meanwhile):
 - engine: the decode engine's own step at batch B: an LLMEngine in a process of its own,
   pinned to the decode worker's planned cores, with B requests of the same lengths (median
   step, the prefills excluded);
-- inside the service, from the gateway's /metrics over the load: the decode worker's engine
+- inside the service, from the gateway's /metrics over the load: the decode batch (requests
+  per tokens message: long outputs keep it near B), the decode worker's engine
   step (`tison_decode_step_seconds`), its step-to-step cycle (`tison_decode_cycle_seconds`:
   the step plus its loop's publish and commands) and the worker-to-gateway transit.
 
@@ -46,6 +47,7 @@ from shared.parallel.cores import format_cpulist
 from shared.tokenizer.tokenizer import Tokenizer
 
 SERVICE_METRICS = {  # our name: the gateway's histogram
+    "served batch": "tison_decode_batch_size",
     "served step": "tison_decode_step_seconds",
     "cycle": "tison_decode_cycle_seconds",
     "transit": "tison_tokens_transit_seconds",
@@ -65,12 +67,13 @@ def histogram_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
 
 
 def mean_between(before: dict, after: dict) -> dict[str, float]:
-    """Mean of each histogram over what was observed between two readings, in ms."""
+    """Mean of each histogram over what was observed between two readings (times in ms)."""
     means = {}
-    for name in SERVICE_METRICS:
+    for name, metric in SERVICE_METRICS.items():
         total = after[name][0] - before[name][0]
         count = after[name][1] - before[name][1]
-        means[name] = 1e3 * total / count if count else float("nan")
+        scale = 1e3 if metric.endswith("_seconds") else 1.0
+        means[name] = scale * total / count if count else float("nan")
     return means
 
 
@@ -118,9 +121,9 @@ def measure_engine(model: Path, cores: tuple[int, ...], batches, prompt_len, new
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma list of concurrent streams")
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=256, help="long: decode batch ~ streams")
+    ap.add_argument("--requests-per-stream", type=int, default=1, help="1: the batch stays B")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the model here")
     args = ap.parse_args()
@@ -171,7 +174,8 @@ def main() -> None:
 
 def summary_table(served: dict, engine: dict, cores) -> str:
     """Medians over the rounds (ms), and ITL p50 / engine step with its range over rounds."""
-    head = ["streams", "engine step", "served step", "cycle", "transit", "client ITL p50"]
+    head = ["streams", "engine step", "batch per step", "served step", "cycle", "transit"]
+    head += ["client ITL p50"]
     head += ["ITL / engine step", "ok"]
     rows = []
     for b, rounds in served.items():

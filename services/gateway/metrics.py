@@ -45,6 +45,12 @@ class GatewayMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.batch = Histogram(
+            "tison_decode_batch_size",
+            "Requests of this gateway in a decode worker's step, per tokens message",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
         self.transit = Histogram(
             "tison_tokens_transit_seconds",
             "A tokens message from the decode worker's publish to the gateway (same host)",
@@ -95,6 +101,7 @@ class GatewayMetrics:
         if tokens.step_s:
             self.step.observe(tokens.step_s)
             self.cycle.observe(tokens.cycle_s)
+            self.batch.observe(len(tokens.items))
             self.transit.observe(max(0.0, received_at - tokens.sent_at))
 
     def render(self) -> bytes:
