@@ -7,7 +7,7 @@ answers (prefill-heavy) among short prompts streaming long answers (decode-heavy
   core 1; prefill, NATS, the scheduler and the gateway on core 0, where this load generator
   runs too);
 - colocated: `tison up --colocated` (one engine on both cores, two threads; mixed batches: the
-  decode rows and a prompt chunk under a 256-token budget each step).
+  decode rows and a prompt chunk under a 128-token budget each step).
 
 Every setup is started first and all are loaded in paired rounds (loadtest.paired), each
 request generating exactly its tokens (ignore_eos); ITL is per token.

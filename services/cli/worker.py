@@ -37,8 +37,8 @@ def register(subparsers) -> None:
             "--max-num-batched-tokens",
             type=int,
             default=0,
-            help="token budget of a step (default: 2048; colocated: 256, the most a prompt "
-            "chunk makes running streams wait)",
+            help="token budget of a step (default: prefill 512, decode 2048, colocated 128: the "
+            "most a prompt chunk makes running streams wait)",
         )
         p.add_argument("--max-num-seqs", type=int, default=D.max_num_seqs)
         p.add_argument("--max-model-len", type=int, default=None)

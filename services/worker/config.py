@@ -10,8 +10,10 @@ from shared.engine.config import DEFAULT_KV_CACHE_BYTES
 
 ROLES = ("prefill", "decode", "colocated")
 # Token budget of a step. A colocated step mixes the decode rows with a prompt chunk, and every
-# stream waits for that chunk: a smaller budget bounds the stall (ITL) at some prefill speed.
-STEP_TOKENS = {"prefill": 2048, "decode": 2048, "colocated": 256}
+# stream waits for that chunk: a smaller budget bounds the stall (ITL) at some prefill speed. A
+# prefill worker's chunks of 512 let the first prompts of a burst go to decode while the rest
+# are computed (2048: the burst's prompts finished together and the workers took turns idling).
+STEP_TOKENS = {"prefill": 512, "decode": 2048, "colocated": 128}
 
 
 def default_worker_id(role: str) -> str:

@@ -35,9 +35,13 @@ class DecodeRole:
         self.gateways: dict[str, str] = {}  # request id -> gateway that streams it
 
     async def subscribe(self) -> None:
-        await self.nc.subscribe(subjects.assign("decode", self.worker_id), cb=self._on_assign)
-        await self.nc.subscribe(subjects.decode_kv(self.worker_id), cb=self._on_kv)
-        await self.nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
+        await self.nc.subscribe(
+            subjects.assign("decode", self.worker_id), cb=self.loop.in_tasks(self._on_assign)
+        )
+        await self.nc.subscribe(
+            subjects.decode_kv(self.worker_id), cb=self.loop.in_tasks(self._on_kv)
+        )
+        await self.nc.subscribe(subjects.gateway_cancel(), cb=self.loop.in_tasks(self._on_cancel))
 
     @protocol.on_message(DecodeAssignMsg)
     async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:

@@ -20,9 +20,28 @@ class EngineLoop:
         self.on_outputs = on_outputs
         self._commands: list[tuple[Callable, tuple, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()  # message handlers running (see in_tasks)
         self.step_s = 0.0  # the last step's time in the engine
         self.cycle_s = 0.0  # from the previous step's end to this one's: step + loop overhead
         self._step_end = 0.0  # 0: the loop was idle since
+
+    def in_tasks(self, callback: Callable[[object], Awaitable[None]]):
+        """A NATS callback that handles each message in a task of its own. nats-py runs one
+        subscription's callbacks one after another, and a handler awaiting `call` waits for the
+        running step: in line, a burst of assignments would join the batch one per step. Tasks
+        start in arrival order, so their commands keep it."""
+
+        async def spawn(msg) -> None:
+            task = asyncio.create_task(callback(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._handled)
+
+        return spawn
+
+    def _handled(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("message handler failed", exc_info=task.exception())
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the engine between two steps; returns its result (or raises)."""

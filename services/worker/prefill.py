@@ -38,8 +38,10 @@ class PrefillRole:
         self.jobs: dict[str, PrefillAssignMsg] = {}
 
     async def subscribe(self) -> None:
-        await self.nc.subscribe(subjects.assign("prefill", self.worker_id), cb=self._on_assign)
-        await self.nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
+        await self.nc.subscribe(
+            subjects.assign("prefill", self.worker_id), cb=self.loop.in_tasks(self._on_assign)
+        )
+        await self.nc.subscribe(subjects.gateway_cancel(), cb=self.loop.in_tasks(self._on_cancel))
 
     @protocol.on_message(PrefillAssignMsg)
     async def _on_assign(self, assign: PrefillAssignMsg, msg: Msg) -> None:
