@@ -43,11 +43,12 @@ from shared.parallel.cores import available_cores
 from shared.tokenizer.tokenizer import Tokenizer
 
 PEER, OURS, LLAMA_CPP = "transformers serve", "tison", "llama.cpp"
+COLOCATED = "tison --colocated"
 
 
-def start_tison(c: Cluster, model: Path) -> str:
+def start_tison(c: Cluster, model: Path, *flags: str) -> str:
     port = free_port()
-    c.tison("up", ["up", "--model", str(model), "--port", str(port)], nats=False)
+    c.tison("up", ["up", "--model", str(model), "--port", str(port), *flags], nats=False)
     url = f"http://127.0.0.1:{port}"
     c.wait_healthy(url + "/health")
     return url
@@ -83,6 +84,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma list of concurrent streams")
     ap.add_argument("--gguf", type=Path, default=None, help="the model as GGUF, for llama-server")
+    ap.add_argument(
+        "--colocated", action="store_true", help="also `tison up --colocated` (its rows only)"
+    )
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per load point")
     ap.add_argument("--input-len", default="uniform:64:192")
     ap.add_argument("--output-len", default="64")
@@ -107,6 +111,8 @@ def main() -> None:
         )
         sides = []
         servers = [(PEER, start_transformers), (OURS, start_tison)]
+        if args.colocated:
+            servers.append((COLOCATED, lambda c, m: start_tison(c, m, "--colocated")))
         if args.gguf and shutil.which("llama-server"):
             most = max(load.concurrency for load in loads)
             servers.append((LLAMA_CPP, lambda c, _: start_llama_server(c, args.gguf, most)))
@@ -164,7 +170,7 @@ def summary(results: dict[str, list[BenchReport]], specs) -> str:
             )
     ours = results[OURS]
     for name, peer in results.items():
-        if name == OURS:
+        if name in (OURS, COLOCATED):
             continue
         for i, run in enumerate(peer[0].runs):
             spreads = [round_ratios(peer, ours, i, m) for _, m in COLUMNS]
