@@ -13,16 +13,18 @@ two reversed each round; the other one idle meanwhile):
   step (`tison_decode_step_seconds`), its step-to-step cycle (`tison_decode_cycle_seconds`:
   the step plus its loop's publish and commands) and the worker-to-gateway transit.
 
-ITL p50 / engine step is the overhead the issue bounds (<= 1.15 at 32 streams); the rest says
-where a token's time goes: served step / engine step (the service's processes sharing cores
-with the worker), cycle - step (the worker's loop), and ITL - cycle (NATS, the gateway's demux,
-detokenizer and SSE, the client).
+The load generator runs off the decode worker's cores (beside the services and prefill, as
+clients elsewhere would leave them). ITL p50 / engine step is the overhead the issue bounds
+(<= 1.15 at 32 streams); the rest says where a token's time goes: served step / engine step
+(the service's processes sharing cores with the worker), cycle - step (the worker's loop),
+and ITL - cycle (NATS, the gateway's demux, detokenizer and SSE, the client).
 
     python -m loadtest.scenarios.overhead [--concurrency 1,4,16,32] [--rounds 3]
 """
 
 import argparse
 import json
+import os
 import re
 import shlex
 import statistics
@@ -43,7 +45,7 @@ from loadtest.scenarios.common import bench, build_small_llama, md_table, wait_s
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, random_requests
 from services.up.plan import UpConfig, placement
-from shared.parallel.cores import format_cpulist
+from shared.parallel.cores import available_cores, format_cpulist
 from shared.tokenizer.tokenizer import Tokenizer
 
 SERVICE_METRICS = {  # our name: the gateway's histogram
@@ -131,9 +133,10 @@ def main() -> None:
     batches = [int(n) for n in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="tison-overhead-") as tmp, Cluster(Path(tmp)) as c:
         model = build_small_llama(args.model_dir or Path(tmp) / "small-llama")
-        decode_cores = next(
-            w.cores for w in placement(UpConfig(model)).workers if w.role in ("decode", "colocated")
-        )
+        plan = placement(UpConfig(model))
+        decode_cores = next(w.cores for w in plan.workers if w.role in ("decode", "colocated"))
+        # the load generator stands in for clients on other machines: off the decode cores
+        client_cores = set(plan.services) - set(decode_cores) or set(available_cores())
         port = free_port()
         c.tison("up", ["up", "--model", str(model), "--port", str(port)], nats=False)
         url = f"http://127.0.0.1:{port}"
@@ -160,7 +163,9 @@ def main() -> None:
                         maker, b * args.requests_per_stream, fixed_in, fixed_out
                     )
                     before = histogram_totals(url + "/metrics")
+                    os.sched_setaffinity(0, client_cores)
                     report = bench(target, specs, [Load(concurrency=b)], "tison up", "overhead")
+                    os.sched_setaffinity(0, available_cores())
                     means = mean_between(before, histogram_totals(url + "/metrics"))
                     summary = report.runs[0].summary
                     served[b].append(dict(means, itl=summary.itl.p50, ok=summary.completed))
