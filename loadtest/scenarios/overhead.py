@@ -6,7 +6,7 @@ two reversed each round; the other one idle meanwhile):
 
 - client: ITL p50 per token (loadtest.client, the gateway's running usage);
 - engine: the decode engine's own step at batch B: an LLMEngine in a process of its own,
-  pinned to the decode worker's planned cores, with B requests of the same lengths (median
+  pinned to the decode worker's cores (read from /proc), with B requests of the same lengths (median
   step, the prefills excluded);
 - inside the service, from the gateway's /metrics over the load: the decode batch (requests
   per tokens message: long outputs keep it near B), the decode worker's engine
@@ -44,8 +44,7 @@ from loadtest.scenarios.cluster import REPO_ROOT, Cluster, free_port
 from loadtest.scenarios.common import bench, build_small_llama, md_table, wait_serving, warm_up
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, random_requests
-from services.up.plan import UpConfig, placement
-from shared.parallel.cores import available_cores, format_cpulist
+from shared.parallel.cores import available_cores, format_cpulist, parse_cpulist
 from shared.tokenizer.tokenizer import Tokenizer
 
 SERVICE_METRICS = {  # our name: the gateway's histogram
@@ -120,6 +119,30 @@ def measure_engine(model: Path, cores: tuple[int, ...], batches, prompt_len, new
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
+def worker_cores(root_pid: int, role: str) -> tuple[int, ...]:
+    """The CPUs the `tison <role>` process below root_pid runs on (its plan, as applied)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if role.encode() in args[3:4] and _is_below(int(entry.name), root_pid):
+            return parse_cpulist(re.search(r"Cpus_allowed_list:\s*(\S+)", status).group(1))
+    raise RuntimeError(f"no tison {role} process under pid {root_pid}")
+
+
+def _is_below(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma list of concurrent streams")
@@ -133,14 +156,13 @@ def main() -> None:
     batches = [int(n) for n in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="tison-overhead-") as tmp, Cluster(Path(tmp)) as c:
         model = build_small_llama(args.model_dir or Path(tmp) / "small-llama")
-        plan = placement(UpConfig(model))
-        decode_cores = next(w.cores for w in plan.workers if w.role in ("decode", "colocated"))
-        # the load generator stands in for clients on other machines: off the decode cores
-        client_cores = set(plan.services) - set(decode_cores) or set(available_cores())
         port = free_port()
         c.tison("up", ["up", "--model", str(model), "--port", str(port)], nats=False)
         url = f"http://127.0.0.1:{port}"
         c.wait_healthy(url + "/health")
+        decode_cores = worker_cores(c.procs["up"].pid, "decode")
+        # the load generator stands in for clients on other machines: off the decode cores
+        client_cores = set(available_cores()) - set(decode_cores) or set(available_cores())
         target = Target(url, run_sync(served_model(url)), "chat", ignore_eos=True)
         maker = PromptMaker(Tokenizer.from_dir(model), np.random.default_rng(0))
         fixed_in = LengthDist.parse(f"{args.input_len}")
