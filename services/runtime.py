@@ -5,6 +5,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from shared.errors import TisonError
 from shared.proc import process_age_s
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log_level: str
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
-    if uvloop is not None:
-        uvloop.run(runner())
-    else:
-        asyncio.run(runner())
+    try:
+        (uvloop.run if uvloop is not None else asyncio.run)(runner())
+    except TisonError as e:  # bad flags, model folder or shape: the message names it
+        log.error("%s", e)
+        return 2
     return 0

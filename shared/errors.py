@@ -28,6 +28,7 @@ class InvalidRequestError(TisonError, ValueError):
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.field = field
+        self.problem = problem
 
 
 class PromptTooLongError(InvalidRequestError):

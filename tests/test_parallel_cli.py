@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from services.up.plan import UpConfig, plan
 
 
@@ -34,3 +36,22 @@ def test_generate_with_a_bad_shape_names_the_flag(tiny_llama):
     )
     assert proc.returncode == 2
     assert "--tp: 3 does not divide the model's 4 attention heads" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp", "3"], "--tp: 3 does not divide the model's 4 attention heads"),
+        (["--cpus", "4095"], "--cpus: cannot run on CPUs 4095"),
+    ],
+)
+def test_a_worker_with_bad_flags_exits_naming_the_flag(tiny_llama, flags, message):
+    """Before NATS is even reached: exit code 2 and one line, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "prefill", "--model", str(tiny_llama), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -84,8 +84,10 @@ def test_bad_plans_are_refused_naming_the_flag():
         place(Request((0, 1), cores_prefill=(9,)))
     with pytest.raises(ValueError, match="overlap"):
         place(Request((0, 1, 2), cores_prefill=(0, 1), cores_decode=(1, 2)))
-    with pytest.raises(ValueError, match="a core per rank"):
+    with pytest.raises(ValueError, match="2 cores cannot give 1 prefill and 2 decode rank"):
         place(Request((0, 1), mode="disaggregated", decode_ranks=2))
+    with pytest.raises(ValueError, match="a core per rank"):
+        place(Request((0, 1, 2), mode="colocated", prefill_workers=2, decode_ranks=2))
     with pytest.raises(ValueError, match="--mode"):
         place(Request((0, 1), mode="fast"))
     shared = place(Request((0,), mode="disaggregated", allow_oversubscribe=True))

@@ -39,7 +39,7 @@ def cpulist_arg(text: str) -> tuple[int, ...]:
     try:
         return parse_cpulist(text)
     except InvalidRequestError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(e.problem) from None
 
 
 def resolve_model(model: str | None) -> str:

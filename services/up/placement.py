@@ -149,8 +149,17 @@ def _split_roles(req: Request, free: list[int]) -> dict[str, tuple[int, ...]]:
         rest = tuple(c for c in free if c not in chosen)
         other = "decode" if given == "prefill" else "prefill"
         return {given: chosen, other: rest}
-    need_prefill = req.prefill_workers * req.prefill_ranks
-    decode = max(req.decode_workers * req.decode_ranks, len(free) // 2)
+    need_prefill, need_decode = (
+        req.prefill_workers * req.prefill_ranks,
+        req.decode_workers * req.decode_ranks,
+    )
+    if len(free) < need_prefill + need_decode and not req.allow_oversubscribe:
+        raise ValueError(
+            f"{len(free)} cores cannot give {need_prefill} prefill and {need_decode} decode "
+            "rank(s) a core each (fewer workers or ranks, --mode colocated, or "
+            "--allow-oversubscribe)"
+        )
+    decode = max(need_decode, len(free) // 2)
     decode = min(decode, max(len(free) - need_prefill, 0))
     if req.allow_oversubscribe and decode in (0, len(free)):  # too few for both: share them
         return {"prefill": tuple(free), "decode": tuple(free)}
