@@ -115,6 +115,8 @@ class HeartbeatMsg:
     interval_s: float  # worker sets: period; a registry counts missed beats with it
     queued_tokens: int = 0  # worker sets: prompt tokens waiting to be computed
     running_seqs: int = 0  # worker sets: requests it holds
+    decoding_seqs: int = 0  # decode worker sets: requests in its batch (not waiting for KV)
+    local_prefill: bool = False  # decode worker sets: it can compute a prompt itself
     free_pages: int = 0  # worker sets: KV pages free (decode); scheduler checks fit
     total_pages: int = 0  # worker sets: KV pool size; gateway /metrics
     page_size: int = 16  # worker sets: tokens per KV page; scheduler sizes requests
@@ -133,6 +135,7 @@ class DecodeAssignMsg:
     prefill_worker: str  # scheduler sets: who will write the pages
     prompt_token_ids: tuple[int, ...]  # scheduler copies; decode needs them for penalties
     sampling: SamplingParams  # scheduler copies; decode samples with it
+    prefill_here: bool = False  # scheduler sets: the decode worker computes the prompt itself
 
 
 @dataclass(frozen=True)

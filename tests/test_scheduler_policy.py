@@ -1,6 +1,12 @@
 """Scheduler policy without NATS: admission statuses, routing by load, the bounded queue."""
 
-from services.scheduler.policy import AdmissionQueue, Pending, Router, pages_needed
+from services.scheduler.policy import (
+    LOCAL_PREFILL_TOKENS,
+    AdmissionQueue,
+    Pending,
+    Router,
+    pages_needed,
+)
 from shared import protocol
 from shared.protocol import HeartbeatMsg, SubmitMsg
 from shared.sampling.params import SamplingParams
@@ -38,9 +44,9 @@ def test_admission_needs_both_roles_and_a_big_enough_pool():
 
 def test_routes_to_least_loaded_decode_with_room_and_counts_assignments():
     r = router(
-        beat("d-busy", free_pages=50, total_pages=50, running_seqs=5),
+        beat("d-busy", free_pages=50, total_pages=50, running_seqs=5, decoding_seqs=5),
         beat("d-full", free_pages=1, total_pages=50, running_seqs=0),
-        beat("d-idle", free_pages=9, total_pages=50, running_seqs=1),
+        beat("d-idle", free_pages=9, total_pages=50, running_seqs=1, decoding_seqs=1),
         beat("p1", role="prefill", queued_tokens=100),
         beat("p2", role="prefill", queued_tokens=10),
     )
@@ -54,10 +60,35 @@ def test_routes_to_least_loaded_decode_with_room_and_counts_assignments():
     choice = r.choose(req, 0.0)
     assert choice.decode.worker_id == "d-busy"
     assert choice.prefill.worker_id == "p2"
-    r.observe(beat("d-idle", free_pages=9, total_pages=50, running_seqs=1), 0.1)
+    r.observe(beat("d-idle", free_pages=9, total_pages=50, running_seqs=1, decoding_seqs=1), 0.1)
     assert r.choose(req, 0.1).decode.worker_id == "d-idle"
     r.refused("d-idle")
     assert r.choose(req, 0.1).decode.worker_id == "d-busy"
+
+
+def test_an_idle_decode_worker_computes_short_prompts_of_a_burst():
+    """Join the shorter queue: while the decode worker's batch is empty, a short prompt goes to
+    it when it has fewer prompt tokens to compute than the prefill worker."""
+    idle = beat("d", free_pages=100, total_pages=100, local_prefill=True)
+    r = router(idle, beat("p", role="prefill"))
+    burst = [submit(f"r{i}", prompt_len=8) for i in range(4)]
+    sides = []
+    for req in burst:
+        choice = r.choose(req, 0.0)
+        r.record(choice, req)
+        sides.append(choice.prefill_worker)
+    # the first: both queues empty, the prefill worker; then the shorter queue each time
+    assert sides == ["p", "d", "p", "d"]
+    long = submit("long", prompt_len=LOCAL_PREFILL_TOKENS + 1)
+    roomy = beat("d", free_pages=1000, total_pages=1000, local_prefill=True)
+    r = router(roomy, beat("p", "prefill", queued_tokens=9))
+    assert not r.choose(long, 0.0).local  # long prompts: always the prefill worker
+    assert r.choose(submit(), 0.0).local
+    busy = beat("d", free_pages=100, total_pages=100, decoding_seqs=1, local_prefill=True)
+    r = router(busy, beat("p", role="prefill", queued_tokens=500))
+    assert not r.choose(submit(), 0.0).local  # running streams never wait for a prompt
+    fake = beat("d", free_pages=100, total_pages=100)  # cannot compute prompts
+    assert not router(fake, beat("p", "prefill", queued_tokens=500)).choose(submit(), 0.0).local
 
 
 def test_no_choice_when_no_decode_worker_has_room():

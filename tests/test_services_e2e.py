@@ -152,6 +152,35 @@ async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama
     await wait_pages_free(cluster)
 
 
+async def test_an_idle_decode_worker_prefills_part_of_a_burst(client, llm, tiny_llama, cluster):
+    """Conditional prefill: a burst of short prompts is split between the prefill worker and
+    the idle decode worker (fewer KV bytes pushed than one request's times the burst), and
+    every output is the offline one."""
+
+    async def pushed() -> int:
+        return (await next_heartbeat(cluster.nats.url, "prefill")).kv_transfer_bytes
+
+    async def one(i: int):
+        return await completions(
+            client, tiny_llama.name, f"Once upon a time {i}", False, max_tokens=6, temperature=0
+        )
+
+    await wait_pages_free(cluster)
+    before = await pushed()
+    await one(0)  # alone: both queues empty, the prefill worker computes it
+    single = await pushed() - before
+    assert single > 0
+    await wait_pages_free(cluster)
+    before = await pushed()
+    results = await asyncio.gather(*(one(i) for i in range(1, 7)))
+    assert await pushed() - before <= 5 * single  # some prompts never left the decoder
+    expected = llm.generate(
+        [f"Once upon a time {i}" for i in range(1, 7)], SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert [text for text, _, _ in results] == [e.text for e in expected]
+    await wait_pages_free(cluster)
+
+
 async def test_metrics_show_where_a_tokens_time_goes(cluster, client, tiny_llama):
     """Each decode step's tokens message tells the gateway its engine step, its step-to-step
     cycle (never shorter) and its publish time (loadtest/scenarios/overhead.py reads them)."""

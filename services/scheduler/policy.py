@@ -7,6 +7,11 @@ no decode worker's whole KV pool could ever hold it; otherwise it waits in a bou
 Routing: decode = fewest running sequences among those with enough free pages (ties: most free
 pages); prefill = fewest queued prompt tokens. Heartbeats are up to one interval old, so the
 router adds what it assigned since each worker's last heartbeat to that heartbeat's load.
+
+Conditional prefill: a short prompt (<= LOCAL_PREFILL_TOKENS) is computed by the chosen decode
+worker itself (real ones can, fake ones not) when that worker has nothing in its batch and
+fewer prompt tokens to compute than the prefill worker has queued: a burst no longer waits on
+one prefill worker while the decode worker idles, and no running stream waits for the prompt.
 """
 
 from collections import deque
@@ -15,6 +20,8 @@ from dataclasses import dataclass, field
 from shared import protocol
 from shared.protocol import HeartbeatMsg, SubmitMsg
 from shared.registry import WorkerRegistry
+
+LOCAL_PREFILL_TOKENS = 512
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -33,6 +40,11 @@ class Choice:
 
     prefill: HeartbeatMsg
     decode: HeartbeatMsg
+    local: bool = False  # the decode worker computes the prompt (see the module's docstring)
+
+    @property
+    def prefill_worker(self) -> str:
+        return self.decode.worker_id if self.local else self.prefill.worker_id
 
 
 @dataclass
@@ -41,7 +53,7 @@ class _SinceBeat:
 
     seqs: int = 0
     pages: int = 0
-    tokens: int = 0
+    tokens: int = 0  # prompt tokens to compute (a prefill worker's, or a decode worker's own)
     refused: bool = False  # the worker refused a reservation: skip it until it reports again
 
 
@@ -81,15 +93,21 @@ class Router:
             return None
         decode = min(decoders, key=lambda b: (self._seqs(b), -self._free(b), b.worker_id))
         prefill = min(prefills, key=lambda b: (self._tokens(b), b.running_seqs, b.worker_id))
-        return Choice(prefill=prefill, decode=decode)
+        local = (
+            decode.local_prefill
+            and len(submit.prompt_token_ids) <= LOCAL_PREFILL_TOKENS
+            and decode.decoding_seqs == 0
+            and self._tokens(decode) < self._tokens(prefill)
+        )
+        return Choice(prefill=prefill, decode=decode, local=local)
 
     def record(self, choice: Choice, submit: SubmitMsg) -> None:
         """Count an assignment against both workers until their next heartbeat."""
         decode = self._since.setdefault(choice.decode.worker_id, _SinceBeat())
         decode.seqs += 1
         decode.pages += pages_needed(request_tokens(submit), choice.decode.page_size)
-        prefill = self._since.setdefault(choice.prefill.worker_id, _SinceBeat())
-        prefill.tokens += len(submit.prompt_token_ids)
+        computes = self._since.setdefault(choice.prefill_worker, _SinceBeat())
+        computes.tokens += len(submit.prompt_token_ids)
 
     def refused(self, decode_worker: str) -> None:
         """The decode worker refused (or did not answer): skip it until it reports again."""

@@ -209,10 +209,18 @@ class Scheduler:
             pending,
             dict(
                 status=protocol.ACCEPTED,
-                prefill_worker=choice.prefill.worker_id,
+                prefill_worker=choice.prefill_worker,
                 decode_worker=choice.decode.worker_id,
             ),
         )
+        if not choice.local:
+            await self._assign_prefill(submit, choice, reservation)
+        if cancelled:
+            # The cancel overtook the reservation: repeat it now that the workers know it.
+            cancel = CancelMsg(submit.request_id, reason="cancelled while placing")
+            await self._nc.publish(subjects.gateway_cancel(), protocol.encode(cancel))
+
+    async def _assign_prefill(self, submit: SubmitMsg, choice: Choice, reservation) -> None:
         assignment = PrefillAssignMsg(
             request_id=submit.request_id,
             gateway_id=submit.gateway_id,
@@ -224,18 +232,15 @@ class Scheduler:
         )
         subject = subjects.assign("prefill", choice.prefill.worker_id)
         await self._nc.publish(subject, protocol.encode(assignment))
-        if cancelled:
-            # The cancel overtook the reservation: repeat it now that the workers know it.
-            cancel = CancelMsg(submit.request_id, reason="cancelled while placing")
-            await self._nc.publish(subjects.gateway_cancel(), protocol.encode(cancel))
 
     async def _reserve(self, submit: SubmitMsg, choice: Choice) -> DecodeAssignReplyMsg | None:
         ask = DecodeAssignMsg(
             request_id=submit.request_id,
             gateway_id=submit.gateway_id,
-            prefill_worker=choice.prefill.worker_id,
+            prefill_worker=choice.prefill_worker,
             prompt_token_ids=submit.prompt_token_ids,
             sampling=submit.sampling,
+            prefill_here=choice.local,
         )
         subject = subjects.assign("decode", choice.decode.worker_id)
         try:

@@ -61,6 +61,8 @@ class DecodeRole:
             reply = DecodeAssignReplyMsg(rid, True, tuple(pages), dict(self.endpoints))
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
+        if pages is not None and assign.prefill_here:  # its first token leaves with our steps
+            await self.loop.call(self.engine.start_local, rid)
 
     @protocol.on_message(KvReadyMsg)
     async def _on_kv(self, ready: KvReadyMsg, msg: Msg) -> None:

@@ -166,6 +166,7 @@ async def _heartbeats(
                 endpoints=getattr(role, "endpoints", endpoints),
                 kv_transfer_bytes=moved[0],
                 kv_transfer_seconds=moved[1],
+                local_prefill=role.role == "decode",
                 **load,
             )
             await nc.publish(subjects.heartbeat(role.role, role.worker_id), protocol.encode(beat))
@@ -181,6 +182,7 @@ def engine_load(engine: LLMEngine) -> dict:
     return dict(
         queued_tokens=queued,
         running_seqs=len(sched.running) + len(sched.reserved),
+        decoding_seqs=len(sched.running),
         free_pages=engine.allocator.num_free,
         total_pages=engine.allocator.num_pages,
     )
