@@ -79,8 +79,16 @@ def test_an_idle_decode_worker_computes_short_prompts_of_a_burst():
         sides.append(choice.prefill_worker)
     # the first: both queues empty, the prefill worker; then the shorter queue each time
     assert sides == ["p", "d", "p", "d"]
+    roomy = beat("d", free_pages=10_000, total_pages=10_000, local_prefill=True)
+    r = router(roomy, beat("p", role="prefill"))
+    local = 0
+    for i in range(6):
+        req = submit(f"b{i}", prompt_len=LOCAL_PREFILL_TOKENS // 2)
+        choice = r.choose(req, 0.0)
+        r.record(choice, req)
+        local += choice.local
+    assert local == 2  # then the decode worker's share (LOCAL_PREFILL_TOKENS) is full
     long = submit("long", prompt_len=LOCAL_PREFILL_TOKENS + 1)
-    roomy = beat("d", free_pages=1000, total_pages=1000, local_prefill=True)
     r = router(roomy, beat("p", "prefill", queued_tokens=9))
     assert not r.choose(long, 0.0).local  # long prompts: always the prefill worker
     assert r.choose(submit(), 0.0).local

@@ -8,10 +8,11 @@ Routing: decode = fewest running sequences among those with enough free pages (t
 pages); prefill = fewest queued prompt tokens. Heartbeats are up to one interval old, so the
 router adds what it assigned since each worker's last heartbeat to that heartbeat's load.
 
-Conditional prefill: a short prompt (<= LOCAL_PREFILL_TOKENS) is computed by the chosen decode
-worker itself (real ones can, fake ones not) when that worker has nothing in its batch and
-fewer prompt tokens to compute than the prefill worker has queued: a burst no longer waits on
-one prefill worker while the decode worker idles, and no running stream waits for the prompt.
+Conditional prefill: the chosen decode worker computes a prompt itself (real ones can, fake
+ones not) when its batch is empty, it has fewer prompt tokens to compute than the prefill
+worker, and at most LOCAL_PREFILL_TOKENS with this one: a burst no longer waits on one
+prefill worker while the decode worker idles, and the streams that the prefill worker starts
+meanwhile wait for one short prompt at most.
 """
 
 from collections import deque
@@ -21,7 +22,7 @@ from shared import protocol
 from shared.protocol import HeartbeatMsg, SubmitMsg
 from shared.registry import WorkerRegistry
 
-LOCAL_PREFILL_TOKENS = 512
+LOCAL_PREFILL_TOKENS = 256
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -93,11 +94,12 @@ class Router:
             return None
         decode = min(decoders, key=lambda b: (self._seqs(b), -self._free(b), b.worker_id))
         prefill = min(prefills, key=lambda b: (self._tokens(b), b.running_seqs, b.worker_id))
+        mine = self._tokens(decode)
         local = (
             decode.local_prefill
-            and len(submit.prompt_token_ids) <= LOCAL_PREFILL_TOKENS
             and decode.decoding_seqs == 0
-            and self._tokens(decode) < self._tokens(prefill)
+            and mine + len(submit.prompt_token_ids) <= LOCAL_PREFILL_TOKENS
+            and mine < self._tokens(prefill)
         )
         return Choice(prefill=prefill, decode=decode, local=local)
 
