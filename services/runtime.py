@@ -3,7 +3,7 @@
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 
 from shared.errors import TisonError
 from shared.proc import process_age_s
@@ -37,3 +37,29 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log_level: str
         log.error("%s", e)
         return 2
     return 0
+
+
+class TaskSet:
+    """Tasks a service starts and does not await at once: referenced until they end (asyncio
+    keeps only weak references), a failure logged, all cancelled at stop."""
+
+    def __init__(self, what: str):
+        self.what = what  # for the log: "placing a request", "a message handler"
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", self.what, exc_info=task.exception())
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -185,7 +185,7 @@ class TokensMsg:
     worker_id: str  # worker sets; logged
     items: tuple[TokenItem, ...]  # worker sets: one per request that advanced this step
     step_s: float = 0.0  # worker sets: the engine step that made these tokens
-    cycle_s: float = 0.0  # worker sets: since its previous step's tokens left (step + overhead)
+    cycle_s: float = 0.0  # worker sets: its previous step's end to this one's (step + loop)
     sent_at: float = 0.0  # worker sets: its time.time() at publish (transit, on one host)
 
 

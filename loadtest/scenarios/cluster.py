@@ -91,6 +91,15 @@ class Cluster:
         tail = ["--nats-url", self.nats_url] if nats else []
         self.start(name, [sys.executable, "-m", "services.cli", *args, *tail], cpus)
 
+    def up(self, model: Path, *flags: str) -> str:
+        """`tison up` on `model` (its own NATS) on a free port; its URL once healthy. The
+        process is procs["up"]."""
+        port = free_port()
+        self.tison("up", ["up", "--model", str(model), "--port", str(port), *flags], nats=False)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_healthy(url + "/health")
+        return url
+
     def wait_healthy(self, health_url: str, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while http_status(health_url) != 200:

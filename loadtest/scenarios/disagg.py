@@ -33,21 +33,13 @@ from loadtest.paired import Side, median_of, round_ratios, run_rounds, short_out
 from loadtest.plots import compare_plots
 from loadtest.report import BenchReport, fmt
 from loadtest.runner import Load
-from loadtest.scenarios.cluster import Cluster, free_port
+from loadtest.scenarios.cluster import Cluster
 from loadtest.scenarios.common import build_small_llama, md_table, save, wait_serving, warm_up
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, mixed, random_requests
 from shared.tokenizer.tokenizer import Tokenizer
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
-
-
-def start_up(c: Cluster, model: Path, *flags: str) -> str:
-    port = free_port()
-    c.tison("up", ["up", "--model", str(model), "--port", str(port), *flags], nats=False)
-    url = f"http://127.0.0.1:{port}"
-    c.wait_healthy(url + "/health")
-    return url
 
 
 def workload(model: Path, args) -> tuple[list, str]:
@@ -85,10 +77,10 @@ def main() -> None:
         slo = Slo(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot)
         sides = []
         c = stack.enter_context(Cluster(Path(tmp) / "colocated"))
-        target = Target(start_up(c, model, "--colocated"), model.name, ignore_eos=True)
+        target = Target(c.up(model, "--colocated"), model.name, ignore_eos=True)
         sides.append(Side(COLOCATED, target))
         c = stack.enter_context(Cluster(Path(tmp) / "disaggregated"))
-        target = Target(start_up(c, model), model.name, ignore_eos=True)
+        target = Target(c.up(model), model.name, ignore_eos=True)
         # the load generator stays on core 0 with prefill and the services, off decode's core
         sides.append(Side(DISAGGREGATED, target, cpus=frozenset({0})))
         for side in sides:

@@ -40,7 +40,7 @@ import numpy as np
 from loadtest.bench import run_sync, served_model
 from loadtest.report import fmt
 from loadtest.runner import Load
-from loadtest.scenarios.cluster import REPO_ROOT, Cluster, free_port
+from loadtest.scenarios.cluster import REPO_ROOT, Cluster
 from loadtest.scenarios.common import bench, build_small_llama, md_table, wait_serving, warm_up
 from loadtest.target import Target
 from loadtest.workloads import LengthDist, PromptMaker, random_requests
@@ -156,10 +156,7 @@ def main() -> None:
     batches = [int(n) for n in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="tison-overhead-") as tmp, Cluster(Path(tmp)) as c:
         model = build_small_llama(args.model_dir or Path(tmp) / "small-llama")
-        port = free_port()
-        c.tison("up", ["up", "--model", str(model), "--port", str(port)], nats=False)
-        url = f"http://127.0.0.1:{port}"
-        c.wait_healthy(url + "/health")
+        url = c.up(model)
         decode_cores = worker_cores(c.procs["up"].pid, "decode")
         # the load generator stands in for clients on other machines: off the decode cores
         client_cores = set(available_cores()) - set(decode_cores) or set(available_cores())

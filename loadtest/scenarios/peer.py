@@ -46,14 +46,6 @@ PEER, OURS, LLAMA_CPP = "transformers serve", "tison", "llama.cpp"
 COLOCATED = "tison --colocated"
 
 
-def start_tison(c: Cluster, model: Path, *flags: str) -> str:
-    port = free_port()
-    c.tison("up", ["up", "--model", str(model), "--port", str(port), *flags], nats=False)
-    url = f"http://127.0.0.1:{port}"
-    c.wait_healthy(url + "/health")
-    return url
-
-
 def start_transformers(c: Cluster, model: Path) -> str:
     exe = shutil.which("transformers", path=os.path.dirname(sys.executable)) or shutil.which(
         "transformers"
@@ -110,9 +102,9 @@ def main() -> None:
             LengthDist.parse(args.output_len),
         )
         sides = []
-        servers = [(PEER, start_transformers), (OURS, start_tison)]
+        servers = [(PEER, start_transformers), (OURS, lambda c, m: c.up(m))]
         if args.colocated:
-            servers.append((COLOCATED, lambda c, m: start_tison(c, m, "--colocated")))
+            servers.append((COLOCATED, lambda c, m: c.up(m, "--colocated")))
         if args.gguf and shutil.which("llama-server"):
             most = max(load.concurrency for load in loads)
             servers.append((LLAMA_CPP, lambda c, _: start_llama_server(c, args.gguf, most)))

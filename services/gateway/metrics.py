@@ -15,47 +15,39 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
             "tison_time_to_first_token_seconds",
             "Request arrival to first token sent",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "tison_inter_token_latency_seconds",
             "Time between consecutive output tokens",
-            buckets=_ITL_BUCKETS,
-            registry=r,
+            _ITL_BUCKETS,
         )
-        self.e2e = Histogram(
-            "tison_e2e_request_latency_seconds",
-            "Request arrival to last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "tison_e2e_request_latency_seconds", "Request arrival to last token", _LATENCY_BUCKETS
         )
-        self.step = Histogram(
-            "tison_decode_step_seconds",
-            "A decode worker's engine step, per tokens message",
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.cycle = Histogram(
+        # Where a streamed token's time goes, from each tokens message of a decode worker:
+        self.step = histogram("tison_decode_step_seconds", "The engine step", _ITL_BUCKETS)
+        self.cycle = histogram(
             "tison_decode_cycle_seconds",
-            "A decode worker's step to step time (engine step plus its loop's overhead)",
-            buckets=_ITL_BUCKETS,
-            registry=r,
+            "Step end to step end: the engine step plus the worker loop's overhead",
+            _ITL_BUCKETS,
         )
-        self.batch = Histogram(
+        self.batch = histogram(
             "tison_decode_batch_size",
-            "Requests of this gateway in a decode worker's step, per tokens message",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-            registry=r,
+            "This gateway's requests in the step",
+            (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
         )
-        self.transit = Histogram(
+        self.transit = histogram(
             "tison_tokens_transit_seconds",
-            "A tokens message from the decode worker's publish to the gateway (same host)",
-            buckets=_ITL_BUCKETS,
-            registry=r,
+            "The worker's publish to the gateway (clocks of one host)",
+            _ITL_BUCKETS,
         )
         self.running = Gauge("tison_requests_running", "Requests generating", registry=r)
         self.waiting = Gauge(

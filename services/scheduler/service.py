@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import nats
 from nats.aio.msg import Msg
 
+from services.runtime import TaskSet
 from services.scheduler.policy import AdmissionQueue, Choice, Pending, Router
 from shared import protocol, subjects
 from shared.errors import ProtocolError
@@ -67,7 +68,7 @@ class Scheduler:
         self._nc: nats.NATS | None = None
         # Requests being placed (chosen, reservation under way) → cancelled meanwhile?
         self._placing: dict[str, bool] = {}
-        self._tasks: set[asyncio.Task] = set()  # placement tasks, kept until they end
+        self._placements = TaskSet("placing a request")
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set."""
@@ -84,10 +85,8 @@ class Scheduler:
         try:
             await stop.wait()
         finally:
-            tasks = [dispatcher, *self._tasks]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            dispatcher.cancel()
+            await asyncio.gather(dispatcher, self._placements.cancel_all(), return_exceptions=True)
             with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
                 await nc.drain()
 
@@ -182,15 +181,8 @@ class Scheduler:
             return False
         self.router.record(choice, pending.submit)
         self._placing[pending.submit.request_id] = False
-        task = asyncio.create_task(self._place(pending, choice))
-        self._tasks.add(task)
-        task.add_done_callback(self._placed)
+        self._placements.spawn(self._place(pending, choice))
         return True
-
-    def _placed(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("placing a request failed", exc_info=task.exception())
 
     async def _place(self, pending: Pending, choice: Choice) -> None:
         """Reserve pages on D, then answer the gateway and send P its work; requeue if refused."""
@@ -220,7 +212,9 @@ class Scheduler:
             cancel = CancelMsg(submit.request_id, reason="cancelled while placing")
             await self._nc.publish(subjects.gateway_cancel(), protocol.encode(cancel))
 
-    async def _assign_prefill(self, submit: SubmitMsg, choice: Choice, reservation) -> None:
+    async def _assign_prefill(
+        self, submit: SubmitMsg, choice: Choice, reservation: DecodeAssignReplyMsg
+    ) -> None:
         assignment = PrefillAssignMsg(
             request_id=submit.request_id,
             gateway_id=submit.gateway_id,

@@ -125,12 +125,10 @@ def _names(mode: str, req: Request) -> list[tuple[str, str]]:
 
 
 def _split_services(req: Request) -> tuple[tuple[int, ...], list[int]]:
-    """(service cores, the cores left to workers). Explicit worker cores leave the rest to the
-    services when there is a rest."""
-    chosen = set(req.cores_prefill) | set(req.cores_decode)
-    if chosen and not (req.cores_prefill and req.cores_decode):  # one given: the other the rest
-        chosen = set()
-    if chosen:
+    """(service cores, the cores left to workers). With both roles' cores given, the services
+    get the rest (when there is a rest)."""
+    if req.cores_prefill and req.cores_decode:
+        chosen = set(req.cores_prefill) | set(req.cores_decode)
         rest = tuple(c for c in req.cores if c not in chosen)
         return rest, [c for c in req.cores if c in chosen]
     n = service_core_count(len(req.cores))

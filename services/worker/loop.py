@@ -3,13 +3,11 @@ run between steps in arrival order; each step runs in a thread so the event loop
 for heartbeats, assignments and cancels."""
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from services.runtime import TaskSet
 from shared.engine.engine import LLMEngine, StepOutput
-
-log = logging.getLogger(__name__)
 
 
 class EngineLoop:
@@ -20,7 +18,7 @@ class EngineLoop:
         self.on_outputs = on_outputs
         self._commands: list[tuple[Callable, tuple, asyncio.Future]] = []
         self._wake = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()  # message handlers running (see in_tasks)
+        self.handlers = TaskSet("a message handler")  # see in_tasks
         self.step_s = 0.0  # the last step's time in the engine
         self.cycle_s = 0.0  # from the previous step's end to this one's: step + loop overhead
         self._step_end = 0.0  # 0: the loop was idle since
@@ -32,16 +30,9 @@ class EngineLoop:
         start in arrival order, so their commands keep it."""
 
         async def spawn(msg) -> None:
-            task = asyncio.create_task(callback(msg))
-            self._tasks.add(task)
-            task.add_done_callback(self._handled)
+            self.handlers.spawn(callback(msg))
 
         return spawn
-
-    def _handled(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("message handler failed", exc_info=task.exception())
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the engine between two steps; returns its result (or raises)."""

@@ -99,7 +99,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
         await stop.wait()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, loop.handlers.cancel_all(), return_exceptions=True)
     finally:
         if tcp_server is not None:
             await tcp_server.close()

@@ -49,7 +49,7 @@ class EngineConfig:
             object.__setattr__(self, "kv_shm_path", Path(self.kv_shm_path))
         object.__setattr__(self, "pp_layers", self.parallel.pp_layers)  # validates the shape
         object.__setattr__(self, "cpus", tuple(self.cpus))
-        if len(self.cpus) < self.parallel.world_size and self.cpus and not self.allow_oversubscribe:
+        if self.cpus and len(self.cpus) < self.parallel.world_size and not self.allow_oversubscribe:
             raise InvalidRequestError(
                 "cpus",
                 f"{len(self.cpus)} CPUs for {self.parallel.world_size} ranks "
