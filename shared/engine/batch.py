@@ -1,4 +1,4 @@
-"""Turns a SchedulerOutput into the flat tensors of one forward pass."""
+"""Turns a SchedulerOutput into the flat tensors of one forward pass, on the engine's device."""
 
 from dataclasses import dataclass
 
@@ -6,6 +6,8 @@ import torch
 
 from shared.engine.scheduler import SchedulerOutput
 from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -18,7 +20,10 @@ class ForwardBatch:
 
 
 def build_batch(
-    out: SchedulerOutput, page_size: int, sliding_window: int | None = None
+    out: SchedulerOutput,
+    page_size: int,
+    sliding_window: int | None = None,
+    device: torch.device = CPU,
 ) -> ForwardBatch:
     ids: list[int] = []
     positions: list[int] = []
@@ -42,46 +47,52 @@ def build_batch(
             decode.append((row, end, req.page_ids))
         else:
             prefills.append(
-                _prefill_span(row, s.start, s.num_tokens, req.page_ids, page_size, sliding_window)
+                _prefill_span(
+                    row, s.start, s.num_tokens, req.page_ids, page_size, sliding_window, device
+                )
             )
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        decode=_decode_rows(decode, len(ids), page_size, sliding_window) if decode else None,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        decode=_decode_rows(decode, len(ids), page_size, sliding_window, device)
+        if decode
+        else None,
         prefills=prefills,
     )
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
         meta=meta,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
         sample_index=sample_index,
     )
 
 
 def _decode_rows(
-    decode: list[tuple[int, int, list[int]]], num_tokens: int, page_size: int, window
+    decode: list[tuple[int, int, list[int]]], num_tokens: int, page_size: int, window, device
 ) -> DecodeRows:
+    long, i32 = torch.long, torch.int32
     rows, contexts, tables = zip(*decode)
     max_pages = max(-(-ctx // page_size) for ctx in contexts)
     table = [t[:max_pages] + [0] * (max_pages - len(t)) for t in tables]
     return DecodeRows(
-        rows=None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long),
-        block_table=torch.tensor(table, dtype=torch.int32),  # (B, Pmax)
-        context_lens=torch.tensor(contexts, dtype=torch.int32),  # (B,)
+        rows=None if len(rows) == num_tokens else torch.tensor(rows, dtype=long, device=device),
+        block_table=torch.tensor(table, dtype=i32, device=device),  # (B, Pmax)
+        context_lens=torch.tensor(contexts, dtype=i32, device=device),  # (B,)
         page_size=page_size,
         window=window,
     )
 
 
 def _prefill_span(
-    row: int, start: int, n: int, page_ids: list[int], page_size: int, window
+    row: int, start: int, n: int, page_ids: list[int], page_size: int, window, device
 ) -> PrefillSpan:
     ctx = start + n
-    key_pos = torch.arange(ctx)
-    pages = torch.tensor(page_ids[: -(-ctx // page_size)], dtype=torch.long)  # (ceil(ctx / S),)
+    key_pos = torch.arange(ctx, device=device)
+    pages = page_ids[: -(-ctx // page_size)]  # (ceil(ctx / S),)
+    pages = torch.tensor(pages, dtype=torch.long, device=device)
     mask = None
     if start > 0 or (window is not None and ctx > window):
-        query_pos = torch.arange(start, ctx)[:, None]  # (n, 1)
+        query_pos = torch.arange(start, ctx, device=device)[:, None]  # (n, 1)
         mask = key_pos[None, :] <= query_pos  # (n, ctx)
         if window is not None:
             mask &= key_pos[None, :] > query_pos - window

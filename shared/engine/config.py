@@ -11,6 +11,7 @@ from shared.parallel.shape import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEVICES = ("cpu",)  # where a shard's weights, KV pool and step tensors live
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,11 @@ class EngineConfig:
     allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
     cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
+    device: str = "cpu"  # the device of every rank's tensors (weights, KV pool, steps)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
+        self._validate_device()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
                 "dtype", f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}"
@@ -55,6 +58,18 @@ class EngineConfig:
                 f"{len(self.cpus)} CPUs for {self.parallel.world_size} ranks "
                 "(one core per rank at least, or allow_oversubscribe)",
             )
+
+    def _validate_device(self) -> None:
+        if self.device.split(":")[0] == "cuda":  # CUDA will be a backend of its own
+            raise InvalidRequestError("device", "the CUDA path is not built yet; use 'cpu'")
+        if self.device not in DEVICES:
+            raise InvalidRequestError(
+                "device", f"must be one of {', '.join(DEVICES)}; got {self.device!r}"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
 
     @property
     def parallel(self) -> ParallelConfig:

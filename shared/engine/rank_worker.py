@@ -28,7 +28,7 @@ def build_runner(rank: int, port: int, spec: dict):
     shape = config.parallel
     store = open_store("127.0.0.1", port, shape.world_size, is_master=False)
     store.set(f"joined{rank}", "1")
-    comm = RankComm(store, rank, shape)
+    comm = RankComm(store, rank, shape, config.device)
     try:
         cfg = ModelConfig.from_dir(config.model_dir)
         stage = shape.stage_of(rank, cfg.num_layers)

@@ -22,6 +22,7 @@ class RankProcesses:
 
     def __init__(self, config: EngineConfig, num_pages: int, threads: int):
         self.shape = config.parallel
+        self.device = config.device
         self.world_size = self.shape.world_size
         self.store = open_store("127.0.0.1", 0, self.world_size, is_master=True)
         spec = json.dumps({"engine": config.to_json_dict(), "num_pages": num_pages})
@@ -52,7 +53,7 @@ class RankProcesses:
     def join(self) -> RankComm:
         """Rank 0's groups, once every child has connected."""
         self._wait_keys("joined", READY_TIMEOUT_S)
-        return RankComm(self.store, 0, self.shape)
+        return RankComm(self.store, 0, self.shape, self.device)
 
     def wait_ready(self) -> None:
         """Until every child has loaded its shard; raises if one failed or exited."""

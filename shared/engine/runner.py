@@ -32,6 +32,7 @@ class ModelRunner:
         self.kv = kv
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
+        self.device = kv.device  # the engine's (EngineConfig.device): the pool is there
         self.tp, self.stage, self.comm = tp, stage, comm
         self.hidden_size = model.config.hidden_size
         self.dtype = kv.spec.dtype
@@ -58,7 +59,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None):
-        batch = build_batch(out, self.kv.spec.page_size, self.sliding_window)
+        batch = build_batch(out, self.kv.spec.page_size, self.sliding_window, self.device)
         hook = self.on_layer_done
         after_layer = None if hook is None else (lambda layer: hook(layer, out))
         hidden = residual = None

@@ -46,13 +46,13 @@ def build_shard(
     num_pages: int,
     rank: int = 0,
 ) -> tuple[torch.nn.Module, KVCache]:
-    dtype = config.torch_dtype(cfg.torch_dtype)
+    dtype, device = config.torch_dtype(cfg.torch_dtype), config.torch_device
     start = time.perf_counter()
-    model = load_model(config.model_dir, cfg, dtype, tp, stage)
+    model = load_model(config.model_dir, cfg, dtype, tp, stage, device)
     loaded = time.perf_counter()
     log.info("rank %d: model loaded in %.2f s", rank, loaded - start)
     spec = shard_kv_spec(cfg, config, dtype, tp.size, stage)
-    kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank))
+    kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank), device)
     log.info(
         "rank %d: KV pool of %d pages (%.0f MiB) in %.2f s",
         rank,

@@ -14,12 +14,23 @@ from shared.kv.spec import MHAKVSpec
 class KVCache:
     """Owns the pool tensor (L, 2, P, S, nkv, hd); `layer(i)` is the (2, P, S, nkv, hd) view."""
 
-    def __init__(self, spec: MHAKVSpec, num_pages: int, shm_path: str | Path | None = None):
+    def __init__(
+        self,
+        spec: MHAKVSpec,
+        num_pages: int,
+        shm_path: str | Path | None = None,
+        device: torch.device | str = "cpu",  # EngineConfig.device
+    ):
         self.spec = spec
         self.num_pages = num_pages
         self.shm_path = Path(shm_path) if shm_path else None
+        self.device = torch.device(device)
         shape = spec.pool_shape(num_pages)
-        if self.shm_path is None:
+        if self.shm_path is not None and self.device.type != "cpu":
+            raise ValueError(f"a KV pool in shared memory is a CPU pool, not one on {device}")
+        if self.device.type != "cpu":
+            self.data = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        elif self.shm_path is None:
             self.data = zeroed_pages(shape, spec.dtype)
         else:
             # shared=True maps the file MAP_SHARED: writes by any process are seen by all

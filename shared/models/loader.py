@@ -25,15 +25,20 @@ def load_model(
     dtype: torch.dtype,
     tp: TPGroup = SINGLE,
     stage: PPStage = WHOLE_MODEL,
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
+    """The model's parameters and buffers are made on `device`; the checkpoint's tensors are
+    copied there as they are read."""
     cls = model_class(cfg.architecture)
-    model = cls(cfg, dtype=dtype, tp=tp, stage=stage)
+    device = torch.device(device)
+    with device:  # the default device of every tensor the layers make
+        model = cls(cfg, dtype=dtype, tp=tp, stage=stage)
     checkpoint = Checkpoint.open(model_dir)
     try:
         load_weights(model, checkpoint, stage, str(model_dir))
     finally:
         checkpoint.close()
-    if dtype == torch.bfloat16:  # the model is on the CPU until moved
+    if dtype == torch.bfloat16 and device.type == "cpu":
         prepare_cpu_linears(model)
     return model.eval()
 

@@ -1,7 +1,9 @@
 """The links of one rank of a worker: a world group for point-to-point messages (step plans,
 hidden states, results) and its stage's tensor-parallel group. Groups are ProcessGroup objects
 built over a loopback TCPStore, not the process-global default group, so one process may hold
-several engines (tests) one after another. Messages are msgpack bytes or tensors, never pickle."""
+several engines (tests) one after another. Messages are msgpack bytes or tensors, never pickle.
+The TP group's backend follows the device (group.process_group); the world group carries the
+msgpack plans, CPU bytes, so it is gloo on every device."""
 
 import time
 from datetime import timedelta
@@ -9,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shared.parallel.group import TPGroup
+from shared.parallel.group import TPGroup, process_group
 from shared.parallel.shape import ParallelConfig
 
 PLAN, HIDDEN, RESULT = 1, 2, 3  # message tags: rank 0 -> all, stage -> next stage, last -> 0
@@ -26,13 +28,21 @@ def open_store(host: str, port: int, world_size: int, is_master: bool) -> dist.T
 class RankComm:
     """One rank's groups. Sends are asynchronous: rank 0 never waits for a busy later stage."""
 
-    def __init__(self, store: dist.Store, rank: int, shape: ParallelConfig):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        shape: ParallelConfig,
+        device: str = "cpu",  # EngineConfig.device: the TP group's backend follows it
+    ):
         self.rank, self.shape = rank, shape
-        self.world = _gloo(dist.PrefixStore("world", store), rank, shape.world_size)
+        world = dist.PrefixStore("world", store)
+        self.world = process_group(world, rank, shape.world_size, "cpu", IDLE_TIMEOUT)
         stage, tp_rank = divmod(rank, shape.tp)
         group = None
         if shape.tp > 1:
-            group = _gloo(dist.PrefixStore(f"tp{stage}", store), tp_rank, shape.tp)
+            tp_store = dist.PrefixStore(f"tp{stage}", store)
+            group = process_group(tp_store, tp_rank, shape.tp, device, IDLE_TIMEOUT)
         self.tp = TPGroup(tp_rank, shape.tp, group)
         self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
         self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
@@ -64,7 +74,3 @@ class RankComm:
         for work, _ in self._sends:
             work.wait()
         self._sends = []
-
-
-def _gloo(store: dist.Store, rank: int, size: int):
-    return dist.ProcessGroupGloo(store, rank, size, IDLE_TIMEOUT)

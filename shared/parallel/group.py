@@ -1,8 +1,11 @@
-"""The tensor-parallel group a layer belongs to. Size 1 (no parallelism) is the default."""
+"""The tensor-parallel group a layer belongs to. Size 1 (no parallelism) is the default.
+`process_group` makes the torch.distributed group for a device: gloo on CPU, NCCL on CUDA."""
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -37,3 +40,18 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+def process_group(
+    store: dist.Store, rank: int, size: int, device: torch.device | str, timeout: timedelta
+):
+    """A ProcessGroup object over `store` for tensors on `device` (the one place that picks
+    the torch.distributed backend): gloo on CPU, NCCL on CUDA."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if kind == "cuda" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ValueError(f"no torch.distributed backend for {kind} tensors in this torch build")

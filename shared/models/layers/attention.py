@@ -48,12 +48,16 @@ class DecodeRows:
     @cached_property
     def mask(self) -> torch.Tensor:
         """(B, 1, 1, Pmax * S) True where a key is visible: the torch path's padding mask."""
-        key_pos = torch.arange(self.block_table.shape[1] * self.page_size)
+        key_pos = torch.arange(self.block_table.shape[1] * self.page_size, device=self.device)
         ctx = self.context_lens.long()[:, None]
         visible = key_pos < ctx
         if self.window is not None:
             visible &= key_pos >= ctx - self.window
         return visible[:, None, None, :]
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_table.device
 
 
 @dataclass
