@@ -71,3 +71,8 @@ def run_all(engine: LLMEngine, outputs: dict | None = None) -> dict[str, list[in
         for s in engine.step():
             outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
     return outputs
+
+
+def attention_backends(engine: LLMEngine) -> set[str]:
+    """The names of the attention backends rank 0's layers run on."""
+    return {layer.self_attn.attn.backend.name for layer in engine.model.model.layers}

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.models.layers import cpu_kernels
-from shared.models.layers.attention import DecodeRows, PagedAttention
+from shared.models.layers.attention import DecodeRows
+from shared.models.layers.attention_backend import TorchBackend
 from shared.models.layers.rotary import RotaryEmbedding, _rotate
 
 from compilers import needs_compiler
@@ -121,7 +122,7 @@ def test_paged_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, pa
     k, v = torch.randn(2, 8, nkv, hd).to(dtype)
     slots = unread_slots(kv_layer, table)[:8]
     d = DecodeRows(rows, table, torch.tensor(contexts, dtype=torch.int32), page_size, window)
-    ref = PagedAttention(nh, nkv, hd, hd**-0.5)._decode(q[rows], kv_layer[0], kv_layer[1], d)
+    ref = TorchBackend.decode(q[rows], kv_layer, d, hd**-0.5)
     out = torch.full_like(q, 7.0)
     cpu_kernels.paged_attention(q, k, v, kv_layer, slots, hd**-0.5, out, **d.kernel_args())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -133,9 +134,9 @@ def test_paged_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, pa
 
 def decode_against_sdpa(kv_layer, table, contexts, q, window=None, page_size=16):
     """Runs the kernel on decode rows 0..B-1 of q (B, nh, hd) -> (ours, the torch reference)."""
-    nh, nkv, hd = q.shape[1], kv_layer.shape[3], q.shape[2]
+    nkv, hd = kv_layer.shape[3], q.shape[2]
     d = DecodeRows(None, table, torch.tensor(contexts, dtype=torch.int32), page_size, window)
-    ref = PagedAttention(nh, nkv, hd, hd**-0.5)._decode(q, kv_layer[0], kv_layer[1], d)
+    ref = TorchBackend.decode(q, kv_layer, d, hd**-0.5)
     k = v = torch.zeros(len(contexts), nkv, hd, dtype=q.dtype)
     slots = unread_slots(kv_layer, table)[:1].repeat(len(contexts))
     out = torch.empty_like(q)
@@ -183,7 +184,7 @@ def test_paged_attention_many_rows_uses_whole_row_tasks_alike():
     kv_layer, table = paged_case(contexts, 8, 2, 32, 16, torch.float32, seed=1)
     q = torch.randn(20, 8, 32)
     d = DecodeRows(None, table, torch.tensor(contexts, dtype=torch.int32), 16, None)
-    ref = PagedAttention(8, 2, 32, 0.1)._decode(q, kv_layer[0], kv_layer[1], d)
+    ref = TorchBackend.decode(q, kv_layer, d, 0.1)
     k = v = torch.zeros(20, 2, 32)
     slots = unread_slots(kv_layer, table)[:1].repeat(20)
     threads = torch.get_num_threads()

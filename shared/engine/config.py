@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from shared.errors import InvalidRequestError
+from shared.models.layers.attention_backend import BACKENDS
 from shared.parallel.shape import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,6 +36,7 @@ class EngineConfig:
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
     cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
     device: str = "cpu"  # the device of every rank's tensors (weights, KV pool, steps)
+    attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | torch
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -42,6 +44,11 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
                 "dtype", f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}"
+            )
+        if self.attention_backend not in BACKENDS:
+            raise InvalidRequestError(
+                "attention_backend",
+                f"must be one of {', '.join(BACKENDS)}; got {self.attention_backend!r}",
             )
         for name in ("page_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:

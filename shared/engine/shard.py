@@ -11,6 +11,7 @@ from shared.engine.config import EngineConfig
 from shared.kv.cache import KVCache
 from shared.kv.spec import MHAKVSpec
 from shared.models.config import ModelConfig
+from shared.models.layers.attention_backend import select_backend
 from shared.models.loader import load_model
 from shared.parallel.group import TPGroup
 from shared.parallel.pipeline import PPStage
@@ -47,10 +48,13 @@ def build_shard(
     rank: int = 0,
 ) -> tuple[torch.nn.Module, KVCache]:
     dtype, device = config.torch_dtype(cfg.torch_dtype), config.torch_device
+    attention = select_backend(device, dtype, config.attention_backend)  # once, for all layers
     start = time.perf_counter()
-    model = load_model(config.model_dir, cfg, dtype, tp, stage, device)
+    model = load_model(config.model_dir, cfg, dtype, tp, stage, device, attention)
     loaded = time.perf_counter()
-    log.info("rank %d: model loaded in %.2f s", rank, loaded - start)
+    log.info(
+        "rank %d: model loaded in %.2f s (attention: %s)", rank, loaded - start, attention.name
+    )
     spec = shard_kv_spec(cfg, config, dtype, tp.size, stage)
     kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank), device)
     log.info(

@@ -8,6 +8,7 @@ from shared.kv.cache import KVCache
 from shared.models.config import ModelConfig
 from shared.models.layers.activation import SiluAndMul
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
+from shared.models.layers.attention_backend import AttentionBackend, select_backend
 from shared.models.layers.decode_layer import FusedDecoder, layer_spec
 from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shared.models.layers.linear import (
@@ -22,7 +23,7 @@ from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup, backend):
         super().__init__()
         hd = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -33,7 +34,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, scale=hd**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, backend)
         self.split = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
 
     def forward(self, positions, x, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
@@ -64,10 +65,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup, backend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, tp)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, tp, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype, tp)
 
@@ -95,7 +96,7 @@ class PPMissingLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage):
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage, backend):
         super().__init__()
         self.stage = stage
         # only the first stage embeds and only the last one normalises: others hold neither
@@ -108,7 +109,9 @@ class LlamaModel(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, dtype, tp) if stage.owns(i) else PPMissingLayer()
+            LlamaDecoderLayer(cfg, rotary, dtype, tp, backend)
+            if stage.owns(i)
+            else PPMissingLayer()
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
@@ -165,10 +168,12 @@ class LlamaForCausalLM(nn.Module):
         dtype=torch.float32,
         tp: TPGroup = SINGLE,
         stage: PPStage = WHOLE_MODEL,
+        attention: AttentionBackend | None = None,  # None: select_backend's for a CPU model
     ):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, tp, stage)
+        attention = attention or select_backend("cpu", dtype)
+        self.model = LlamaModel(cfg, dtype, tp, stage, attention)
         self.lm_head = None
         if stage.is_last:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)

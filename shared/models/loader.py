@@ -9,6 +9,7 @@ from torch import nn
 from shared.checkpoint import Checkpoint
 from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
+from shared.models.layers.attention_backend import AttentionBackend
 from shared.models.layers.linear import default_weight_loader
 from shared.models.packing import prepare_cpu_linears
 from shared.models.registry import model_class
@@ -26,13 +27,14 @@ def load_model(
     tp: TPGroup = SINGLE,
     stage: PPStage = WHOLE_MODEL,
     device: torch.device | str = "cpu",
+    attention: AttentionBackend | None = None,  # None: the model's default for the CPU
 ) -> nn.Module:
     """The model's parameters and buffers are made on `device`; the checkpoint's tensors are
     copied there as they are read."""
     cls = model_class(cfg.architecture)
     device = torch.device(device)
     with device:  # the default device of every tensor the layers make
-        model = cls(cfg, dtype=dtype, tp=tp, stage=stage)
+        model = cls(cfg, dtype=dtype, tp=tp, stage=stage, attention=attention)
     checkpoint = Checkpoint.open(model_dir)
     try:
         load_weights(model, checkpoint, stage, str(model_dir))

@@ -1,18 +1,15 @@
 """Paged attention over the KV pool, for a flat batch that mixes prefill chunks and decode tokens.
 
 The new tokens' K/V are written into their pages first (slot_mapping); then each query reads
-its whole context straight from the pages. Decode rows (one query each) run together: on CPU
-in a C kernel that reads the pages in place, elsewhere as one padded torch batch. Each prefill
-chunk runs on its own, with a causal mask offset by its cached prefix."""
+its whole context straight from the pages. Decode rows (one query each) run together; each
+prefill chunk runs on its own, with a causal mask offset by its cached prefix. The engine's
+AttentionBackend does the work (attention_backend.py: the C kernels on CPU, torch elsewhere)."""
 
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from shared.models.layers import cpu_kernels
 
 
 @dataclass
@@ -70,66 +67,16 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """The attention of one layer: writes the new K/V into its pages, attends over them with
+    the engine's backend (chosen once), or the torch one where that backend lacks the shape."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.gqa = num_heads != num_kv_heads
-        self.kernel_ok = cpu_kernels.attention_supported(num_heads, num_kv_heads, head_dim)
+        self.backend = backend.for_shape(num_heads, num_kv_heads, head_dim)
+        self.kernel_ok = self.backend.fused_decode  # decode_layer.py: may run fused
 
     def forward(self, q, k, v, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd), kv_layer (2, P, S, nkv, hd) -> (T, nh, hd)."""
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        d = meta.decode
-        if self.kernel_ok and cpu_kernels.usable(q):  # K/V stored, decode rows done in C
-            decode = {} if d is None else d.kernel_args()
-            cpu_kernels.paged_attention(
-                q, k, v, kv_layer, meta.slot_mapping, self.scale, out, **decode
-            )
-        else:
-            pool = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, P*S, nkv, hd)
-            pool[0].index_copy_(0, meta.slot_mapping, k)  # new tokens into their slots
-            pool[1].index_copy_(0, meta.slot_mapping, v)
-            if d is not None:
-                decoded = self._decode(q if d.rows is None else q[d.rows], *kv_layer, d)
-                if d.rows is None:
-                    return decoded
-                out[d.rows] = decoded
-        for span in meta.prefills:
-            out[span.start : span.end] = self._prefill(
-                q[span.start : span.end], kv_layer[0], kv_layer[1], span
-            )
-        return out
-
-    def _decode(self, q, k_pages, v_pages, d: DecodeRows) -> torch.Tensor:
-        # whole pages are copied (S * nkv * hd contiguous elements each), not token slots;
-        # index_select copies rows with memcpy, ~3x faster than advanced indexing on CPU
-        shape = (*d.block_table.shape[:1], -1, *k_pages.shape[2:])  # (B, Pmax*S, nkv, hd)
-        pages = d.block_table.flatten().long()
-        keys = k_pages.index_select(0, pages).view(shape).transpose(1, 2)  # (B, nkv, L, hd)
-        values = v_pages.index_select(0, pages).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # (B, nh, 1, hd)
-            keys,
-            values,
-            attn_mask=d.mask,
-            scale=self.scale,
-            enable_gqa=self.gqa,
-        )  # (B, nh, 1, hd)
-        return out.squeeze(2)
-
-    def _prefill(self, q, k_pages, v_pages, span: PrefillSpan) -> torch.Tensor:
-        # 4-D inputs: the CPU flash kernel takes only (B, heads, L, hd); 3-D falls back to math
-        keys = k_pages.index_select(0, span.pages).flatten(0, 1)[: span.ctx]  # (ctx, nkv, hd)
-        values = v_pages.index_select(0, span.pages).flatten(0, 1)[: span.ctx]
-        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # (1, nh, n, hd); keys (1, nkv, ctx, hd)
-            keys,
-            values,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=self.scale,
-            enable_gqa=self.gqa,
-        )  # (1, nh, n, hd)
-        return out[0].transpose(0, 1)
+        return self.backend.forward(q, k, v, kv_layer, meta, self.scale)
