@@ -1,11 +1,18 @@
 """Turns a SchedulerOutput into the flat tensors of one forward pass, on the engine's device."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shared.engine.scheduler import SchedulerOutput
-from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
+from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
+from shared.models.layers.attention import (
+    AttentionMetadata,
+    DecodeRows,
+    PrefillSpan,
+    StepMetadata,
+)
 
 CPU = torch.device("cpu")
 
@@ -14,7 +21,7 @@ CPU = torch.device("cpu")
 class ForwardBatch:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
-    meta: AttentionMetadata
+    meta: StepMetadata
     logits_rows: torch.Tensor  # (N,) rows of T whose next token is sampled
     sample_index: list[int]  # indices into scheduled of the N sampling requests
 
@@ -22,16 +29,17 @@ class ForwardBatch:
 def build_batch(
     out: SchedulerOutput,
     page_size: int,
-    sliding_window: int | None = None,
+    masks: Sequence[AttentionMask] = (GLOBAL_MASK,),
     device: torch.device = CPU,
 ) -> ForwardBatch:
+    """masks: the distinct masks of the layers that run the step, one metadata each."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logits_rows: list[int] = []
     sample_index: list[int] = []
     decode: list[tuple[int, int, list[int]]] = []  # single-token rows: (row, context, page ids)
-    prefills: list[PrefillSpan] = []
+    prefills: list[tuple[int, int, int, list[int]]] = []  # (row, start, tokens, page ids)
     for i, s in enumerate(out.scheduled):
         req, row = s.request, len(ids)
         end = s.start + s.num_tokens
@@ -46,32 +54,37 @@ def build_batch(
         if s.num_tokens == 1:
             decode.append((row, end, req.page_ids))
         else:
-            prefills.append(
-                _prefill_span(
-                    row, s.start, s.num_tokens, req.page_ids, page_size, sliding_window, device
-                )
-            )
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        decode=_decode_rows(decode, len(ids), page_size, sliding_window, device)
-        if decode
-        else None,
-        prefills=prefills,
-    )
+            prefills.append((row, s.start, s.num_tokens, req.page_ids))
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    by_mask = {
+        mask: AttentionMetadata(
+            slot_mapping=slot_mapping,
+            decode=_decode_rows(decode, len(ids), page_size, mask, device) if decode else None,
+            prefills=[_prefill_span(*p, page_size, mask, device) for p in prefills],
+        )
+        for mask in masks
+    }
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=meta,
+        meta=StepMetadata(slot_mapping, by_mask),
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
         sample_index=sample_index,
     )
 
 
 def _decode_rows(
-    decode: list[tuple[int, int, list[int]]], num_tokens: int, page_size: int, window, device
+    decode: list[tuple[int, int, list[int]]],
+    num_tokens: int,
+    page_size: int,
+    mask: AttentionMask,
+    device: torch.device,
 ) -> DecodeRows:
     long, i32 = torch.long, torch.int32
     rows, contexts, tables = zip(*decode)
+    first_key = None
+    if mask.kind == CHUNKED:  # each row's table starts at its chunk's page
+        rows, contexts, tables, first_key = _chunk_pages(decode, page_size, mask)
     max_pages = max(-(-ctx // page_size) for ctx in contexts)
     table = [t[:max_pages] + [0] * (max_pages - len(t)) for t in tables]
     return DecodeRows(
@@ -79,21 +92,44 @@ def _decode_rows(
         block_table=torch.tensor(table, dtype=i32, device=device),  # (B, Pmax)
         context_lens=torch.tensor(contexts, dtype=i32, device=device),  # (B,)
         page_size=page_size,
-        window=window,
+        window=mask.window if mask.kind != CHUNKED else None,
+        first_key=None if first_key is None else torch.tensor(first_key, dtype=i32, device=device),
     )
 
 
+def _chunk_pages(decode, page_size: int, mask: AttentionMask):
+    """Chunked decode rows as the kernel reads them: a query at position p sees keys from
+    its chunk's start c = p // chunk * chunk on, so its table starts at page c // S and its
+    context counts from there; first_key: c's offset in that page (None if all are 0)."""
+    rows, contexts, tables, offsets = [], [], [], []
+    for row, ctx, pages in decode:
+        start = mask.first_key(ctx - 1)
+        first_page = start // page_size
+        rows.append(row)
+        contexts.append(ctx - first_page * page_size)
+        tables.append(pages[first_page:])
+        offsets.append(start - first_page * page_size)
+    return rows, contexts, tables, offsets if any(offsets) else None
+
+
 def _prefill_span(
-    row: int, start: int, n: int, page_ids: list[int], page_size: int, window, device
+    row: int,
+    start: int,
+    n: int,
+    page_ids: list[int],
+    page_size: int,
+    mask: AttentionMask,
+    device: torch.device,
 ) -> PrefillSpan:
     ctx = start + n
-    key_pos = torch.arange(ctx, device=device)
-    pages = page_ids[: -(-ctx // page_size)]  # (ceil(ctx / S),)
+    first_page = 0
+    if mask.kind == CHUNKED:  # keys from the first query's chunk on: pages before are unseen
+        first_page = mask.first_key(start) // page_size
+    key_pos = torch.arange(first_page * page_size, ctx, device=device)  # (keys,)
+    pages = page_ids[first_page : -(-ctx // page_size)]  # (ceil(ctx / S) - first_page,)
     pages = torch.tensor(pages, dtype=torch.long, device=device)
-    mask = None
-    if start > 0 or (window is not None and ctx > window):
+    visible = None
+    if start > 0 or mask.restricts(ctx):
         query_pos = torch.arange(start, ctx, device=device)[:, None]  # (n, 1)
-        mask = key_pos[None, :] <= query_pos  # (n, ctx)
-        if window is not None:
-            mask &= key_pos[None, :] > query_pos - window
-    return PrefillSpan(start=row, end=row + n, pages=pages, ctx=ctx, mask=mask)
+        visible = mask.visible(query_pos, key_pos[None, :])  # (n, keys)
+    return PrefillSpan(start=row, end=row + n, pages=pages, ctx=len(key_pos), mask=visible)

@@ -114,7 +114,7 @@ def start_executor(config: EngineConfig, cfg: ModelConfig, num_pages: int):
         pin(rank_cores(config.cpus, shape.world_size, 0))
     if shape.world_size == 1:
         model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages)
-        return LocalExecutor(ModelRunner(model, kv, cfg.vocab_size, cfg.sliding_window))
+        return LocalExecutor(ModelRunner(model, kv, cfg.vocab_size))
     ranks = RankProcesses(config, num_pages, torch.get_num_threads())
     comm = None
     try:
@@ -125,5 +125,5 @@ def start_executor(config: EngineConfig, cfg: ModelConfig, num_pages: int):
     except BaseException:
         ranks.stop(comm, encode_stop())
         raise
-    runner = ModelRunner(model, kv, cfg.vocab_size, cfg.sliding_window, comm.tp, stage, comm)
+    runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm)
     return RankExecutor(runner, comm, ranks)

@@ -33,7 +33,7 @@ def build_runner(rank: int, port: int, spec: dict):
         cfg = ModelConfig.from_dir(config.model_dir)
         stage = shape.stage_of(rank, cfg.num_layers)
         model, kv = build_shard(config, cfg, comm.tp, stage, spec["num_pages"], rank)
-        runner = ModelRunner(model, kv, cfg.vocab_size, cfg.sliding_window, comm.tp, stage, comm)
+        runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm)
     except Exception as e:
         store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
         raise

@@ -10,6 +10,7 @@ import torch
 from shared.engine.batch import build_batch
 from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
+from shared.models.layer_attention import distinct_masks
 from shared.parallel.comm import HIDDEN, RankComm
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
@@ -23,7 +24,6 @@ class ModelRunner:
         model: torch.nn.Module,
         kv: KVCache,
         vocab_size: int,
-        sliding_window: int | None,
         tp: TPGroup = SINGLE,
         stage: PPStage = WHOLE_MODEL,
         comm: RankComm | None = None,  # needed when stage.size > 1
@@ -31,7 +31,9 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.vocab_size = vocab_size
-        self.sliding_window = sliding_window
+        # one attention metadata a step per distinct mask among this stage's layers
+        layers = model.config.layer_attention[stage.start_layer : stage.end_layer]
+        self.masks = distinct_masks(layers)
         self.device = kv.device  # the engine's (EngineConfig.device): the pool is there
         self.tp, self.stage, self.comm = tp, stage, comm
         self.hidden_size = model.config.hidden_size
@@ -59,7 +61,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None):
-        batch = build_batch(out, self.kv.spec.page_size, self.sliding_window, self.device)
+        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device)
         hook = self.on_layer_done
         after_layer = None if hook is None else (lambda layer: hook(layer, out))
         hidden = residual = None

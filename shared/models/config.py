@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ModelFolderError
+from shared.models.layer_attention import LayerAttention, layers_from_hf
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2: bias on q/k/v projections
     qk_norm: bool  # Qwen3: RMSNorm on each q and k head
-    sliding_window: int | None
+    layer_attention: tuple[LayerAttention, ...]  # each layer's mask and RoPE, in layer order
     torch_dtype: str  # the checkpoint's stored dtype, e.g. "bfloat16"
     raw: dict  # the whole config.json, for family-specific fields
 
@@ -63,12 +64,13 @@ class ModelConfig:
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
         rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
+        num_layers = int(need("num_hidden_layers"))
         cfg = cls(
             architecture=str(archs[0]),
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -79,9 +81,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
-            sliding_window=raw.get("sliding_window")
-            if raw.get("use_sliding_window", True)
-            else None,
+            layer_attention=layers_from_hf(raw, num_layers, source),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             raw=raw,
         )

@@ -1,11 +1,13 @@
 """Llama family (Llama 2/3, Mistral, Qwen2, Qwen3 differ only in flags of ModelConfig):
-qkv_bias (Qwen2), qk_norm (Qwen3), rope_scaling llama3, tied embeddings, sliding window."""
+qkv_bias (Qwen2), qk_norm (Qwen3), rope_scaling llama3, tied embeddings, and per layer its
+attention mask (global, sliding window, chunked) and whether it applies RoPE."""
 
 import torch
 from torch import nn
 
 from shared.kv.cache import KVCache
 from shared.models.config import ModelConfig
+from shared.models.layer_attention import GLOBAL, SLIDING, LayerAttention
 from shared.models.layers.activation import SiluAndMul
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
 from shared.models.layers.attention_backend import AttentionBackend, select_backend
@@ -23,7 +25,15 @@ from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup, backend):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: LayerAttention,
+        rotary: RotaryEmbedding,
+        dtype,
+        tp: TPGroup,
+        backend: AttentionBackend,
+    ):
         super().__init__()
         hd = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -33,7 +43,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, False, dtype, tp)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.rotary = rotary
+        self.rotary = rotary if layer.rope else None  # NoPE layers (Llama 4) rotate nothing
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, backend)
         self.split = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
 
@@ -45,7 +55,8 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, -1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_layer, meta)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, -1))
 
@@ -65,16 +76,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, tp: TPGroup, backend):
+    def __init__(self, cfg: ModelConfig, index: int, rotary, dtype, tp: TPGroup, backend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, tp, backend)
+        layer = cfg.layer_attention[index]
+        self.self_attn = LlamaAttention(cfg, layer, rotary, dtype, tp, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype, tp)
 
     def decode_spec(self):
         """This layer's part of a FusedDecoder, or None where it cannot run fused."""
         a, mlp = self.self_attn, self.mlp
+        if a.rotary is None:  # decode_layer.c rotates every layer
+            return None
         return layer_spec(
             input_norm=self.input_layernorm, qkv=a.qkv_proj, q_norm=a.q_norm, k_norm=a.k_norm,
             rotary=a.rotary, attn=a.attn, o=a.o_proj, post_norm=self.post_attention_layernorm,
@@ -109,11 +123,12 @@ class LlamaModel(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, dtype, tp, backend)
+            LlamaDecoderLayer(cfg, i, rotary, dtype, tp, backend)
             if stage.owns(i)
             else PPMissingLayer()
             for i in range(cfg.num_layers)
         )
+        self.masks = [layer.mask for layer in cfg.layer_attention]  # each layer's metadata key
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
         self.start = stage.start_layer
         self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
@@ -121,7 +136,11 @@ class LlamaModel(nn.Module):
 
     def prepare_fused_decode(self) -> None:
         """Once the weights are final: decode steps run all layers in one C call, where each
-        layer can run there."""
+        layer can run there and all attend alike: globally, or in one sliding window (the
+        call takes one block table and one window for every layer)."""
+        masks = set(self.masks[self.start : self.end])
+        if len(masks) != 1 or next(iter(masks)).kind not in (GLOBAL, SLIDING):
+            return
         specs = [self.layers[i].decode_spec() for i in range(self.start, self.end)]
         if specs and all(spec is not None for spec in specs):
             self.fused = FusedDecoder(specs, self.layers[self.start].self_attn.rotary)
@@ -130,15 +149,18 @@ class LlamaModel(nn.Module):
         self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None
     ):
         """First stage: input_ids (T,); later stages: hidden/residual (T, H) from the previous.
-        after_layer(i) runs once layer i has written its KV (to stream it out)."""
+        meta: the step's StepMetadata, each layer reading its mask's part. after_layer(i) runs
+        once layer i has written its KV (to stream it out)."""
         if self.stage.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        if self.fused is not None and after_layer is None and self.fused.takes(hidden, meta):
-            hidden, residual = self.fused(positions, hidden, residual, kv, meta)
-            return self._finish(hidden, residual)
+        if self.fused is not None and after_layer is None:
+            only = meta.of(self.masks[self.start])  # fused: every layer has this mask
+            if self.fused.takes(hidden, only):
+                hidden, residual = self.fused(positions, hidden, residual, kv, only)
+                return self._finish(hidden, residual)
         for i in range(self.start, self.end):
             hidden, residual = self.layers[i](
-                positions, hidden, residual, kv.layer(i - self.start), meta
+                positions, hidden, residual, kv.layer(i - self.start), meta.of(self.masks[i])
             )
             if after_layer is not None:
                 after_layer(i)

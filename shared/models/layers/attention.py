@@ -1,15 +1,19 @@
 """Paged attention over the KV pool, for a flat batch that mixes prefill chunks and decode tokens.
 
 The new tokens' K/V are written into their pages first (slot_mapping); then each query reads
-its whole context straight from the pages. Decode rows (one query each) run together; each
-prefill chunk runs on its own, with a causal mask offset by its cached prefix. The engine's
-AttentionBackend does the work (attention_backend.py: the C kernels on CPU, torch elsewhere)."""
+its context straight from the pages. Decode rows (one query each) run together; each prefill
+chunk runs on its own, with a causal mask offset by its cached prefix. The engine's
+AttentionBackend does the work (attention_backend.py: the C kernels on CPU, torch elsewhere).
+A step's metadata holds one AttentionMetadata per distinct mask among the layers
+(layer_attention.py: global, sliding window, chunked)."""
 
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 from torch import nn
+
+from shared.models.layer_attention import AttentionMask
 
 
 @dataclass
@@ -18,8 +22,10 @@ class PrefillSpan:
 
     start: int  # first row of this chunk in the flat (T, ...) batch
     end: int  # one past its last row
-    pages: torch.Tensor  # (ceil(ctx / S),) pages of the whole context, cached prefix + chunk
-    ctx: int  # context length: cached prefix + this chunk
+    # (ceil(ctx / S),) pages of the context, cached prefix + chunk: all of it, or (chunked
+    # layers) from the page of the first query's chunk on
+    pages: torch.Tensor
+    ctx: int  # keys from the first of those pages to the chunk's end
     mask: torch.Tensor | None  # (n, ctx) bool; None when the chunk is the whole context (causal)
 
 
@@ -32,6 +38,9 @@ class DecodeRows:
     context_lens: torch.Tensor  # (B,) int32: keys each row attends to, its own token included
     page_size: int
     window: int | None  # sliding window: only the last `window` keys are visible
+    # (B,) int32: keys before this one in each row's pages are hidden; None: none. Chunked
+    # layers' tables start at their chunk's page: set only where chunks do not start pages
+    first_key: torch.Tensor | None = None
 
     def kernel_args(self) -> dict:
         """The decode part of cpu_kernels.paged_attention's arguments."""
@@ -50,6 +59,8 @@ class DecodeRows:
         visible = key_pos < ctx
         if self.window is not None:
             visible &= key_pos >= ctx - self.window
+        if self.first_key is not None:
+            visible &= key_pos >= self.first_key.long()[:, None]
         return visible[:, None, None, :]
 
     @property
@@ -59,11 +70,24 @@ class DecodeRows:
 
 @dataclass
 class AttentionMetadata:
-    """Where each token's K/V lives; built once per step, read by every layer."""
+    """Where each token's K/V lives and which keys each query sees; built once per step for
+    each distinct mask, read by every layer of that mask."""
 
     slot_mapping: torch.Tensor  # (T,) pool slot (page * page_size + offset) of each new token
     decode: DecodeRows | None
     prefills: list[PrefillSpan]
+
+
+@dataclass
+class StepMetadata:
+    """A step's attention metadata: one AttentionMetadata per distinct mask among the layers
+    that run it (one for a model whose layers all attend alike), sharing the slot mapping."""
+
+    slot_mapping: torch.Tensor  # (T,) as in each AttentionMetadata
+    by_mask: dict[AttentionMask, AttentionMetadata]
+
+    def of(self, mask: AttentionMask) -> AttentionMetadata:
+        return self.by_mask[mask]
 
 
 class PagedAttention(nn.Module):

@@ -6,8 +6,9 @@ whether the C kernels build) and hands it to every layer; another device adds a 
   the reference the other backends are tested against.
 - CpuKernelBackend: the C kernels on CPU, float32 and bfloat16: one pass writes the new K/V
   and runs the decode rows over the pages in place (cpu_kernels.paged_attention). Prefill
-  chunks are torch's SDPA. Its layers may also run whole decode steps in one C call
-  (decode_layer.py)."""
+  chunks are torch's SDPA, and so are decode rows whose mask the kernel cannot express (a
+  chunked layer whose chunks do not start pages). Its layers may also run whole decode steps
+  in one C call (decode_layer.py) when they all attend alike."""
 
 from abc import ABC, abstractmethod
 from typing import ClassVar
@@ -129,7 +130,7 @@ class CpuKernelBackend(AttentionBackend):
     def __init__(self) -> None:
         if not cpu_kernels.usable(torch.empty(0)):  # builds and loads them on first use
             raise RuntimeError("the C CPU kernels could not be built (no C compiler?)")
-        self.reference = TorchBackend()  # prefill chunks
+        self.reference = TorchBackend()  # prefill chunks; decode masks the kernel lacks
 
     def for_shape(self, num_heads, num_kv_heads, head_dim) -> AttentionBackend:
         if cpu_kernels.attention_supported(num_heads, num_kv_heads, head_dim):
@@ -138,6 +139,9 @@ class CpuKernelBackend(AttentionBackend):
 
     def write_and_decode(self, q, k, v, kv_layer, meta, scale, out):
         d = meta.decode
+        if d is not None and d.first_key is not None:  # the kernel writes, torch decodes
+            cpu_kernels.paged_attention(q, k, v, kv_layer, meta.slot_mapping, scale, out)
+            return self.reference.decode_rows(q, kv_layer, d, scale, out)
         decode = {} if d is None else d.kernel_args()
         cpu_kernels.paged_attention(q, k, v, kv_layer, meta.slot_mapping, scale, out, **decode)
         return out
