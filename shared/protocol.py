@@ -11,7 +11,7 @@ import logging
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import cache
 from typing import Any, ClassVar, TypeVar
 
@@ -104,6 +104,25 @@ class CancelMsg:
 
 
 @dataclass(frozen=True)
+class KVRankPool:
+    """One rank's part of a decode worker's KV pool."""
+
+    layers: tuple[int, ...]  # [first, end) global layers it holds
+    units: tuple[int, ...]  # [first, end) units of the layout it holds (MHA: KV heads)
+    shm: str  # its pool file (same host); "" when it has none
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """Where a prefill worker can write a decode worker's pages (shared/transfer/handoff.py)."""
+
+    layout: str  # KVSpec.layout of the whole model's KV; the prefill worker's must equal it
+    host: str  # transfer.base.host_id(): equal on the same boot of the same machine
+    ranks: tuple[KVRankPool, ...]  # rank order
+    tcp: str = ""  # "host:port" of its authenticated TCP KV server; "" when off
+
+
+@dataclass(frozen=True)
 class HeartbeatMsg:
     """Worker → scheduler and gateways (heartbeat(role, id)), every `interval_s`."""
 
@@ -120,7 +139,6 @@ class HeartbeatMsg:
     free_pages: int = 0  # worker sets: KV pages free (decode); scheduler checks fit
     total_pages: int = 0  # worker sets: KV pool size; gateway /metrics
     page_size: int = 16  # worker sets: tokens per KV page; scheduler sizes requests
-    endpoints: dict[str, str] = field(default_factory=dict)  # worker sets: transport → address
     kv_transfer_bytes: int = 0  # worker sets: cumulative KV bytes sent/received; /metrics
     kv_transfer_seconds: float = 0.0  # worker sets: cumulative transfer time; /metrics
 
@@ -146,7 +164,7 @@ class DecodeAssignReplyMsg:
     request_id: str  # decode copies
     accepted: bool  # decode sets: False when its pool cannot hold the request now
     page_ids: tuple[int, ...] = ()  # decode sets: reserved pages; prefill writes KV there
-    endpoints: dict[str, str] = field(default_factory=dict)  # decode sets: where to write
+    kv: KVPool | None = None  # decode sets when accepting: where to write
     reason: str = ""  # decode sets when refusing; scheduler logs it
 
 
@@ -160,7 +178,7 @@ class PrefillAssignMsg:
     prompt_token_ids: tuple[int, ...]  # scheduler copies
     sampling: SamplingParams  # scheduler copies; prefill samples the first token with it
     decode_worker: str  # scheduler sets; prefill sends KvReadyMsg to decode_kv(decode_worker)
-    decode_endpoints: dict[str, str]  # scheduler copies from DecodeAssignReplyMsg.endpoints
+    decode_kv: KVPool | None  # scheduler copies from DecodeAssignReplyMsg.kv
     page_ids: tuple[int, ...]  # scheduler copies from DecodeAssignReplyMsg.page_ids
 
 
@@ -225,6 +243,16 @@ def decode(data: bytes, cls: type[M]) -> M:
     if body.get("t") != kind:
         raise ProtocolError(kind, f"kind is {body.get('t')!r}")
     return _from_wire(cls, body, kind)
+
+
+def to_plain(value: Any) -> Any:
+    """A dataclass of this module as msgpack-ready lists and maps (to nest in other payloads)."""
+    return _to_wire(value)
+
+
+def from_plain(cls: type[M], value: Any) -> M:
+    """The inverse of to_plain, with decode's checks; ProtocolError naming the bad field."""
+    return _from_wire(cls, value, cls.__name__)
 
 
 def _to_wire(value: Any) -> Any:

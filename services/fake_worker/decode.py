@@ -53,9 +53,7 @@ class FakeDecode:
         if page_ids is None:
             reply = DecodeAssignReplyMsg(assign.request_id, False, reason="KV pool full")
         else:
-            reply = DecodeAssignReplyMsg(
-                assign.request_id, True, page_ids, dict(self.config.endpoints)
-            )
+            reply = DecodeAssignReplyMsg(assign.request_id, True, page_ids)
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
 

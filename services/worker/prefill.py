@@ -2,20 +2,18 @@
 worker's reserved pages as it is computed, then sends the first token to the gateway and
 "pages written" to the decode worker. A colocated worker hands its own requests to its engine."""
 
-import asyncio
 import logging
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.worker.kv_push import KVPusher
 from services.worker.loop import EngineLoop
 from services.worker.messages import to_wire_logprob
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
 from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
-from shared.transfer.base import KVTarget
+from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +26,12 @@ class PrefillRole:
         nc: Client,
         loop: EngineLoop,
         worker_id: str,
-        pusher: KVPusher,
+        handoff: KVHandoff,
         local_decode_id: str | None = None,
     ):
         self.nc, self.loop, self.worker_id = nc, loop, worker_id
         self.engine = loop.engine
-        self.pusher = pusher
+        self.handoff = handoff
         self.local_decode_id = local_decode_id  # colocated: our own decode role's id
         self.jobs: dict[str, PrefillAssignMsg] = {}
 
@@ -50,11 +48,11 @@ class PrefillRole:
             await self.loop.call(self.engine.start_local, rid)  # pages are ours already
             return
         try:
-            self.pusher.add(KVTarget(rid, assign.page_ids, assign.decode_endpoints))
+            self.handoff.add(rid, assign.page_ids, assign.decode_kv)
             prompt = list(assign.prompt_token_ids)
             await self.loop.call(self.engine.add_request, rid, prompt, assign.sampling, True)
         except Exception as e:  # bad layout, unreachable peer, invalid prompt: fail it alone
-            self.pusher.drop(rid)
+            self.handoff.drop(rid)
             await self._kv_ready(assign, KvReadyMsg(rid, self.worker_id, False, error=str(e)))
             return
         self.jobs[rid] = assign
@@ -62,7 +60,7 @@ class PrefillRole:
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         if self.jobs.pop(cancel.request_id, None) is not None:
-            self.pusher.drop(cancel.request_id)
+            self.handoff.drop(cancel.request_id)
             await self.loop.call(self.engine.abort, cancel.request_id)
 
     async def on_outputs(self, outputs: list[StepOutput]) -> None:
@@ -73,10 +71,10 @@ class PrefillRole:
             if assign is None or not out.finished:
                 continue
             if out.request.finish_reason == FinishReason.ERROR:
-                self.pusher.drop(assign.request_id)
+                self.handoff.drop(assign.request_id)
                 error = "prefill step failed"
             else:
-                error = await asyncio.to_thread(self.pusher.finish, assign.request_id)
+                error = self.handoff.finish(assign.request_id)
             readies.append((assign, self._ready(out, error)))
             if not error:
                 item = TokenItem(

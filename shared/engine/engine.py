@@ -9,7 +9,7 @@ from shared.engine.executor import StepResult, start_executor
 from shared.engine.micro_batch import schedule_micro_batch, split_launched
 from shared.engine.request import FinishReason, Request, TokenLogprobs, check_stop
 from shared.engine.scheduler import Scheduler
-from shared.engine.shard import shard_kv_spec
+from shared.engine.shard import model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
 from shared.models.config import ModelConfig, generation_eos_ids
@@ -37,12 +37,14 @@ class LLMEngine:
         self.dtype = config.torch_dtype(cfg.torch_dtype)
         shape = config.parallel
         shape.validate(cfg.num_heads, cfg.num_kv_heads, cfg.num_layers)  # before any process
+        self.kv_spec = model_kv_spec(cfg, config.page_size, self.dtype)  # the whole model's
         # rank 0's pool sizes every rank's: page ids are the same everywhere
-        spec = shard_kv_spec(cfg, config, self.dtype, shape.tp, shape.stage_of(0, cfg.num_layers))
-        num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
-        self.executor = start_executor(config, cfg, num_pages)
+        rank0 = rank_kv_spec(self.kv_spec, shape, 0)
+        num_pages = config.num_pages or rank0.pages_for_budget(config.kv_cache_bytes)
+        self.executor = start_executor(config, cfg, self.kv_spec, num_pages)
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
+        self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
@@ -81,6 +83,11 @@ class LLMEngine:
             return None
         self.requests[request_id] = req
         return list(req.page_ids)
+
+    def reserved_pages(self, request_id: str) -> list[int] | None:
+        """Pages held for a reserved request whose KV has not arrived yet; None otherwise."""
+        req = self.scheduler.reserved.get(request_id)
+        return None if req is None else req.page_ids
 
     def start_remote(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None):
         """The prompt KV of a reserved request arrived with its first token: decode from here.
