@@ -118,7 +118,7 @@ def _reserved_check(engine: LLMEngine):
 
 async def _heartbeats(nc, config: WorkerConfig, engine: LLMEngine, roles, tcp_server) -> None:
     while True:
-        load = engine_load(engine)
+        load = engine.load()
         for role in roles:
             handoff = getattr(role, "handoff", None)
             moved = (handoff.bytes_sent, handoff.seconds) if handoff else (0, 0.0)
@@ -138,21 +138,6 @@ async def _heartbeats(nc, config: WorkerConfig, engine: LLMEngine, roles, tcp_se
             )
             await nc.publish(subjects.heartbeat(role.role, role.worker_id), protocol.encode(beat))
         await asyncio.sleep(config.heartbeat_s)
-
-
-def engine_load(engine: LLMEngine) -> dict:
-    sched = engine.scheduler
-    queued = sum(
-        r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
-        for r in list(sched.waiting)
-    )
-    return dict(
-        queued_tokens=queued,
-        running_seqs=len(sched.running) + len(sched.reserved),
-        decoding_seqs=len(sched.running),
-        free_pages=engine.allocator.num_free,
-        total_pages=engine.allocator.num_pages,
-    )
 
 
 def remove_stale_pools(shm_dir: Path) -> None:

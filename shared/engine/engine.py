@@ -159,6 +159,21 @@ class LLMEngine:
     def num_pages_used(self) -> int:
         return self.allocator.num_used
 
+    def load(self) -> dict[str, int]:
+        """What a worker's heartbeat reports (HeartbeatMsg's fields of the same names)."""
+        sched = self.scheduler
+        queued = sum(
+            r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
+            for r in list(sched.waiting)
+        )
+        return dict(
+            queued_tokens=queued,
+            running_seqs=len(sched.running) + len(sched.reserved),
+            decoding_seqs=len(sched.running),
+            free_pages=self.allocator.num_free,
+            total_pages=self.allocator.num_pages,
+        )
+
     def step(self) -> list[StepOutput]:
         """Launches micro-batches until `depth` are in flight, then applies the oldest one's
         results. Without pipeline stages: schedule, run, update, as one step."""
