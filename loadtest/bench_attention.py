@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from kernels.cpu import isa
 from loadtest.bench_engine import memory_bandwidth_gbs
-from shared import cpu_isa
 from shared.huge_pages import restart_with_huge_pages
 from shared.models.layers import cpu_kernels
 
@@ -101,14 +101,14 @@ def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", choices=cpu_isa.TIER_NAMES, help="run as this tier's CPU")
+    parser.add_argument("--isa", choices=isa.TIER_NAMES, help="run as this tier's CPU")
     parser.add_argument("--pairs", type=int, default=5, help="bandwidth/attention pairs")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048])
     args = parser.parse_args()
     restart_with_huge_pages()  # the pool on 2 MiB pages, as in the engine
     if args.isa:  # read when the kernels load, at the first call
-        os.environ[cpu_isa.ENV_VAR] = args.isa
+        os.environ[isa.ENV_VAR] = args.isa
     kv = pool()
     cpu_kernels.usable(kv)  # loads the library now, at the tier asked for
     print(f"tier {cpu_kernels.built_tier().name}, {torch.get_num_threads()} threads")

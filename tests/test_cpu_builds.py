@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from shared import cpu_isa
+from kernels.cpu import isa
 from shared.codec import native
 from shared.models.layers import cpu_kernels
 
@@ -26,13 +26,13 @@ def compile_objects(compiler: str, flags: list[str], tmp_path) -> subprocess.Com
     )
 
 
-@pytest.mark.skipif(not cpu_isa.is_x86(), reason="the tiers' flags are x86-64 flags")
-@pytest.mark.parametrize("tier", cpu_isa.TIER_NAMES)
+@pytest.mark.skipif(not isa.is_x86(), reason="the tiers' flags are x86-64 flags")
+@pytest.mark.parametrize("tier", isa.TIER_NAMES)
 def test_every_tier_compiles_on_x86(tier, tmp_path):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    result = compile_objects(compiler, list(cpu_isa.BY_NAME[tier].cflags), tmp_path)
+    result = compile_objects(compiler, list(isa.BY_NAME[tier].cflags), tmp_path)
     assert result.returncode == 0, result.stderr
 
 
@@ -54,5 +54,5 @@ def test_the_c_libraries_build_wherever_there_is_a_compiler():
     compiler, and the kernels load at the tier this CPU runs, not one below it."""
     assert native.load() is not None
     assert cpu_kernels.usable(torch.zeros(1))
-    active = cpu_isa.active()
+    active = isa.active()
     assert cpu_kernels.built_tier() == active or active.name == "amx"  # amx: if the OS grants

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared import cpu_isa
+from kernels.cpu import isa
 from shared.models.layers import cpu_kernels, cpu_linear
 from shared.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shared.models.packing import prepare_cpu_linears
@@ -93,7 +93,7 @@ def test_output_counts_off_the_group_size(tier):
 def test_the_tier_decides_amx(tier):
     """Only the amx tier's library runs the linear on tiles."""
     assert cpu_kernels.amx_ready() == (tier == "amx")
-    kernels = cpu_kernels.load_kernels(cpu_isa.BY_NAME[tier])
+    kernels = cpu_kernels.load_kernels(isa.BY_NAME[tier])
     assert bool(kernels["tk_amx_ready", torch.bfloat16]()) == (tier == "amx")
 
 

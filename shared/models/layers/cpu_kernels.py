@@ -1,5 +1,5 @@
 """Wrappers of the C kernels in cpu_kernels.c, linear_bf16.c, amx_linear.c and decode_layer.c
-(one library, built on first use for the CPU's tier (shared/cpu_isa.py), loaded with ctypes):
+(one library, built on first use for the CPU's tier (kernels/cpu/isa.py), loaded with ctypes):
 each checks dtype, shape and strides, then passes addresses. The layers call them for CPU
 tensors of float32 or bfloat16 when `usable(x)`; elsewhere (another device, no C compiler) the
 layers keep their torch code, which is also the reference the kernel tests compare against."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from shared import cpu_isa
-from shared.native_build import build_library
+from kernels.build import build_library
+from kernels.cpu import isa
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _kernels: dict = {}  # (name, dtype) -> the ctypes function, once built and load
 _built: list = []  # [the tier the loaded library was built for, or None], once tried
 
 
-def flags(tier: cpu_isa.Tier) -> list[str]:
+def flags(tier: isa.Tier) -> list[str]:
     return [*BASE_FLAGS, *tier.cflags]
 
 
@@ -65,7 +65,7 @@ def _load() -> bool:
     with _lock:
         if not _built:
             tier, kernels = None, None
-            for candidate in reversed(cpu_isa.tiers_up_to(cpu_isa.active())):
+            for candidate in reversed(isa.tiers_up_to(isa.active())):
                 kernels = load_kernels(candidate)
                 if kernels is not None and not (
                     candidate.name == "amx" and not kernels["tk_amx_ready", torch.bfloat16]()
@@ -79,13 +79,13 @@ def _load() -> bool:
         return _built[0] is not None
 
 
-def built_tier() -> cpu_isa.Tier | None:
+def built_tier() -> isa.Tier | None:
     """The tier the loaded kernels were built for (None: no C kernels)."""
     _load()
     return _built[0]
 
 
-def load_kernels(tier: cpu_isa.Tier) -> dict | None:
+def load_kernels(tier: isa.Tier) -> dict | None:
     """{(name, dtype): ctypes function} of the library built for this tier; None if it cannot
     be built."""
     try:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared import cpu_isa
+from kernels.cpu import isa
 from shared.models.layers import cpu_kernels
 
 
@@ -20,7 +20,7 @@ from shared.models.layers import cpu_kernels
 def onednn_bf16() -> bool:
     """Whether oneDNN runs bf16 matmuls here: the tier has AVX-512 (what oneDNN's bf16 path
     needs where the CPU has no AVX-NE-CONVERT) and torch agrees."""
-    return cpu_isa.at_least("avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return isa.at_least("avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):

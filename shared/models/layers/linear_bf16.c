@@ -3,7 +3,7 @@
  * layout (one copy, shared with a tied embedding and with F.linear for prefill).
  *
  * Where the build has AMX (amx_linear.c) the tiles do the work; elsewhere the vector units,
- * at the build's tier (cpu_isa.py), in dot-product form: a thread owns whole groups of R weight
+ * at the build's tier (isa.py), in dot-product form: a thread owns whole groups of R weight
  * rows, streams each group from memory once into L1 and runs it against every row of x, MB rows
  * at a time, in R x MB vector accumulators summed across their lanes at the end.
  * - avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs of w and x straight from memory;
