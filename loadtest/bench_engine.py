@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 
 from kernels.build import build_library
-from kernels.cpu import isa
+from kernels.cpu import isa, library
 from loadtest.random_model import llama_fields, save_random_llama
 from loadtest.roofline import LlamaShape, mean_step_bytes
 from shared.cpu_report import report as env_report
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages
-from shared.models.layers import cpu_kernels
 from shared.models.layers.cpu_linear import onednn_bf16
 from shared.sampling.params import SamplingParams
 
@@ -44,7 +43,7 @@ def _read_probe():
     source = Path(__file__).with_name("membw.c")
     for tier in reversed(isa.tiers_up_to(isa.detected())):
         try:
-            path = build_library("tison_membw", [source], cpu_kernels.flags(tier))
+            path = build_library("tison_membw", [source], library.flags(tier))
             fn = ctypes.CDLL(str(path)).read_xor
             break
         except OSError:

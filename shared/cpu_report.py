@@ -11,12 +11,12 @@ def report() -> dict:
     """The facts `tison env` prints, as a dict."""
     import torch
 
-    from shared.models.layers import cpu_kernels
+    from kernels.cpu import library
     from shared.models.layers.cpu_linear import onednn_bf16
 
     flags = isa.cpu_flags()
     wanted = sorted(set().union(*(t.needs for t in isa.TIERS)))
-    built = cpu_kernels.built_tier()
+    built = library.built_tier()
     return {
         "machine": platform.machine(),
         "cpu": _cpu_model(),
@@ -26,7 +26,7 @@ def report() -> dict:
         "tier": isa.active().name,
         "tiers_runnable": [t.name for t in isa.tiers_up_to(isa.detected())],
         "kernels_built_for": None if built is None else built.name,
-        "linear_kernel": "none" if built is None else ("amx" if cpu_kernels.amx_ready() else
+        "linear_kernel": "none" if built is None else ("amx" if library.amx_ready() else
                                                        f"vector ({built.name})"),
         "fused_decoder": built is not None,
         "torch": torch.__version__,

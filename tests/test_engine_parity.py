@@ -4,7 +4,7 @@ its logprobs equal transformers' log_softmax within float32 rounding."""
 import pytest
 import torch
 
-from shared.models.layers import cpu_kernels
+from kernels.cpu import library
 from shared.models.layers.linear import LinearBase
 from shared.sampling.params import SamplingParams
 
@@ -51,7 +51,7 @@ def test_staggered_arrivals_match_transformers(references, family, kernels, monk
     """Requests join while others run (mixed prefill + decode steps), with chunked prefill;
     on the C CPU kernels and on the layers' torch code (other devices, no C compiler)."""
     if kernels == "torch ops":
-        monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
+        monkeypatch.setattr(library, "usable", lambda x: False)
     model_dir, prompts, refs, _ = references(family)
     engine = new_engine(model_dir, max_num_batched_tokens=24)
     outputs: dict = {}
@@ -111,7 +111,7 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
     model_dir = tiny_model_factory("llama")
     prompt = make_prompts([12])[0]
     engine = new_engine(model_dir, dtype="bfloat16")
-    if cpu_kernels.usable(torch.zeros(1)):  # the C linear of this run's tier, in a model
+    if library.usable(torch.zeros(1)):  # the C linear of this run's tier, in a model
         linears = [m for m in engine.model.modules() if isinstance(m, LinearBase)]
         assert all(m.c_linear for m in linears)
         assert engine.model.model.fused is not None

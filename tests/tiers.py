@@ -5,8 +5,7 @@ swaps in that tier's library for the test. TISON_CPU_ISA caps the tiers as it ca
 import pytest
 import torch
 
-from kernels.cpu import isa
-from shared.models.layers import cpu_kernels
+from kernels.cpu import isa, library
 
 RUNNABLE = [t.name for t in isa.tiers_up_to(isa.active())]
 
@@ -25,12 +24,12 @@ def tier_params() -> list:
 
 
 def use_tier(name: str, monkeypatch) -> None:
-    """Make cpu_kernels use the library of tier `name` for the rest of the test."""
+    """Make the kernel wrappers use the library of tier `name` for the rest of the test."""
     tier = isa.BY_NAME[name]
-    kernels = cpu_kernels.load_kernels(tier)
+    kernels = library.load_kernels(tier)
     if kernels is None:
         pytest.fail(f"the C kernels do not build at tier {name}")
     if name == "amx" and not kernels["tk_amx_ready", torch.bfloat16]():
         pytest.skip("tier amx: the OS grants this process no AMX tiles")
-    monkeypatch.setattr(cpu_kernels, "_kernels", kernels)
-    monkeypatch.setattr(cpu_kernels, "_built", [tier])
+    monkeypatch.setattr(library, "functions", kernels)
+    monkeypatch.setattr(library, "_built", [tier])

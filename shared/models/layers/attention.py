@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.models.layers import cpu_kernels
+from kernels.cpu import attention as cpu_kernels
 
 
 @dataclass

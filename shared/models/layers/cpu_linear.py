@@ -1,5 +1,5 @@
-"""bfloat16 matmuls on CPU. Decode-sized inputs (up to cpu_kernels.linear_max_rows() rows) run
-in our kernel on the plain weight (linear_bf16.c: AMX tiles or the vector units of the CPU's
+"""bfloat16 matmuls on CPU. Decode-sized inputs (up to linear_max_rows() rows) run
+in our kernel on the plain weight (kernels/cpu/linear.py: AMX tiles or the vector units of the CPU's
 tier), which streams the weight at near the memory bandwidth where oneDNN's small-batch kernels
 reach two thirds of it. Larger inputs (prefill) go to F.linear: oneDNN's bf16 kernel where the
 tier has one (AVX-512 and up), else a float32 matmul on the weight widened for the call (torch's
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import isa
-from shared.models.layers import cpu_kernels
+from kernels.cpu.linear import linear_bf16, linear_max_rows
 
 
 @cache
@@ -45,8 +45,8 @@ def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) 
     if packed is not None:
         return packed(x)
     if getattr(module, "c_linear", False) and x.dim() == 2:
-        if x.shape[0] <= cpu_kernels.linear_max_rows():
-            return cpu_kernels.linear_bf16(x, weight, bias)
+        if x.shape[0] <= linear_max_rows():
+            return linear_bf16(x, weight, bias)
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not onednn_bf16():
         wide_bias = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
