@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 #if AMX_BUILD
 #include <immintrin.h>

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
-SOURCES = [_HERE / f for f in ("cpu_kernels.c", "linear_bf16.c", "amx_linear.c", "decode_layer.c")]
-HEADERS = [_HERE / f for f in ("cpu_kernels.h", "cpu_kernels_impl.h", "attention_vec_impl.h")]
+SOURCES = sorted(_HERE.glob("*.c"))  # one a kernel, all in the one library
+HEADERS = sorted(_HERE.glob("*.h"))
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
