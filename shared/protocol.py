@@ -18,6 +18,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 
 from shared.errors import InvalidRequestError, ProtocolError
+from shared.sampling.logprobs import TokenLogprob  # on the wire as is, like SamplingParams
 from shared.sampling.params import SamplingParams
 
 SCHEMA_VERSION = 1
@@ -43,16 +44,6 @@ class Usage:
 
     prompt_tokens: int  # decode worker sets; gateway reports it
     completion_tokens: int  # decode worker sets (tokens generated, first one included)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Log-probability of one chosen token and the top alternatives at its position."""
-
-    token_id: int  # sampler sets: the chosen token
-    logprob: float  # sampler sets: its log-probability
-    top_ids: tuple[int, ...] = ()  # sampler sets: top-n token ids, most likely first
-    top_logprobs: tuple[float, ...] = ()  # sampler sets: their log-probabilities
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,8 @@ def test_float32_logprobs_match_transformers(references, family):
         ref = torch.log_softmax(logits, dim=-1)  # (n, V)
         chosen = torch.tensor([lp.logprob for lp in req.output_logprobs])  # (n,)
         torch.testing.assert_close(chosen, ref[torch.arange(len(tokens)), tokens], **close)
-        top_ids = torch.tensor([[t for t, _ in lp.top] for lp in req.output_logprobs])  # (n, 5)
-        top = torch.tensor([[v for _, v in lp.top] for lp in req.output_logprobs])  # (n, 5)
+        top_ids = torch.tensor([lp.top_ids for lp in req.output_logprobs])  # (n, 5)
+        top = torch.tensor([lp.top_logprobs for lp in req.output_logprobs])  # (n, 5)
         ref_at_ours = ref.gather(1, top_ids)  # (n, 5)
         torch.testing.assert_close(top, ref_at_ours, **close)
         ties = dict(atol=2 * LOGPROB_TOL, rtol=0)  # swapped ids: each logprob off by LOGPROB_TOL
@@ -127,7 +127,7 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
         ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (8 + 1, V)
     ours = torch.full_like(ref[torch.float32], float("nan"))
     for step, lp in enumerate(req.output_logprobs):
-        for token, value in [(req.output_token_ids[step], lp.logprob), *lp.top]:
+        for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
             ours[step, token] = value
     seen = ~ours.isnan()
 

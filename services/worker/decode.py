@@ -8,7 +8,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.worker.loop import EngineLoop
-from services.worker.messages import from_wire_logprob, token_item
+from services.worker.messages import token_item
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
@@ -86,7 +86,7 @@ class DecodeRole:
             if req is not None:
                 await self._publish_items([(rid, token_item(req, [], [], error))])
             return
-        logprob = from_wire_logprob(ready.first_logprob)
+        logprob = ready.first_logprob
         req = await self.loop.call(self.engine.start_remote, rid, ready.first_token_id, logprob)
         if req is not None and req.finished:  # the first token already ended it
             await self._publish_items([(rid, token_item(req, [], []))])

@@ -8,7 +8,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.worker.loop import EngineLoop
-from services.worker.messages import to_wire_logprob
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
@@ -78,12 +77,7 @@ class PrefillRole:
             readies.append((assign, self._ready(out, error)))
             if not error:
                 item = TokenItem(
-                    assign.request_id,
-                    0,
-                    tuple(out.new_token_ids),
-                    tuple(
-                        to_wire_logprob(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs)
-                    ),
+                    assign.request_id, 0, tuple(out.new_token_ids), tuple(out.new_logprobs)
                 )
                 firsts.setdefault(assign.gateway_id, []).append(item)
         for gateway, items in firsts.items():
@@ -97,7 +91,7 @@ class PrefillRole:
         if error:
             return KvReadyMsg(rid, self.worker_id, False, error=error)
         token = out.new_token_ids[0]
-        logprob = to_wire_logprob(token, out.new_logprobs[0]) if out.new_logprobs else None
+        logprob = out.new_logprobs[0] if out.new_logprobs else None
         return KvReadyMsg(rid, self.worker_id, True, first_token_id=token, first_logprob=logprob)
 
     async def _kv_ready(self, assign: PrefillAssignMsg, ready: KvReadyMsg) -> None:

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from shared.engine.config import EngineConfig
 from shared.engine.executor import StepResult, start_executor
 from shared.engine.micro_batch import schedule_micro_batch, split_launched
-from shared.engine.request import FinishReason, Request, TokenLogprobs, check_stop
+from shared.engine.request import FinishReason, Request, check_stop
 from shared.engine.scheduler import Scheduler
 from shared.engine.shard import model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.sampling.batch import request_stop_token_ids
+from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
 
 
@@ -23,7 +24,7 @@ class StepOutput:
 
     request: Request
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs]  # empty unless the request asked for logprobs
+    new_logprobs: list[TokenLogprob]  # one per new token if the request asked for logprobs
 
     @property
     def finished(self) -> bool:
@@ -89,7 +90,7 @@ class LLMEngine:
         req = self.scheduler.reserved.get(request_id)
         return None if req is None else req.page_ids
 
-    def start_remote(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None):
+    def start_remote(self, request_id: str, first_token: int, logprob: TokenLogprob | None):
         """The prompt KV of a reserved request arrived with its first token: decode from here.
         Returns the request (finished at once if that token ends it), None if it is gone."""
         req = self.requests.get(request_id)
@@ -97,8 +98,8 @@ class LLMEngine:
             return None
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(first_token)
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
         self.scheduler.activate(req)
         reason = check_stop(req)
         if reason is not None:
@@ -211,7 +212,7 @@ class LLMEngine:
                     continue
                 sampled[req] = tokens[row]
                 if req.params.logprobs is not None:
-                    logprobs[req] = _logprobs(samples, row, req.params.logprobs)
+                    logprobs[req] = _logprobs(samples, row, tokens[row], req.params.logprobs)
         self.scheduler.update(out, sampled)
         results = []
         for req, token in sampled.items():
@@ -227,10 +228,11 @@ class LLMEngine:
         self.executor.close()
 
 
-def _logprobs(samples, row: int, n: int) -> TokenLogprobs:
-    top = []
+def _logprobs(samples, row: int, token_id: int, n: int) -> TokenLogprob:
+    """Row `row` of the sampler's results as the logprobs of `token_id` and its top `n`."""
+    ids: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
     if n:
-        ids = samples.top_logprob_ids[row, :n].tolist()
-        values = samples.top_logprobs[row, :n].tolist()
-        top = list(zip(ids, values))
-    return TokenLogprobs(float(samples.logprobs[row]), top)
+        ids = tuple(samples.top_logprob_ids[row, :n].tolist())
+        values = tuple(samples.top_logprobs[row, :n].tolist())
+    return TokenLogprob(token_id, float(samples.logprobs[row]), ids, values)
