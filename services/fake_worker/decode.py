@@ -6,10 +6,11 @@ import logging
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.fake_worker.batch import DecodeBatch, PageAllocator
+from services.fake_worker.batch import DecodeBatch
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.tokens import FakeModelInfo
 from shared import protocol, subjects
+from shared.kv.allocator import PageAllocator
 from shared.protocol import (
     CancelMsg,
     DecodeAssignMsg,

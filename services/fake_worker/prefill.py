@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.fake_worker.batch import PageAllocator
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token, prompt_digest
 from shared import protocol, subjects
+from shared.kv.allocator import PageAllocator
+from shared.kv.pages import pages_for
 from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
 
 log = logging.getLogger(__name__)
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Job:
     assign: PrefillAssignMsg
-    page_ids: tuple[int, ...]  # its own pages while computing
+    page_ids: list[int]  # its own pages while computing
 
 
 class FakePrefill:
@@ -49,22 +50,22 @@ class FakePrefill:
 
     @protocol.on_message(PrefillAssignMsg)
     async def _on_assign(self, assign: PrefillAssignMsg, msg: Msg) -> None:
-        num_pages = -(-len(assign.prompt_token_ids) // self.config.page_size)
-        page_ids = self.pages.reserve(num_pages)
-        if page_ids is None:
+        # The prompt's pages only: a prefill never writes the KV of the token it samples.
+        num_pages = pages_for(len(assign.prompt_token_ids), self.config.page_size)
+        if not self.pages.can_allocate(num_pages):
             await self._kv_ready(
                 assign,
                 KvReadyMsg(assign.request_id, self.worker_id, False, error="prefill KV pool full"),
             )
             return
-        self._jobs[assign.request_id] = _Job(assign, page_ids)
+        self._jobs[assign.request_id] = _Job(assign, self.pages.allocate(num_pages))
         self._work.set()
 
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         job = self._jobs.pop(cancel.request_id, None)
         if job is not None:
-            self.pages.release(job.page_ids)
+            self.pages.free(job.page_ids)
 
     async def _kv_ready(self, assign: PrefillAssignMsg, ready: KvReadyMsg) -> None:
         await self.nc.publish(subjects.decode_kv(assign.decode_worker), protocol.encode(ready))
@@ -91,7 +92,7 @@ class FakePrefill:
             body = protocol.encode(TokensMsg(self.worker_id, tuple(items)))
             await self.nc.publish(subjects.gateway_tokens(gateway_id), body)
         for job, item in zip(jobs, firsts, strict=True):
-            self.pages.release(job.page_ids)
+            self.pages.free(job.page_ids)
             ready = KvReadyMsg(
                 job.assign.request_id,
                 self.worker_id,
