@@ -48,12 +48,14 @@ class Usage:
 
 @dataclass(frozen=True)
 class TokenItem:
-    """Tokens of one request produced in one step (empty `token_ids` with a finish is allowed)."""
+    """Tokens of one request produced in one step (empty `token_ids` with a finish is allowed).
+    Every item of a request comes from its decode worker, in output order (the prefill worker's
+    first token too, see KvReadyMsg), so each starts where the previous one ended."""
 
-    request_id: str  # worker sets from the assignment; gateway demultiplexes by it
-    index: int  # worker sets: output index of token_ids[0]; gateway drops duplicates, fills gaps
-    token_ids: tuple[int, ...] = ()  # worker sets: new tokens in order
-    logprobs: tuple[TokenLogprob, ...] = ()  # worker sets when sampling.logprobs is not None
+    request_id: str  # decode worker sets from the assignment; gateway demultiplexes by it
+    index: int  # decode sets: output index of token_ids[0]; gateway fails the request if unexpected
+    token_ids: tuple[int, ...] = ()  # decode worker sets: new tokens in order
+    logprobs: tuple[TokenLogprob, ...] = ()  # decode sets, one per token, if sampling.logprobs
     finish_reason: str | None = None  # decode worker sets on the last item (FINISH_*)
     error: str = ""  # worker sets with FINISH_ERROR; gateway shows it to the client
     usage: Usage | None = None  # decode worker sets on the last item
@@ -165,7 +167,7 @@ class PrefillAssignMsg:
 
     KIND: ClassVar[str] = "prefill_assign"
     request_id: str  # scheduler copies from SubmitMsg
-    gateway_id: str  # scheduler copies; prefill publishes the first token there
+    gateway_id: str  # scheduler copies (the first token reaches it through the decode worker)
     prompt_token_ids: tuple[int, ...]  # scheduler copies
     sampling: SamplingParams  # scheduler copies; prefill samples the first token with it
     decode_worker: str  # scheduler sets; prefill sends KvReadyMsg to decode_kv(decode_worker)
@@ -175,25 +177,28 @@ class PrefillAssignMsg:
 
 @dataclass(frozen=True)
 class KvReadyMsg:
-    """Prefill → decode worker (decode_kv(id)): the pages are written, or prefill failed."""
+    """Prefill → decode worker (decode_kv(id)): the pages are written, with the first token, or
+    prefill failed. The first token travels only here: the decode worker publishes it to the
+    gateway on receipt (not with its next step), then decodes from it."""
 
     KIND: ClassVar[str] = "kv_ready"
     request_id: str  # prefill copies
     prefill_worker: str  # prefill sets; logged
     ok: bool  # prefill sets: False on a transfer or compute error
-    first_token_id: int = -1  # prefill sets when ok: the sampled first token (output index 0)
-    first_logprob: TokenLogprob | None = None  # prefill sets when logprobs were asked
+    first_token_id: int = -1  # prefill sets when ok: the first token; decode sends it as index 0
+    first_logprob: TokenLogprob | None = None  # prefill sets if logprobs were asked; goes with it
     error: str = ""  # prefill sets when not ok; decode forwards it to the gateway
 
 
 @dataclass(frozen=True)
 class TokensMsg:
-    """Worker → gateway (gateway_tokens(id)): every token of that gateway's requests in a step."""
+    """Decode worker → gateway (gateway_tokens(id)): every token of that gateway's requests in a
+    step; also, at once, first tokens that arrived in KvReadyMsg and prefill failures."""
 
     KIND: ClassVar[str] = "tokens"
-    worker_id: str  # worker sets; logged
-    items: tuple[TokenItem, ...]  # worker sets: one per request that advanced this step
-    step_s: float = 0.0  # worker sets: the engine step that made these tokens
+    worker_id: str  # decode worker sets; logged
+    items: tuple[TokenItem, ...]  # decode worker sets: one per request that advanced
+    step_s: float = 0.0  # decode sets: the engine step that made these tokens; 0: made by none
     cycle_s: float = 0.0  # worker sets: its previous step's end to this one's (step + loop)
     sent_at: float = 0.0  # worker sets: its time.time() at publish (transit, on one host)
 

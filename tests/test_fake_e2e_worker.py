@@ -51,14 +51,17 @@ def test_decode_batch_steps_finishes_and_frees(info):
     assert batch.step() == {}  # nothing has its KV yet
     digest = prompt_digest(prompt)
     first = fake_token(info, digest, 0)
-    assert batch.kv_ready(KvReadyMsg("a", "p", True, first)) is None
+    # The prefill's first token goes out at once, as output index 0.
+    gateway, item = batch.kv_ready(KvReadyMsg("a", "p", True, first))
+    assert (gateway, item.index, item.token_ids, item.finish_reason) == ("gw", 0, (first,), None)
     gateway, done = batch.kv_ready(KvReadyMsg("b", "p", True, first))  # max_tokens=1: finished
-    assert (gateway, done.index, done.finish_reason, done.usage.completion_tokens) == (
+    assert (gateway, done.index, done.token_ids, done.finish_reason) == (
         "gw2",
-        1,
+        0,
+        (first,),
         "length",
-        1,
     )
+    assert done.usage.completion_tokens == 1
     out = [batch.step()["gw"][0] for _ in range(3)]
     assert [item.token_ids[0] for item in out] == [fake_token(info, digest, i) for i in (1, 2, 3)]
     assert [item.index for item in out] == [1, 2, 3]
@@ -100,7 +103,7 @@ def test_decode_batch_eos_respects_min_tokens_and_ignore_eos(info):
         ("ignore", SamplingParams(max_tokens=5, ignore_eos=True)),
     ]:
         batch.reserve(DecodeAssignMsg(rid, "gw", "p", (5,), sampling))
-        assert batch.kv_ready(KvReadyMsg(rid, "p", True, 77)) is None
+        assert batch.kv_ready(KvReadyMsg(rid, "p", True, 77))[1].finish_reason is None
     finished = {}
     for _ in range(5):
         for item in batch.step().get("gw", []):
@@ -194,7 +197,8 @@ async def test_requests_flow_and_garbage_is_dropped(tmp_path, tiny_llama, info):
                 "w-decode",
             )
             await until(lambda: c.finished("r1"), 30, "r1 to finish")
-            items = sorted(c.tokens["r1"], key=lambda item: item.index)
+            items = c.tokens["r1"]  # all from the decode worker, in order
+            assert [item.index for item in items] == list(range(5))
             ids = [t for item in items for t in item.token_ids]
             assert ids == [fake_token(info, prompt_digest(prompt), i) for i in range(5)]
             assert items[-1].usage == protocol.Usage(3, 5)

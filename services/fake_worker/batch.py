@@ -28,7 +28,7 @@ class FakeSeq:
     sampling: SamplingParams
     arrival: int  # the newest decoding request is preempted first
     page_ids: list[int]
-    num_output: int = 0  # tokens produced so far (the prefill's first token included)
+    num_output: int = 0  # tokens produced so far (the first token included)
     kv_ready: bool = False  # the prompt's KV is in place: the request decodes
     preempted: bool = False  # waits for its pages back
 
@@ -71,15 +71,20 @@ class DecodeBatch:
         return tuple(page_ids)
 
     def kv_ready(self, msg: KvReadyMsg) -> tuple[str, TokenItem] | None:
-        """Start decoding; (gateway, item) when the request already ends (error, EOS, length)."""
+        """Start decoding from the prefill's first token; (gateway, item) to publish at once:
+        that token (output index 0) or, on a prefill error, the failure. None if cancelled."""
         seq = self.seqs.get(msg.request_id)
         if seq is None:
             return None  # cancelled meanwhile
         if not msg.ok:
             return self._finish(seq, [], [], protocol.FINISH_ERROR, msg.error or "prefill failed")
         seq.kv_ready, seq.num_output = True, 1
-        reason = self._finish_reason(seq, msg.first_token_id)
-        return self._finish(seq, [], [], reason) if reason else None
+        logprobs = [] if msg.first_logprob is None else [msg.first_logprob]
+        token = msg.first_token_id
+        reason = self._finish_reason(seq, token)
+        if reason:
+            return self._finish(seq, [token], logprobs, reason, index=0)
+        return seq.gateway_id, TokenItem(seq.request_id, 0, (token,), tuple(logprobs))
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request and free its pages; True if it was held."""

@@ -60,9 +60,9 @@ class FakeDecode:
 
     @protocol.on_message(KvReadyMsg)
     async def _on_kv(self, ready: KvReadyMsg, msg: Msg) -> None:
-        finished = self.batch.kv_ready(ready)
-        if finished is not None:
-            await self._publish(*finished)
+        published = self.batch.kv_ready(ready)  # the first token, at once: not with a step
+        if published is not None:
+            await self._publish(*published)
         self._work.set()
 
     @protocol.on_message(CancelMsg)

@@ -1,4 +1,5 @@
-"""The fake prefill worker: "computes" prompts, sends the first token, tells decode it is done."""
+"""The fake prefill worker: "computes" prompts, then tells the decode worker it is done, with the
+first token (which the decode worker publishes: a request's tokens all come from there)."""
 
 import asyncio
 import logging
@@ -12,7 +13,7 @@ from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token,
 from shared import protocol, subjects
 from shared.kv.allocator import PageAllocator
 from shared.kv.pages import pages_for
-from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
+from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg
 
 log = logging.getLogger(__name__)
 
@@ -84,27 +85,16 @@ class FakePrefill:
             await self._finish(done)
 
     async def _finish(self, jobs: list[_Job]) -> None:
-        firsts = [self._first_token(job.assign) for job in jobs]
-        by_gateway: dict[str, list[TokenItem]] = {}
-        for job, item in zip(jobs, firsts, strict=True):
-            by_gateway.setdefault(job.assign.gateway_id, []).append(item)
-        for gateway_id, items in by_gateway.items():
-            body = protocol.encode(TokensMsg(self.worker_id, tuple(items)))
-            await self.nc.publish(subjects.gateway_tokens(gateway_id), body)
-        for job, item in zip(jobs, firsts, strict=True):
+        for job in jobs:
             self.pages.free(job.page_ids)
-            ready = KvReadyMsg(
-                job.assign.request_id,
-                self.worker_id,
-                True,
-                first_token_id=item.token_ids[0],
-                first_logprob=item.logprobs[0] if item.logprobs else None,
-            )
-            await self._kv_ready(job.assign, ready)
+            await self._kv_ready(job.assign, self._ready(job.assign))
 
-    def _first_token(self, assign: PrefillAssignMsg) -> TokenItem:
+    def _ready(self, assign: PrefillAssignMsg) -> KvReadyMsg:
+        """The "pages written" message, with the first token (output index 0) and its logprobs."""
         digest = prompt_digest(assign.prompt_token_ids)
         token = next_token(self.info, digest, 0, assign.sampling, self.config.eos_after)
         top_n = assign.sampling.logprobs
-        logprobs = () if top_n is None else (fake_logprob(self.info, token, 0, top_n),)
-        return TokenItem(assign.request_id, 0, (token,), logprobs)
+        logprob = None if top_n is None else fake_logprob(self.info, token, 0, top_n)
+        return KvReadyMsg(
+            assign.request_id, self.worker_id, True, first_token_id=token, first_logprob=logprob
+        )

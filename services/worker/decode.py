@@ -1,5 +1,7 @@
 """Decode role: reserves pages for a prompt that a prefill worker computes, then decodes it with
-the rest of the batch, publishing one TokensMsg per step per gateway."""
+the rest of the batch, publishing one TokensMsg per step per gateway. It publishes every token
+of its requests: the prefill worker's first token too, on receipt of the KV, so the gateway gets
+each request's tokens from one publisher, in order."""
 
 import logging
 import time
@@ -86,8 +88,11 @@ class DecodeRole:
             if req is not None:
                 await self._publish_items([(rid, token_item(req, [], [], error))])
             return
-        logprob = ready.first_logprob
-        req = await self.loop.call(self.engine.start_remote, rid, ready.first_token_id, logprob)
+        # The first token leaves now, not after the step running meanwhile (time to first token).
+        token, logprob = ready.first_token_id, ready.first_logprob
+        first = TokenItem(rid, 0, (token,), () if logprob is None else (logprob,))
+        await self._publish_items([(rid, first)])
+        req = await self.loop.call(self.engine.start_remote, rid, token, logprob)
         if req is not None and req.finished:  # the first token already ended it
             await self._publish_items([(rid, token_item(req, [], []))])
 
@@ -121,16 +126,19 @@ class DecodeRole:
                 items.append(
                     (rid, token_item(out.request, out.new_token_ids, out.new_logprobs, error))
                 )
-        await self._publish_items(items)
+        await self._publish_items(items, from_step=True)
 
-    async def _publish_items(self, items: list[tuple[str, TokenItem]]) -> None:
+    async def _publish_items(
+        self, items: list[tuple[str, TokenItem]], from_step: bool = False
+    ) -> None:
+        """One TokensMsg per gateway; stamped with the step's times if a step made the items."""
         by_gateway: dict[str, list[TokenItem]] = {}
         for rid, item in items:
-            gateway = self.gateways[rid] if item.finish_reason is None else self.gateways.pop(rid)
-            by_gateway.setdefault(gateway, []).append(item)
+            ends = item.finish_reason is not None
+            gateway = self.gateways.pop(rid, None) if ends else self.gateways.get(rid)
+            if gateway is not None:  # else cancelled meanwhile
+                by_gateway.setdefault(gateway, []).append(item)
+        step_s, cycle_s = (self.loop.step_s, self.loop.cycle_s) if from_step else (0.0, 0.0)
         for gateway, batch in by_gateway.items():
-            tokens = TokensMsg(
-                self.worker_id, tuple(batch), self.loop.step_s, self.loop.cycle_s, time.time()
-            )
-            body = protocol.encode(tokens)
-            await self.nc.publish(subjects.gateway_tokens(gateway), body)
+            tokens = TokensMsg(self.worker_id, tuple(batch), step_s, cycle_s, time.time())
+            await self.nc.publish(subjects.gateway_tokens(gateway), protocol.encode(tokens))

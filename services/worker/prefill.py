@@ -1,6 +1,7 @@
 """Prefill role: computes prompts (chunked, batched), streams each layer's KV into the decode
-worker's reserved pages as it is computed, then sends the first token to the gateway and
-"pages written" to the decode worker. A colocated worker hands its own requests to its engine."""
+worker's reserved pages as it is computed, then sends "pages written" with the first token to
+the decode worker, which publishes it to the gateway. A colocated worker hands its own requests
+to its engine."""
 
 import logging
 
@@ -11,7 +12,7 @@ from services.worker.loop import EngineLoop
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
-from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
+from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg
 from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,6 @@ class PrefillRole:
             await self.loop.call(self.engine.abort, cancel.request_id)
 
     async def on_outputs(self, outputs: list[StepOutput]) -> None:
-        firsts: dict[str, list[TokenItem]] = {}
-        readies = []
         for out in outputs:
             assign = self.jobs.pop(out.request.request_id, None)
             if assign is None or not out.finished:
@@ -74,19 +73,10 @@ class PrefillRole:
                 error = "prefill step failed"
             else:
                 error = self.handoff.finish(assign.request_id)
-            readies.append((assign, self._ready(out, error)))
-            if not error:
-                item = TokenItem(
-                    assign.request_id, 0, tuple(out.new_token_ids), tuple(out.new_logprobs)
-                )
-                firsts.setdefault(assign.gateway_id, []).append(item)
-        for gateway, items in firsts.items():
-            body = protocol.encode(TokensMsg(self.worker_id, tuple(items)))
-            await self.nc.publish(subjects.gateway_tokens(gateway), body)
-        for assign, ready in readies:
-            await self._kv_ready(assign, ready)
+            await self._kv_ready(assign, self._ready(out, error))
 
     def _ready(self, out: StepOutput, error: str | None) -> KvReadyMsg:
+        """The "pages written" message with the first token and its logprobs, or the failure."""
         rid = out.request.request_id
         if error:
             return KvReadyMsg(rid, self.worker_id, False, error=error)
