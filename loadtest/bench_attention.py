@@ -1,11 +1,12 @@
-"""Decode attention alone (the C kernel of cpu_kernels.paged_attention, bfloat16, the ~150M
-Llama's 12 query / 4 KV heads of 64, pages of 16 tokens) beside the memory bandwidth measured in
-the same run. Each call reads its rows' pages from another random draw out of a pool far larger
-than the last-level cache, as the engine's layers do, so the K and V come from memory; the pool
-is on 2 MiB pages, as the `tison` command puts it. The kernel is called as the fused decoder
-calls it, with its arguments made beforehand (the Python wrapper adds ~20 us a call, which is
-most of a batch-1 call). Bandwidth and attention are measured in turn; the figure is the median
-of the per-pair ratios (the bandwidth of this shared machine drifts), with their spread.
+"""Decode attention alone (the C kernel of kernels/cpu/attention.py's paged_attention, bfloat16,
+the ~150M Llama's 12 query / 4 KV heads of 64, pages of 16 tokens) beside the memory bandwidth
+measured in the same run. Each call reads its rows' pages from another random draw out of a pool
+far larger than the last-level cache, as the engine's layers do, so the K and V come from
+memory; the pool is on 2 MiB pages, as the `tison` command puts it. The kernel is called as the
+fused decoder calls it, with its arguments made beforehand (the Python wrapper adds ~20 us a
+call, which is most of a batch-1 call). Bandwidth and attention are measured in turn; the figure
+is the median of the per-pair ratios (the bandwidth of this shared machine drifts), with their
+spread.
 
     python -m loadtest.bench_attention [--isa avx2] [--pairs 5] [--batches 1 32]
 """
@@ -17,10 +18,10 @@ import time
 
 import torch
 
+from kernels.cpu import isa, library
+from kernels.cpu.attention import paged_attention
 from loadtest.bench_engine import memory_bandwidth_gbs
-from shared import cpu_isa
 from shared.huge_pages import restart_with_huge_pages
-from shared.models.layers import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 12, 4, 64, 16
 POOL_BYTES = 512 << 20  # K and V of the pool: 16x this machine's 32 MiB L3
@@ -56,10 +57,10 @@ def attention_seconds(kv: torch.Tensor, batch: int, ctx: int, budget: float) -> 
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     out = torch.empty_like(q)
     ref = torch.empty_like(q)  # the wrapper's answer for the first draw: the same call
-    cpu_kernels.paged_attention(
+    paged_attention(
         q, k, v, kv, slots, HEAD_DIM**-0.5, ref, block_table=draws[0], context_lens=lens
     )
-    fn = cpu_kernels.kernel("tk_paged_attention", torch.bfloat16)
+    fn = library.kernel("tk_paged_attention", torch.bfloat16)
     row = KV_HEADS * HEAD_DIM
     calls = [
         (k.data_ptr(), row, v.data_ptr(), row, slots.data_ptr(), batch, q.data_ptr(),
@@ -101,17 +102,17 @@ def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", choices=cpu_isa.TIER_NAMES, help="run as this tier's CPU")
+    parser.add_argument("--isa", choices=isa.TIER_NAMES, help="run as this tier's CPU")
     parser.add_argument("--pairs", type=int, default=5, help="bandwidth/attention pairs")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048])
     args = parser.parse_args()
     restart_with_huge_pages()  # the pool on 2 MiB pages, as in the engine
     if args.isa:  # read when the kernels load, at the first call
-        os.environ[cpu_isa.ENV_VAR] = args.isa
+        os.environ[isa.ENV_VAR] = args.isa
     kv = pool()
-    cpu_kernels.usable(kv)  # loads the library now, at the tier asked for
-    print(f"tier {cpu_kernels.built_tier().name}, {torch.get_num_threads()} threads")
+    library.usable(kv)  # loads the library now, at the tier asked for
+    print(f"tier {library.built_tier().name}, {torch.get_num_threads()} threads")
     print("batch   ctx      us  KV GB/s  stream GB/s  share (min-max)")
     for batch in args.batches:
         for ctx in args.contexts:

@@ -23,16 +23,15 @@ from pathlib import Path
 
 import torch
 
+from kernels.build import build_library
+from kernels.cpu import isa, library
 from loadtest.random_model import llama_fields, save_random_llama
 from loadtest.roofline import LlamaShape, mean_step_bytes
-from shared import cpu_isa
 from shared.cpu_report import report as env_report
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages
-from shared.models.layers import cpu_kernels
 from shared.models.layers.cpu_linear import onednn_bf16
-from shared.native_build import build_library
 from shared.sampling.params import SamplingParams
 
 MODEL = llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4)  # ~150M parameters
@@ -42,9 +41,9 @@ MODEL = llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4)  # ~150M
 def _read_probe():
     """membw.c's read_xor, built for the CPU's best tier (or the next that builds)."""
     source = Path(__file__).with_name("membw.c")
-    for tier in reversed(cpu_isa.tiers_up_to(cpu_isa.detected())):
+    for tier in reversed(isa.tiers_up_to(isa.detected())):
         try:
-            path = build_library("tison_membw", [source], cpu_kernels.flags(tier))
+            path = build_library("tison_membw", [source], library.flags(tier))
             fn = ctypes.CDLL(str(path)).read_xor
             break
         except OSError:
@@ -175,18 +174,18 @@ def fastest_hf(folders: dict[str, Path], prompt_len: int):
 def run_at_tier(tier: str | None) -> None:
     """With --isa: restart this process with TISON_CPU_ISA (and torch's caps) set, so the
     kernels, torch, oneDNN and MKL all run at that tier from the first operation."""
-    if tier is None or os.environ.get(cpu_isa.ENV_VAR) == tier:
+    if tier is None or os.environ.get(isa.ENV_VAR) == tier:
         return
-    os.environ[cpu_isa.ENV_VAR] = tier
+    os.environ[isa.ENV_VAR] = tier
     for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         os.environ.pop(cap, None)
-    cpu_isa.cap_torch()
+    isa.cap_torch()
     os.execv(sys.executable, [sys.executable, "-m", "loadtest.bench_engine", *sys.argv[1:]])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--isa", choices=cpu_isa.TIER_NAMES, help="run at this tier (TISON_CPU_ISA)")
+    ap.add_argument("--isa", choices=isa.TIER_NAMES, help="run at this tier (TISON_CPU_ISA)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--prompt-len", type=int, default=32, help="decode measures: prompt tokens")

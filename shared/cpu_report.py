@@ -4,29 +4,29 @@ threads): `tison env` prints it, the benchmarks head their results with it."""
 import os
 import platform
 
-from shared import cpu_isa
+from kernels.cpu import isa
 
 
 def report() -> dict:
     """The facts `tison env` prints, as a dict."""
     import torch
 
-    from shared.models.layers import cpu_kernels
+    from kernels.cpu import library
     from shared.models.layers.cpu_linear import onednn_bf16
 
-    flags = cpu_isa.cpu_flags()
-    wanted = sorted(set().union(*(t.needs for t in cpu_isa.TIERS)))
-    built = cpu_kernels.built_tier()
+    flags = isa.cpu_flags()
+    wanted = sorted(set().union(*(t.needs for t in isa.TIERS)))
+    built = library.built_tier()
     return {
         "machine": platform.machine(),
         "cpu": _cpu_model(),
         "cpu_flags": {flag: flag in flags for flag in wanted},
-        "tier_detected": cpu_isa.detected().name,
-        "TISON_CPU_ISA": os.environ.get(cpu_isa.ENV_VAR) or None,
-        "tier": cpu_isa.active().name,
-        "tiers_runnable": [t.name for t in cpu_isa.tiers_up_to(cpu_isa.detected())],
+        "tier_detected": isa.detected().name,
+        "TISON_CPU_ISA": os.environ.get(isa.ENV_VAR) or None,
+        "tier": isa.active().name,
+        "tiers_runnable": [t.name for t in isa.tiers_up_to(isa.detected())],
         "kernels_built_for": None if built is None else built.name,
-        "linear_kernel": "none" if built is None else ("amx" if cpu_kernels.amx_ready() else
+        "linear_kernel": "none" if built is None else ("amx" if library.amx_ready() else
                                                        f"vector ({built.name})"),
         "fused_decoder": built is not None,
         "torch": torch.__version__,

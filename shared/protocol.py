@@ -11,13 +11,14 @@ import logging
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import cache
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
 from shared.errors import InvalidRequestError, ProtocolError
+from shared.sampling.logprobs import TokenLogprob  # on the wire as is, like SamplingParams
 from shared.sampling.params import SamplingParams
 
 SCHEMA_VERSION = 1
@@ -46,23 +47,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """Log-probability of one chosen token and the top alternatives at its position."""
-
-    token_id: int  # sampler sets: the chosen token
-    logprob: float  # sampler sets: its log-probability
-    top_ids: tuple[int, ...] = ()  # sampler sets: top-n token ids, most likely first
-    top_logprobs: tuple[float, ...] = ()  # sampler sets: their log-probabilities
-
-
-@dataclass(frozen=True)
 class TokenItem:
-    """Tokens of one request produced in one step (empty `token_ids` with a finish is allowed)."""
+    """Tokens of one request produced in one step (empty `token_ids` with a finish is allowed).
+    Every item of a request comes from its decode worker, in output order (the prefill worker's
+    first token too, see KvReadyMsg), so each starts where the previous one ended."""
 
-    request_id: str  # worker sets from the assignment; gateway demultiplexes by it
-    index: int  # worker sets: output index of token_ids[0]; gateway drops duplicates, fills gaps
-    token_ids: tuple[int, ...] = ()  # worker sets: new tokens in order
-    logprobs: tuple[TokenLogprob, ...] = ()  # worker sets when sampling.logprobs is not None
+    request_id: str  # decode worker sets from the assignment; gateway demultiplexes by it
+    index: int  # decode sets: output index of token_ids[0]; gateway fails the request if unexpected
+    token_ids: tuple[int, ...] = ()  # decode worker sets: new tokens in order
+    logprobs: tuple[TokenLogprob, ...] = ()  # decode sets, one per token, if sampling.logprobs
     finish_reason: str | None = None  # decode worker sets on the last item (FINISH_*)
     error: str = ""  # worker sets with FINISH_ERROR; gateway shows it to the client
     usage: Usage | None = None  # decode worker sets on the last item
@@ -104,6 +97,25 @@ class CancelMsg:
 
 
 @dataclass(frozen=True)
+class KVRankPool:
+    """One rank's part of a decode worker's KV pool."""
+
+    layers: tuple[int, ...]  # [first, end) global layers it holds
+    units: tuple[int, ...]  # [first, end) units of the layout it holds (MHA: KV heads)
+    shm: str  # its pool file (same host); "" when it has none
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """Where a prefill worker can write a decode worker's pages (shared/transfer/handoff.py)."""
+
+    layout: str  # KVSpec.layout of the whole model's KV; the prefill worker's must equal it
+    host: str  # transfer.base.host_id(): equal on the same boot of the same machine
+    ranks: tuple[KVRankPool, ...]  # rank order
+    tcp: str = ""  # "host:port" of its authenticated TCP KV server; "" when off
+
+
+@dataclass(frozen=True)
 class HeartbeatMsg:
     """Worker → scheduler and gateways (heartbeat(role, id)), every `interval_s`."""
 
@@ -120,7 +132,6 @@ class HeartbeatMsg:
     free_pages: int = 0  # worker sets: KV pages free (decode); scheduler checks fit
     total_pages: int = 0  # worker sets: KV pool size; gateway /metrics
     page_size: int = 16  # worker sets: tokens per KV page; scheduler sizes requests
-    endpoints: dict[str, str] = field(default_factory=dict)  # worker sets: transport → address
     kv_transfer_bytes: int = 0  # worker sets: cumulative KV bytes sent/received; /metrics
     kv_transfer_seconds: float = 0.0  # worker sets: cumulative transfer time; /metrics
 
@@ -146,7 +157,7 @@ class DecodeAssignReplyMsg:
     request_id: str  # decode copies
     accepted: bool  # decode sets: False when its pool cannot hold the request now
     page_ids: tuple[int, ...] = ()  # decode sets: reserved pages; prefill writes KV there
-    endpoints: dict[str, str] = field(default_factory=dict)  # decode sets: where to write
+    kv: KVPool | None = None  # decode sets when accepting: where to write
     reason: str = ""  # decode sets when refusing; scheduler logs it
 
 
@@ -156,35 +167,38 @@ class PrefillAssignMsg:
 
     KIND: ClassVar[str] = "prefill_assign"
     request_id: str  # scheduler copies from SubmitMsg
-    gateway_id: str  # scheduler copies; prefill publishes the first token there
+    gateway_id: str  # scheduler copies (the first token reaches it through the decode worker)
     prompt_token_ids: tuple[int, ...]  # scheduler copies
     sampling: SamplingParams  # scheduler copies; prefill samples the first token with it
     decode_worker: str  # scheduler sets; prefill sends KvReadyMsg to decode_kv(decode_worker)
-    decode_endpoints: dict[str, str]  # scheduler copies from DecodeAssignReplyMsg.endpoints
+    decode_kv: KVPool | None  # scheduler copies from DecodeAssignReplyMsg.kv
     page_ids: tuple[int, ...]  # scheduler copies from DecodeAssignReplyMsg.page_ids
 
 
 @dataclass(frozen=True)
 class KvReadyMsg:
-    """Prefill → decode worker (decode_kv(id)): the pages are written, or prefill failed."""
+    """Prefill → decode worker (decode_kv(id)): the pages are written, with the first token, or
+    prefill failed. The first token travels only here: the decode worker publishes it to the
+    gateway on receipt (not with its next step), then decodes from it."""
 
     KIND: ClassVar[str] = "kv_ready"
     request_id: str  # prefill copies
     prefill_worker: str  # prefill sets; logged
     ok: bool  # prefill sets: False on a transfer or compute error
-    first_token_id: int = -1  # prefill sets when ok: the sampled first token (output index 0)
-    first_logprob: TokenLogprob | None = None  # prefill sets when logprobs were asked
+    first_token_id: int = -1  # prefill sets when ok: the first token; decode sends it as index 0
+    first_logprob: TokenLogprob | None = None  # prefill sets if logprobs were asked; goes with it
     error: str = ""  # prefill sets when not ok; decode forwards it to the gateway
 
 
 @dataclass(frozen=True)
 class TokensMsg:
-    """Worker → gateway (gateway_tokens(id)): every token of that gateway's requests in a step."""
+    """Decode worker → gateway (gateway_tokens(id)): every token of that gateway's requests in a
+    step; also, at once, first tokens that arrived in KvReadyMsg and prefill failures."""
 
     KIND: ClassVar[str] = "tokens"
-    worker_id: str  # worker sets; logged
-    items: tuple[TokenItem, ...]  # worker sets: one per request that advanced this step
-    step_s: float = 0.0  # worker sets: the engine step that made these tokens
+    worker_id: str  # decode worker sets; logged
+    items: tuple[TokenItem, ...]  # decode worker sets: one per request that advanced
+    step_s: float = 0.0  # decode sets: the engine step that made these tokens; 0: made by none
     cycle_s: float = 0.0  # worker sets: its previous step's end to this one's (step + loop)
     sent_at: float = 0.0  # worker sets: its time.time() at publish (transit, on one host)
 
@@ -225,6 +239,16 @@ def decode(data: bytes, cls: type[M]) -> M:
     if body.get("t") != kind:
         raise ProtocolError(kind, f"kind is {body.get('t')!r}")
     return _from_wire(cls, body, kind)
+
+
+def to_plain(value: Any) -> Any:
+    """A dataclass of this module as msgpack-ready lists and maps (to nest in other payloads)."""
+    return _to_wire(value)
+
+
+def from_plain(cls: type[M], value: Any) -> M:
+    """The inverse of to_plain, with decode's checks; ProtocolError naming the bad field."""
+    return _from_wire(cls, value, cls.__name__)
 
 
 def _to_wire(value: Any) -> Any:

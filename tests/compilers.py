@@ -3,6 +3,6 @@ fails is a failure (the library then is None and the tests that call it fail), n
 
 import pytest
 
-from shared.native_build import compiler
+from kernels.build import compiler
 
 needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc or gcc) on PATH")

@@ -6,9 +6,9 @@ from pathlib import Path
 # and OpenMP threads fighting over cores make every op many times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from shared import cpu_isa  # noqa: E402
+from kernels.cpu import isa  # noqa: E402
 
-cpu_isa.cap_torch()  # TISON_CPU_ISA=avx2 runs torch and oneDNN as on an AVX2 CPU too
+isa.cap_torch()  # TISON_CPU_ISA=avx2 runs torch and oneDNN as on an AVX2 CPU too
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

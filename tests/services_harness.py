@@ -69,11 +69,12 @@ class Services:
     def __exit__(self, *exc) -> None:
         self.stop_all()
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        """Run `tison *args --nats-url <server>` as process `name`."""
+    def start(self, name: str, *args: str, launch: str = _LAUNCH) -> subprocess.Popen:
+        """Run `tison *args --nats-url <server>` as process `name`, through `python -c launch`
+        (tests/test_cli_torch_free.py launches with torch made unimportable)."""
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
         log = open(self.tmp_path / f"{name}.log", "ab")
-        cmd = [sys.executable, "-c", _LAUNCH, *args, "--nats-url", self.nats.url]
+        cmd = [sys.executable, "-c", launch, *args, "--nats-url", self.nats.url]
         proc = subprocess.Popen(
             cmd,
             cwd=REPO_ROOT,
@@ -86,8 +87,8 @@ class Services:
         self.procs[name] = proc
         return proc
 
-    def scheduler(self, *args: str) -> subprocess.Popen:
-        return self.start("scheduler", "scheduler", *args)
+    def scheduler(self, *args: str, launch: str = _LAUNCH) -> subprocess.Popen:
+        return self.start("scheduler", "scheduler", *args, launch=launch)
 
     def fake_worker(self, name: str, role: str, *args: str) -> subprocess.Popen:
         beat = str(self.heartbeat_s)
@@ -103,11 +104,10 @@ class Services:
             *args,
         )
 
-    def gateway(self, *args: str) -> subprocess.Popen:
+    def gateway(self, *args: str, launch: str = _LAUNCH) -> subprocess.Popen:
         self.port = free_port()
-        return self.start(
-            "gateway", "gateway", "--model", str(self.model_dir), "--port", str(self.port), *args
-        )
+        model = ("--model", str(self.model_dir), "--port", str(self.port))
+        return self.start("gateway", "gateway", *model, *args, launch=launch)
 
     def health(self) -> int:
         """HTTP status of the gateway's /health (0 when it does not answer)."""

@@ -1,4 +1,4 @@
-"""The CUDA kernels of kernels/codec_decode.cu, compiled for the CPU with
+"""The CUDA kernels of kernels/cuda/codec_decode.cu, compiled for the CPU with
 tests/gpu/kernel_cpu_shim.c and run one thread after another, against the CPU decoder:
 their logic is checked here even where no GPU is (tests/gpu checks them on a GPU)."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.codec_decode import plan
 from shared.codec import decode_tensor, encode_tensor
-from shared.codec.format import LAYOUTS, SEG_BITS, SEGS_PER_BLOCK
+from shared.codec.format import LAYOUTS, SEGS_PER_BLOCK
+from shared.codec.gpu import plan
 
 SHIM = Path(__file__).parent / "gpu" / "kernel_cpu_shim.c"
 
@@ -41,7 +41,7 @@ def run_kernels(shim, encoded) -> tuple[np.ndarray, np.ndarray]:
     counts = np.zeros(launch.num_segments, dtype=np.int64)
     common = [addr(planes["stream"]), addr(planes["gaps"]), addr(launch.table)]
     common += [i32(launch.lut_bits), i64(encoded.planes.total_bits)]
-    common += [i64(launch.num_segments), i32(SEG_BITS)]
+    common += [i64(launch.num_segments), i32(launch.seg_bits)]
     shim.shim_count(*common, addr(counts))
     first = np.cumsum(counts) - counts
     n = encoded.num_elements
@@ -84,6 +84,6 @@ def test_kernels_stay_in_bounds_on_a_corrupt_stream(shim):
     encoded.planes.stream[100:140] = torch.arange(40, dtype=torch.uint8) * 37
     out, counts = run_kernels(shim, encoded)  # the decode guard keeps writes inside `out`
     first = np.cumsum(counts) - counts
-    # The host check that kernels/codec_decode.py runs catches the damage.
+    # The host check that kernels/cuda/codec_decode.py runs catches the damage.
     index_ok = np.array_equal(first[::SEGS_PER_BLOCK], encoded.planes.block_first.numpy())
     assert not (index_ok and first[-1] + counts[-1] == tensor.numel())

@@ -8,10 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kernels.build import compiler
 from shared.codec import decode_tensor, decode_tensors, encode_tensor
 from shared.codec.format import LAYOUTS, SEGS_PER_BLOCK
 from shared.errors import ModelFolderError
-from shared.native_build import compiler
 
 from compilers import needs_compiler
 

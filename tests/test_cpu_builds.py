@@ -1,6 +1,6 @@
 """The C CPU kernels build at every tier (x86-64 compilers accept each tier's flags whatever
 this CPU has), and the portable sources compile for aarch64 with a cross-compiler: no x86
-intrinsic outside its guard. Running each tier is test_cpu_kernels.py's job (tiers.py)."""
+intrinsic outside its guard. Running each tier is test_library.py's job (tiers.py)."""
 
 import shutil
 import subprocess
@@ -8,9 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from shared import cpu_isa
+from kernels.cpu import isa, library
 from shared.codec import native
-from shared.models.layers import cpu_kernels
 
 from compilers import needs_compiler
 
@@ -22,17 +21,17 @@ def compile_objects(compiler: str, flags: list[str], tmp_path) -> subprocess.Com
     cmd = [compiler, "-O2", "-std=gnu11", "-fopenmp", "-fPIC", "-ffp-contract=off", *flags]
     cmd += ["-Werror=implicit-function-declaration", "-c"]
     return subprocess.run(
-        [*cmd, *map(str, cpu_kernels.SOURCES)], cwd=tmp_path, capture_output=True, text=True
+        [*cmd, *map(str, library.SOURCES)], cwd=tmp_path, capture_output=True, text=True
     )
 
 
-@pytest.mark.skipif(not cpu_isa.is_x86(), reason="the tiers' flags are x86-64 flags")
-@pytest.mark.parametrize("tier", cpu_isa.TIER_NAMES)
+@pytest.mark.skipif(not isa.is_x86(), reason="the tiers' flags are x86-64 flags")
+@pytest.mark.parametrize("tier", isa.TIER_NAMES)
 def test_every_tier_compiles_on_x86(tier, tmp_path):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    result = compile_objects(compiler, list(cpu_isa.BY_NAME[tier].cflags), tmp_path)
+    result = compile_objects(compiler, list(isa.BY_NAME[tier].cflags), tmp_path)
     assert result.returncode == 0, result.stderr
 
 
@@ -43,9 +42,12 @@ def test_portable_sources_compile_for_aarch64(tmp_path):
     result = compile_objects(compiler, [], tmp_path)
     assert result.returncode == 0, result.stderr
     objects = sorted(p.name for p in tmp_path.glob("*.o"))
-    assert objects == sorted(p.stem + ".o" for p in cpu_kernels.SOURCES)
-    header = (tmp_path / "cpu_kernels.o").read_bytes()[:20]
-    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    assert objects == sorted(p.stem + ".o" for p in library.SOURCES)
+    for name in objects:
+        header = (tmp_path / name).read_bytes()[:20]
+        assert (
+            header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183
+        )  # EM_AARCH64
 
 
 @needs_compiler
@@ -53,6 +55,6 @@ def test_the_c_libraries_build_wherever_there_is_a_compiler():
     """A compile error in our own C fails here: the C paths' tests skip only without a
     compiler, and the kernels load at the tier this CPU runs, not one below it."""
     assert native.load() is not None
-    assert cpu_kernels.usable(torch.zeros(1))
-    active = cpu_isa.active()
-    assert cpu_kernels.built_tier() == active or active.name == "amx"  # amx: if the OS grants
+    assert library.usable(torch.zeros(1))
+    active = isa.active()
+    assert library.built_tier() == active or active.name == "amx"  # amx: if the OS grants

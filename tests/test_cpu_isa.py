@@ -1,4 +1,4 @@
-"""The CPU tier policy (shared/cpu_isa.py) on given flag sets, TISON_CPU_ISA's cap and its
+"""The CPU tier policy (kernels/cpu/isa.py) on given flag sets, TISON_CPU_ISA's cap and its
 errors, and `tison env` reporting what this run uses."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shared import cpu_isa
+from kernels.cpu import isa
 
 from services_harness import REPO_ROOT
 
@@ -18,38 +18,38 @@ SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
-@pytest.mark.skipif(not cpu_isa.is_x86(), reason="x86 tiers")
+@pytest.mark.skipif(not isa.is_x86(), reason="x86 tiers")
 @pytest.mark.parametrize(
     "flags,tier",
     [(frozenset(), "portable"), (ZEN3, "avx2"), (SKYLAKE_SP, "avx512"), (ZEN4, "avx512_bf16")]
     + [(SAPPHIRE_RAPIDS, "amx"), (ZEN3 - {"fma"}, "portable"), (ZEN4 - {"avx512bw"}, "avx2")],
 )
 def test_detected_tier_is_the_best_whose_needs_are_met(flags, tier):
-    assert cpu_isa.detected(flags).name == tier
+    assert isa.detected(flags).name == tier
 
 
 def test_cap_lowers_never_raises_the_tier(monkeypatch):
-    best = cpu_isa.detected()
-    for tier in cpu_isa.TIERS:
-        monkeypatch.setenv(cpu_isa.ENV_VAR, tier.name.upper())  # case does not matter
-        expected = tier if cpu_isa.TIERS.index(tier) <= cpu_isa.TIERS.index(best) else best
-        assert cpu_isa.active() == expected
-    monkeypatch.setenv(cpu_isa.ENV_VAR, "")
-    assert cpu_isa.active() == best
+    best = isa.detected()
+    for tier in isa.TIERS:
+        monkeypatch.setenv(isa.ENV_VAR, tier.name.upper())  # case does not matter
+        expected = tier if isa.TIERS.index(tier) <= isa.TIERS.index(best) else best
+        assert isa.active() == expected
+    monkeypatch.setenv(isa.ENV_VAR, "")
+    assert isa.active() == best
 
 
 def test_unknown_tier_names_the_variable(monkeypatch):
-    monkeypatch.setenv(cpu_isa.ENV_VAR, "avx1024")
+    monkeypatch.setenv(isa.ENV_VAR, "avx1024")
     with pytest.raises(ValueError, match="TISON_CPU_ISA='avx1024': expected one of portable"):
-        cpu_isa.active()
+        isa.active()
 
 
 def test_cap_torch_sets_torchs_and_onednns_caps_unless_set(monkeypatch):
-    monkeypatch.setenv(cpu_isa.ENV_VAR, "portable")
+    monkeypatch.setenv(isa.ENV_VAR, "portable")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    cpu_isa.cap_torch()
+    isa.cap_torch()
     assert os.environ["ATEN_CPU_CAPABILITY"] == "default"
     assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"  # the user's own setting wins
@@ -70,14 +70,14 @@ def run_tison(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_tison_env_reports_the_capped_tier_and_its_kernels():
-    lowest = cpu_isa.tiers_up_to(cpu_isa.active())[0].name  # portable
+    lowest = isa.tiers_up_to(isa.active())[0].name  # portable
     result = run_tison("env", "--json", TISON_CPU_ISA=lowest)
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout)
     assert facts["tier"] == facts["kernels_built_for"] == lowest
-    assert facts["tier_detected"] == cpu_isa.detected().name
+    assert facts["tier_detected"] == isa.detected().name
     assert facts["fused_decoder"] and facts["linear_kernel"] == f"vector ({lowest})"
-    if cpu_isa.is_x86():  # torch was capped before its first operation
+    if isa.is_x86():  # torch was capped before its first operation
         assert facts["torch_cpu_capability"] == "DEFAULT" and facts["onednn_bf16"] is False
 
 

@@ -1,10 +1,14 @@
-"""The C CPU kernels (shared/models/layers/cpu_kernels.c) against their torch references."""
+"""The C CPU kernels (kernels/cpu/*.c) against their torch references."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.models.layers import cpu_kernels
+from kernels.cpu.activation import silu_mul
+from kernels.cpu.argmax import argmax
+from kernels.cpu.attention import attention_supported, paged_attention
+from kernels.cpu.norm import rms_norm
+from kernels.cpu.rope import rope
 from shared.models.layers.attention import DecodeRows
 from shared.models.layers.attention_backend import TorchBackend
 from shared.models.layers.rotary import RotaryEmbedding, _rotate
@@ -45,9 +49,9 @@ def test_rms_norm_with_and_without_residual(dtype):
     x = torch.randn(37, 200, generator=g).to(dtype)
     residual = torch.randn(37, 200, generator=g).to(dtype)
     weight = (1 + torch.randn(200, generator=g) / 4).to(dtype)
-    assert_close_ulp(cpu_kernels.rms_norm(x, weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
+    assert_close_ulp(rms_norm(x, weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
     total = x + residual
-    out = cpu_kernels.rms_norm(x, weight, 1e-6, residual)
+    out = rms_norm(x, weight, 1e-6, residual)
     assert torch.equal(residual, total)  # the sum is left in the residual's storage
     assert_close_ulp(out, hf_rms_norm(total, weight, 1e-6))
 
@@ -58,7 +62,7 @@ def test_rms_norm_per_head_of_a_strided_view(dtype):
     qkv = torch.randn(5, 7 * 32).to(dtype)
     q = qkv[:, : 4 * 32].view(5, 4, 32)  # row stride 7 * 32
     weight = torch.rand(32).to(dtype)
-    assert_close_ulp(cpu_kernels.rms_norm(q, weight, 1e-5), hf_rms_norm(q, weight, 1e-5))
+    assert_close_ulp(rms_norm(q, weight, 1e-5), hf_rms_norm(q, weight, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -69,7 +73,7 @@ def test_rope_matches_the_torch_rotation_bit_for_bit(dtype):
     k = qkv[:, 6 * 64 : 8 * 64].view(9, 2, 64)
     positions = torch.tensor([0, 1, 2, 100, 101, 7, 511, 3, 4])
     cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
-    q_out, k_out = cpu_kernels.rope(q, k, positions, rotary.cos, rotary.sin)
+    q_out, k_out = rope(q, k, positions, rotary.cos, rotary.sin)
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(q_out, _rotate(q, cos, sin))
     assert torch.equal(k_out, _rotate(k, cos, sin))
@@ -80,7 +84,7 @@ def test_silu_mul(dtype):
     x = (torch.randn(33, 2 * 300) * 4).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])  # the exp's clamped ends
     gate, up = x.chunk(2, dim=-1)
-    assert_close_ulp(cpu_kernels.silu_mul(x), F.silu(gate) * up)
+    assert_close_ulp(silu_mul(x), F.silu(gate) * up)
 
 
 def paged_case(contexts, nh, nkv, hd, page_size, dtype, seed=0):
@@ -124,7 +128,7 @@ def test_paged_attention_matches_sdpa_over_gathered_pages(dtype, nh, nkv, hd, pa
     d = DecodeRows(rows, table, torch.tensor(contexts, dtype=torch.int32), page_size, window)
     ref = TorchBackend.decode(q[rows], kv_layer, d, hd**-0.5)
     out = torch.full_like(q, 7.0)
-    cpu_kernels.paged_attention(q, k, v, kv_layer, slots, hd**-0.5, out, **d.kernel_args())
+    paged_attention(q, k, v, kv_layer, slots, hd**-0.5, out, **d.kernel_args())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[rows].float(), ref.float(), rtol=tol, atol=tol)
     assert (out[[1, 4]] == 7.0).all()  # rows that do not decode are left alone
@@ -140,7 +144,7 @@ def decode_against_sdpa(kv_layer, table, contexts, q, window=None, page_size=16)
     k = v = torch.zeros(len(contexts), nkv, hd, dtype=q.dtype)
     slots = unread_slots(kv_layer, table)[:1].repeat(len(contexts))
     out = torch.empty_like(q)
-    cpu_kernels.paged_attention(q, k, v, kv_layer, slots, hd**-0.5, out, **d.kernel_args())
+    paged_attention(q, k, v, kv_layer, slots, hd**-0.5, out, **d.kernel_args())
     return out.float(), ref.float()
 
 
@@ -192,7 +196,7 @@ def test_paged_attention_many_rows_uses_whole_row_tasks_alike():
         for n in (1, 2):
             torch.set_num_threads(n)
             out = torch.empty_like(q)
-            cpu_kernels.paged_attention(q, k, v, kv_layer, slots, 0.1, out, **d.kernel_args())
+            paged_attention(q, k, v, kv_layer, slots, 0.1, out, **d.kernel_args())
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
@@ -201,16 +205,16 @@ def test_paged_attention_many_rows_uses_whole_row_tasks_alike():
 def test_wrappers_name_what_is_wrong():
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="rms_norm weight.*bfloat16"):
-        cpu_kernels.rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-6)
+        rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="rms_norm residual.*shape"):
-        cpu_kernels.rms_norm(x, torch.ones(32), 1e-6, torch.zeros(3, 32))
+        rms_norm(x, torch.ones(32), 1e-6, torch.zeros(3, 32))
     with pytest.raises(ValueError, match="silu_mul: x must be contiguous"):
-        cpu_kernels.silu_mul(torch.randn(8, 16)[:, :8])
+        silu_mul(torch.randn(8, 16)[:, :8])
     with pytest.raises(ValueError, match="rope positions.*int64"):
         q = x.view(4, 2, 16)
-        cpu_kernels.rope(q, q, torch.zeros(4, dtype=torch.int32), x, x)
-    assert not cpu_kernels.attention_supported(8, 8, 24)  # head size not a multiple of 16
-    assert not cpu_kernels.attention_supported(128, 1, 64)  # 128 query heads per KV head
+        rope(q, q, torch.zeros(4, dtype=torch.int32), x, x)
+    assert not attention_supported(8, 8, 24)  # head size not a multiple of 16
+    assert not attention_supported(128, 1, 64)  # 128 query heads per KV head
 
 
 def test_elementwise_kernels_give_the_same_bits_on_two_threads():
@@ -226,10 +230,10 @@ def test_elementwise_kernels_give_the_same_bits_on_two_threads():
     def run():
         res = residual.clone()
         return (
-            cpu_kernels.rms_norm(x[:, :1024], weight, 1e-6, res),
+            rms_norm(x[:, :1024], weight, 1e-6, res),
             res,
-            *cpu_kernels.rope(qk[:, :16], qk[:, 16:], positions, rotary.cos, rotary.sin),
-            cpu_kernels.silu_mul(x),
+            *rope(qk[:, :16], qk[:, 16:], positions, rotary.cos, rotary.sin),
+            silu_mul(x),
         )
 
     threads = torch.get_num_threads()
@@ -257,12 +261,12 @@ def test_argmax_is_the_first_maximum_as_torch_max_gives_it(dtype, d):
     x[5] = 0.0
     x[5, d // 3] = -0.0
     ref = x.float().max(dim=-1).indices
-    assert torch.equal(cpu_kernels.argmax(x), ref)
-    assert cpu_kernels.argmax(x[:0]).shape == (0,)
+    assert torch.equal(argmax(x), ref)
+    assert argmax(x[:0]).shape == (0,)
 
 
 def test_argmax_names_what_is_wrong():
     with pytest.raises(ValueError, match="argmax: rows are empty"):
-        cpu_kernels.argmax(torch.zeros(3, 0))
+        argmax(torch.zeros(3, 0))
     with pytest.raises(ValueError, match="argmax x.*contiguous"):
-        cpu_kernels.argmax(torch.zeros(4, 3).t())
+        argmax(torch.zeros(4, 3).t())

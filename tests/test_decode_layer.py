@@ -1,4 +1,4 @@
-"""The fused decoder (shared/models/layers/decode_layer.c): a decode step's layers in one C call
+"""The fused decoder (kernels/cpu/decode_layer.c): a decode step's layers in one C call
 give the op-by-op layers' output bit for bit, for every family's variant, on one and two
 threads, with requests joining while others decode (mixed steps go op by op), at every tier
 this CPU runs."""
@@ -6,7 +6,7 @@ this CPU runs."""
 import pytest
 import torch
 
-from shared.models.layers import cpu_kernels
+from kernels.cpu.linear import linear_max_rows
 from shared.models.layers.decode_layer import FusedDecoder
 from shared.sampling.params import SamplingParams
 
@@ -44,9 +44,7 @@ def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
     finally:
         torch.set_num_threads(previous)
     assert engine.num_pages_used == 0
-    return [
-        (r.output_token_ids, [(lp.logprob, lp.top) for lp in r.output_logprobs]) for r in requests
-    ]
+    return [(r.output_token_ids, r.output_logprobs) for r in requests]
 
 
 @pytest.mark.parametrize("tier", tier_params())
@@ -85,5 +83,5 @@ def test_mixed_and_oversized_steps_go_op_by_op():
     assert not FusedDecoder.takes(x, AttentionMetadata(slots, decode, [span]))
     assert not FusedDecoder.takes(x, AttentionMetadata(slots, None, [span]))
     assert not FusedDecoder.takes(x.float(), AttentionMetadata(slots, decode, []))
-    big = torch.zeros(cpu_kernels.linear_max_rows() + 1, 64, dtype=torch.bfloat16)
+    big = torch.zeros(linear_max_rows() + 1, 64, dtype=torch.bfloat16)
     assert not FusedDecoder.takes(big, AttentionMetadata(slots, decode, []))

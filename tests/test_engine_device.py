@@ -4,11 +4,11 @@ backend chosen once per engine from device, dtype and the C kernels (or forced).
 import pytest
 import torch
 
+from kernels.cpu import library
 from shared.engine.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.kv.cache import KVCache
 from shared.kv.spec import MHAKVSpec
-from shared.models.layers import cpu_kernels
 from shared.models.layers.attention_backend import CpuKernelBackend, TorchBackend, select_backend
 from shared.sampling.params import SamplingParams
 
@@ -36,9 +36,9 @@ def test_forced_torch_backend_matches_the_kernel_backend(tiny_llama):
 
 def test_auto_backend_follows_dtype_and_kernels(monkeypatch):
     assert isinstance(select_backend("cpu", torch.float16), TorchBackend)  # no C kernels
-    if cpu_kernels.usable(torch.zeros(1)):
+    if library.usable(torch.zeros(1)):
         assert isinstance(select_backend("cpu", torch.float32), CpuKernelBackend)
-    monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)  # no C compiler
+    monkeypatch.setattr(library, "usable", lambda x: False)  # no C compiler
     assert isinstance(select_backend("cpu", torch.bfloat16), TorchBackend)
     with pytest.raises(InvalidRequestError, match="attention_backend: the C kernels do not run"):
         select_backend("cpu", torch.bfloat16, "cpu_kernels")

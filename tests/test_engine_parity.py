@@ -4,7 +4,7 @@ its logprobs equal transformers' log_softmax within float32 rounding."""
 import pytest
 import torch
 
-from shared.models.layers import cpu_kernels
+from kernels.cpu import library
 from shared.models.layers.linear import LinearBase
 from shared.sampling.params import SamplingParams
 
@@ -51,7 +51,7 @@ def test_staggered_arrivals_match_transformers(references, family, kernels, monk
     """Requests join while others run (mixed prefill + decode steps), with chunked prefill;
     on the C CPU kernels and on the layers' torch code (other devices, no C compiler)."""
     if kernels == "torch ops":
-        monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
+        monkeypatch.setattr(library, "usable", lambda x: False)
     model_dir, prompts, refs, _ = references(family)
     engine = new_engine(model_dir, max_num_batched_tokens=24)
     outputs: dict = {}
@@ -93,8 +93,8 @@ def test_float32_logprobs_match_transformers(references, family):
         ref = torch.log_softmax(logits, dim=-1)  # (n, V)
         chosen = torch.tensor([lp.logprob for lp in req.output_logprobs])  # (n,)
         torch.testing.assert_close(chosen, ref[torch.arange(len(tokens)), tokens], **close)
-        top_ids = torch.tensor([[t for t, _ in lp.top] for lp in req.output_logprobs])  # (n, 5)
-        top = torch.tensor([[v for _, v in lp.top] for lp in req.output_logprobs])  # (n, 5)
+        top_ids = torch.tensor([lp.top_ids for lp in req.output_logprobs])  # (n, 5)
+        top = torch.tensor([lp.top_logprobs for lp in req.output_logprobs])  # (n, 5)
         ref_at_ours = ref.gather(1, top_ids)  # (n, 5)
         torch.testing.assert_close(top, ref_at_ours, **close)
         ties = dict(atol=2 * LOGPROB_TOL, rtol=0)  # swapped ids: each logprob off by LOGPROB_TOL
@@ -111,7 +111,7 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
     model_dir = tiny_model_factory("llama")
     prompt = make_prompts([12])[0]
     engine = new_engine(model_dir, dtype="bfloat16")
-    if cpu_kernels.usable(torch.zeros(1)):  # the C linear of this run's tier, in a model
+    if library.usable(torch.zeros(1)):  # the C linear of this run's tier, in a model
         linears = [m for m in engine.model.modules() if isinstance(m, LinearBase)]
         assert all(m.c_linear for m in linears)
         assert engine.model.model.fused is not None
@@ -127,7 +127,7 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
         ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (8 + 1, V)
     ours = torch.full_like(ref[torch.float32], float("nan"))
     for step, lp in enumerate(req.output_logprobs):
-        for token, value in [(req.output_token_ids[step], lp.logprob), *lp.top]:
+        for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
             ours[step, token] = value
     seen = ~ours.isnan()
 

@@ -71,17 +71,37 @@ def test_a_long_prompt_never_stalls_running_streams():
     assert all(len(r.output_token_ids) == steps + 1 for r in streams)
 
 
+def test_admission_needs_room_for_the_prompt_and_one_token():
+    """shared/kv/pages.py's rule: a waiting request gets the pages of its prompt and its next
+    token at once (a chunked prompt too), then grows a page at a time as it decodes."""
+    s = scheduler(num_pages=4, budget=4)
+    a, b = request("a", 10, 0, max_tokens=20), request("b", 4, 1)
+    s.add(a)
+    s.add(b)
+    out, _ = run_step(s)  # a's first chunk; a holds ceil(11 / 4) = 3 pages already
+    assert [x.request.request_id for x in out.scheduled] == ["a"] and len(a.page_ids) == 3
+    run_step(s)
+    run_step(s)  # a's prompt is done; b (4 + 1 tokens: 2 pages) still waits for room
+    assert a.output_token_ids == [7] and s.waiting[0] is b and s.allocator.num_free == 1
+    run_step(s)  # a's 11th token fits its pages
+    assert len(a.page_ids) == 3
+    run_step(s)  # its 12th too; the 13th needs a 4th page, taken at once
+    out, _ = run_step(s)
+    assert len(a.page_ids) == 4 and [x.num_tokens for x in out.scheduled] == [1]
+
+
 def test_newest_running_request_is_preempted_and_recomputed():
     s = scheduler(num_pages=4)  # 16 token slots
-    old, new = request("old", 8, 0, max_tokens=20), request("new", 6, 1, max_tokens=20)
+    old, new = request("old", 7, 0, max_tokens=20), request("new", 6, 1, max_tokens=20)
     s.add(old)
     s.add(new)
-    run_step(s)  # both prompts: 2 pages each, pool full
+    run_step(s)  # both prompts and room for one token each: 2 pages each, pool full
     assert s.allocator.num_free == 0
-    out, _ = run_step(s)  # old needs a 3rd page for token 9 -> new is preempted
+    run_step(s)  # each decodes a token in its pages
+    out, _ = run_step(s)  # old needs a 3rd page for its 9th token -> new is preempted
     assert [r.request_id for r in out.preempted] == ["new"]
     assert new.num_computed_tokens == 0 and new.page_ids == [] and new.num_preemptions == 1
-    assert s.waiting[0] is new and new.output_token_ids == [7]  # its output is kept, recomputed
+    assert s.waiting[0] is new and new.output_token_ids == [7, 7]  # kept, recomputed
     assert [x.request.request_id for x in out.scheduled] == ["old"]
 
 
@@ -101,7 +121,7 @@ def test_abort_frees_pages_wherever_the_request_is():
 def test_reserve_then_activate_with_remote_kv():
     s = scheduler(num_pages=3)
     r = request("r", 9, 0)
-    assert s.reserve(r) and r.page_ids == [0, 1, 2]  # ceil(9 / 4) pages for the prompt
+    assert s.reserve(r) and r.page_ids == [0, 1, 2]  # ceil((9 + 1) / 4): prompt and a token
     assert not s.schedule().scheduled  # reserved requests wait for their KV
     assert not s.reserve(request("x", 5, 1))  # all or nothing: 2 pages needed, 0 free
     r.num_computed_tokens = 9
@@ -128,10 +148,11 @@ def test_stop_token_and_max_tokens_finish_and_free():
 
 def test_in_flight_requests_are_neither_scheduled_nor_preempted():
     s = scheduler(num_pages=4)
-    a, b = request("a", 8, 0, max_tokens=20), request("b", 6, 1, max_tokens=20)
+    a, b = request("a", 7, 0, max_tokens=20), request("b", 6, 1, max_tokens=20)
     s.add(a)
     s.add(b)
     run_step(s)  # both prompts; the pool is full
+    run_step(s)  # a token each, in the pages they hold
     out = s.schedule(exclude={b})  # a needs a 3rd page; b is in flight, so a yields its own
     assert out.scheduled == [] and out.preempted == [a] and len(b.page_ids) == 2
     out = s.schedule(max_requests=1)  # b is back: it runs, a waits

@@ -19,15 +19,17 @@ def cluster(tmp_path_factory, tiny_llama):
     with Services(tmp_path_factory.mktemp("chaos"), tiny_llama) as s:
         s.scheduler("--max-waiting", "2", "--retry-after", "2")
         s.fake_worker("prefill", "prefill")
-        # 64 pages of 16 tokens: four 256-token requests at a time.
-        s.fake_worker("decode", "decode", "--step-time", "0.02", "--num-pages", "64")
+        # 64 pages of 16 tokens: four 240-token prompts (and their next tokens) at a time.
+        s.fake_worker("decode", "decode", "--step-time", "0.5", "--num-pages", "64")
         s.gateway()
         s.wait_healthy()
         yield s
 
 
 async def test_full_queue_answers_429_with_retry_after(cluster, tiny_llama):
-    body = {"model": tiny_llama.name, "prompt": "hello", "max_tokens": 240, "stream": True}
+    # A decode worker admits a request when its prompt and next token fit (max_tokens reserves
+    # nothing): 16 pages each, and no more pages as they decode (8 s) up to 256 tokens.
+    body = {"model": tiny_llama.name, "prompt": [100] * 240, "max_tokens": 16, "stream": True}
     url = cluster.base_url + "/v1/completions"
     async with aiohttp.ClientSession() as http:
         streams = [asyncio.create_task(http.post(url, json=body)) for _ in range(6)]

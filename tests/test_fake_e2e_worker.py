@@ -8,12 +8,13 @@ import aiohttp
 import nats
 import pytest
 
-from services.fake_worker.batch import DecodeBatch, PageAllocator
+from services.fake_worker.batch import DecodeBatch
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.tokens import FakeModelInfo, fake_token, prompt_digest
 from services.fake_worker.worker import run_fake_worker
 from services.scheduler.service import Scheduler, SchedulerConfig
 from shared import protocol, subjects
+from shared.kv.allocator import PageAllocator
 from shared.nats_server import NatsServer
 from shared.protocol import (
     CancelMsg,
@@ -40,30 +41,27 @@ def test_model_info_excludes_special_tokens(info):
     assert info.max_model_len == 256 and 2 not in info.ordinary_ids and 0 not in info.ordinary_ids
 
 
-def test_page_allocator_all_or_nothing():
-    pages = PageAllocator(4)
-    assert pages.reserve(3) == (0, 1, 2) and pages.reserve(2) is None and pages.num_used == 3
-    pages.release((0, 1, 2))
-    assert pages.num_free == 4
-
-
 def test_decode_batch_steps_finishes_and_frees(info):
     batch = DecodeBatch(info, PageAllocator(8), page_size=4, eos_after=None)
     prompt = (10, 11, 12)
     sampling = SamplingParams(max_tokens=4, logprobs=2)
-    assert batch.reserve(DecodeAssignMsg("a", "gw", "p", prompt, sampling)) == (0, 1)  # 7 tokens
+    # The prompt and one token: one page each, whatever max_tokens says.
+    assert batch.reserve(DecodeAssignMsg("a", "gw", "p", prompt, sampling)) == (0,)
     assert batch.reserve(DecodeAssignMsg("b", "gw2", "p", prompt, SamplingParams(max_tokens=1)))
     assert batch.step() == {}  # nothing has its KV yet
     digest = prompt_digest(prompt)
     first = fake_token(info, digest, 0)
-    assert batch.kv_ready(KvReadyMsg("a", "p", True, first)) is None
+    # The prefill's first token goes out at once, as output index 0.
+    gateway, item = batch.kv_ready(KvReadyMsg("a", "p", True, first))
+    assert (gateway, item.index, item.token_ids, item.finish_reason) == ("gw", 0, (first,), None)
     gateway, done = batch.kv_ready(KvReadyMsg("b", "p", True, first))  # max_tokens=1: finished
-    assert (gateway, done.index, done.finish_reason, done.usage.completion_tokens) == (
+    assert (gateway, done.index, done.token_ids, done.finish_reason) == (
         "gw2",
-        1,
+        0,
+        (first,),
         "length",
-        1,
     )
+    assert done.usage.completion_tokens == 1
     out = [batch.step()["gw"][0] for _ in range(3)]
     assert [item.token_ids[0] for item in out] == [fake_token(info, digest, i) for i in (1, 2, 3)]
     assert [item.index for item in out] == [1, 2, 3]
@@ -75,6 +73,28 @@ def test_decode_batch_steps_finishes_and_frees(info):
     assert batch.pages.num_used == 0 and batch.step() == {}
 
 
+def test_decode_batch_grows_a_page_at_a_time_and_preempts_the_newest(info):
+    """Two requests outgrow a 3-page pool: the newer one waits (pages freed) until the older
+    finishes, then resumes with the tokens it would have given."""
+    batch = DecodeBatch(info, PageAllocator(3), page_size=4)
+    prompt = (10, 11, 12)
+    for rid in "ab":
+        batch.reserve(DecodeAssignMsg(rid, "gw", "p", prompt, SamplingParams(max_tokens=6)))
+        batch.kv_ready(KvReadyMsg(rid, "p", True, fake_token(info, prompt_digest(prompt), 0)))
+    assert batch.pages.num_used == 2
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    waiting = []  # per step: the requests preempted after it
+    while batch.seqs:
+        for item in batch.step().get("gw", []):
+            tokens[item.request_id] += item.token_ids
+        waiting.append({s.request_id for s in batch.seqs.values() if s.preempted})
+    expected = [fake_token(info, prompt_digest(prompt), i) for i in range(1, 6)]
+    assert tokens == {"a": expected, "b": expected}
+    # b's second token needs a 2nd page while a holds two: b waits until a is done.
+    assert waiting[:4] == [set(), {"b"}, {"b"}, {"b"}] and "a" not in set().union(*waiting)
+    assert batch.pages.num_used == 0
+
+
 def test_decode_batch_eos_respects_min_tokens_and_ignore_eos(info):
     batch = DecodeBatch(info, PageAllocator(64), page_size=4, eos_after=1)
     for rid, sampling in [
@@ -83,7 +103,7 @@ def test_decode_batch_eos_respects_min_tokens_and_ignore_eos(info):
         ("ignore", SamplingParams(max_tokens=5, ignore_eos=True)),
     ]:
         batch.reserve(DecodeAssignMsg(rid, "gw", "p", (5,), sampling))
-        assert batch.kv_ready(KvReadyMsg(rid, "p", True, 77)) is None
+        assert batch.kv_ready(KvReadyMsg(rid, "p", True, 77))[1].finish_reason is None
     finished = {}
     for _ in range(5):
         for item in batch.step().get("gw", []):
@@ -177,7 +197,8 @@ async def test_requests_flow_and_garbage_is_dropped(tmp_path, tiny_llama, info):
                 "w-decode",
             )
             await until(lambda: c.finished("r1"), 30, "r1 to finish")
-            items = sorted(c.tokens["r1"], key=lambda item: item.index)
+            items = c.tokens["r1"]  # all from the decode worker, in order
+            assert [item.index for item in items] == list(range(5))
             ids = [t for item in items for t in item.token_ids]
             assert ids == [fake_token(info, prompt_digest(prompt), i) for i in range(5)]
             assert items[-1].usage == protocol.Usage(3, 5)
@@ -188,12 +209,13 @@ async def test_requests_flow_and_garbage_is_dropped(tmp_path, tiny_llama, info):
 
 async def test_queue_full_and_cancel_frees_pages(tmp_path, tiny_llama):
     with NatsServer(tmp_path / "nats") as server:
-        # 2 pages of 16 tokens: one 20-token request at a time; the queue holds 2 more.
+        # 2 pages of 16 tokens: a 20-token prompt and its next token need both, so one request
+        # runs at a time; the queue holds 2 more.
         async with Cluster(server.url, tiny_llama, num_pages=2, step_s=0.2) as c:
-            assert (await c.submit("a", (1,) * 10, max_tokens=10)).status == "accepted"
-            waiting = [asyncio.create_task(c.submit(r, (1,) * 10, max_tokens=10)) for r in "bc"]
+            assert (await c.submit("a", (1,) * 20, max_tokens=10)).status == "accepted"
+            waiting = [asyncio.create_task(c.submit(r, (1,) * 20, max_tokens=10)) for r in "bc"]
             await until(lambda: len(c.scheduler.queue) == 2, 30, "b and c to queue behind a")
-            full = await c.submit("d", (1,) * 10, max_tokens=10)
+            full = await c.submit("d", (1,) * 20, max_tokens=10)
             assert (full.status, full.retry_after_s) == ("queue_full", 1.0)
             await until(lambda: c.pages_used() == 2, 30, "a's pages reported in use")
             await c.nc.publish(subjects.gateway_cancel(), protocol.encode(CancelMsg("a")))

@@ -112,20 +112,33 @@ def stream_of(tokenizer, **sampling):
     return RequestStream(tokenizer, tokenizer.encode("hello"), SamplingParams(**sampling))
 
 
-def test_stream_reorders_drops_duplicates_and_finishes(tokenizer):
+def test_stream_applies_items_in_order_and_finishes(tokenizer):
     ids = tokenizer.encode(" world of tiny models", add_special_tokens=False)[:4]
     stream = stream_of(tokenizer, max_tokens=4)
-    # Decode's items overtake the prefill's first token; one is repeated.
-    assert stream.accept(TokenItem("r", 1, tuple(ids[1:3]))) is None
-    assert (
-        stream.accept(TokenItem("r", 3, (ids[3],), finish_reason="length", usage=Usage(2, 4)))
-        is None
-    )
-    delta = stream.accept(TokenItem("r", 0, (ids[0],)))
+    first = stream.accept(TokenItem("r", 0, (ids[0],)))
+    assert first.tokens == 1 and first.finish_reason is None
+    rest = stream.accept(TokenItem("r", 1, tuple(ids[1:3])))
+    last = stream.accept(TokenItem("r", 3, (ids[3],), finish_reason="length", usage=Usage(2, 4)))
     prompt = tokenizer.encode("hello")
-    assert delta.text == tokenizer.decode(prompt + ids)[len("hello") :]
-    assert delta.finish_reason == "length" and stream.usage == Usage(2, 4)
-    assert stream.accept(TokenItem("r", 2, (ids[2],))) is None  # after the end: ignored
+    text = first.text + rest.text + last.text
+    assert text == tokenizer.decode(prompt + ids)[len("hello") :]
+    assert last.finish_reason == "length" and stream.usage == Usage(2, 4)
+    assert stream.accept(TokenItem("r", 4, (ids[0],))) is None  # after the end: ignored
+
+
+def test_an_item_out_of_order_fails_the_request(tokenizer, caplog):
+    """One publisher sends a request's items in order: a gap or a repeat is a protocol error,
+    which fails the request rather than show its tokens out of order."""
+    ids = tokenizer.encode(" world of tiny models", add_special_tokens=False)[:3]
+    for index in (2, 0):  # a gap, a repeat
+        stream = stream_of(tokenizer, max_tokens=4)
+        stream.accept(TokenItem("r", 0, (ids[0],)))
+        with caplog.at_level(logging.ERROR):
+            delta = stream.accept(TokenItem("r", index, (ids[index],)))
+        assert (delta.finish_reason, stream.done) == ("error", True)
+        assert f"output index {index}" in delta.error and "expected 1" in delta.error
+        assert stream.accept(TokenItem("r", 1, (ids[1],))) is None
+    assert "output index 0 arrived, 1 expected" in caplog.text
 
 
 def test_stream_stop_string_truncates(tokenizer):

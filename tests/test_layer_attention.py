@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from kernels.cpu import attention as cpu_attention
 from shared.engine.batch import build_batch
 from shared.engine.plan import PlannedSeq
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -26,7 +27,6 @@ from shared.models.layer_attention import (
     distinct_masks,
     layers_from_hf,
 )
-from shared.models.layers import cpu_kernels
 from shared.models.layers.attention_backend import CpuKernelBackend, TorchBackend
 
 from compilers import needs_compiler
@@ -205,13 +205,13 @@ def test_kernel_backend_decodes_in_one_pass_where_the_mask_allows(monkeypatch):
     out, q, k, v, kv_layer, _ = step_case()
     batch = build_batch(out, PAGE, MASKS)
     calls = []
-    original = cpu_kernels.paged_attention
+    original = cpu_attention.paged_attention
 
     def counted(*args, **kwargs):
         calls.append("block_table" in kwargs)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "paged_attention", counted)
+    monkeypatch.setattr(cpu_attention, "paged_attention", counted)
     backend = CpuKernelBackend()
     for mask in MASKS:
         backend.forward(q, k, v, kv_layer, batch.meta.of(mask), HD**-0.5)

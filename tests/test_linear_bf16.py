@@ -1,4 +1,4 @@
-"""The bfloat16 linear (shared/models/layers/linear_bf16.c: AMX tiles, or the vector units of
+"""The bfloat16 linear (kernels/cpu/linear_bf16.c: AMX tiles, or the vector units of
 each tier) against a float64 reference at every tier this CPU runs, and the choice of kernel
 each CPU bf16 linear layer makes after loading."""
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared import cpu_isa
-from shared.models.layers import cpu_kernels, cpu_linear
+from kernels.cpu import isa, library
+from kernels.cpu.linear import linear_bf16, linear_max_rows
+from shared.models.layers import cpu_linear
 from shared.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shared.models.packing import prepare_cpu_linears
 
@@ -46,7 +47,7 @@ def test_matches_float64_reference(rows, out_features, in_features, with_bias):
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     weight = (torch.randn(out_features, in_features, generator=g) / 8).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
-    assert_close_to_reference(cpu_kernels.linear_bf16(x, weight, bias), x, weight, bias)
+    assert_close_to_reference(linear_bf16(x, weight, bias), x, weight, bias)
 
 
 def test_strided_rows_and_thread_counts_give_the_same_bits():
@@ -59,9 +60,9 @@ def test_strided_rows_and_thread_counts_give_the_same_bits():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_kernels.linear_bf16(x, weight, None)
+        one = linear_bf16(x, weight, None)
         torch.set_num_threads(2)
-        two = cpu_kernels.linear_bf16(x, weight, None)
+        two = linear_bf16(x, weight, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -71,11 +72,11 @@ def test_strided_rows_and_thread_counts_give_the_same_bits():
 def test_bad_input_names_what_is_wrong():
     weight = torch.zeros(16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="features"):
-        cpu_kernels.linear_bf16(torch.zeros(2, 32, dtype=torch.bfloat16), weight, None)
+        linear_bf16(torch.zeros(2, 32, dtype=torch.bfloat16), weight, None)
     with pytest.raises(ValueError, match="linear x"):
-        cpu_kernels.linear_bf16(torch.zeros(2, 64), weight, None)
+        linear_bf16(torch.zeros(2, 64), weight, None)
     with pytest.raises(ValueError, match="linear bias"):
-        cpu_kernels.linear_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), weight, torch.zeros(8))
+        linear_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), weight, torch.zeros(8))
 
 
 def test_output_counts_off_the_group_size(tier):
@@ -87,13 +88,13 @@ def test_output_counts_off_the_group_size(tier):
         x = torch.randn(6, 64, generator=g).bfloat16()
         weight = torch.randn(out_features, 64, generator=g).bfloat16()
         bias = torch.randn(out_features, generator=g).bfloat16()
-        assert_close_to_reference(cpu_kernels.linear_bf16(x, weight, bias), x, weight, bias)
+        assert_close_to_reference(linear_bf16(x, weight, bias), x, weight, bias)
 
 
 def test_the_tier_decides_amx(tier):
     """Only the amx tier's library runs the linear on tiles."""
-    assert cpu_kernels.amx_ready() == (tier == "amx")
-    kernels = cpu_kernels.load_kernels(cpu_isa.BY_NAME[tier])
+    assert library.amx_ready() == (tier == "amx")
+    kernels = library.load_kernels(isa.BY_NAME[tier])
     assert bool(kernels["tk_amx_ready", torch.bfloat16]()) == (tier == "amx")
 
 
@@ -124,7 +125,7 @@ def test_layers_pick_their_kernel_and_agree_with_f_linear(monkeypatch, onednn):
     assert getattr(model.fits, "c_linear", False) and getattr(model.fits, "packed", None) is None
     assert not getattr(model.odd, "c_linear", False)
     assert (getattr(model.odd, "packed", None) is not None) == onednn
-    max_rows = cpu_kernels.linear_max_rows()
+    max_rows = linear_max_rows()
     for rows in (3, max_rows, max_rows + 1):
         x = torch.randn(rows, 64).bfloat16()
         y = model.fits(x)
@@ -141,6 +142,4 @@ def test_layers_pick_their_kernel_and_agree_with_f_linear(monkeypatch, onednn):
 
 def test_no_rows_gives_an_empty_output():
     weight = torch.ones(16, 32, dtype=torch.bfloat16)
-    assert cpu_kernels.linear_bf16(
-        torch.zeros(0, 32, dtype=torch.bfloat16), weight, None
-    ).shape == (0, 16)
+    assert linear_bf16(torch.zeros(0, 32, dtype=torch.bfloat16), weight, None).shape == (0, 16)

@@ -70,9 +70,9 @@ def test_logprobs(llm):
     out = llm.generate(PROMPTS[0], greedy(6, logprobs=3, ignore_eos=True))[0]
     assert len(out.logprobs) == 6
     for token, lp in zip(out.token_ids, out.logprobs):
-        assert len(lp.top) == 3
-        assert lp.top[0][0] == token and lp.top[0][1] == pytest.approx(lp.logprob)
-        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.token_id == token and len(lp.top_ids) == len(lp.top_logprobs) == 3
+        assert lp.top_ids[0] == token and lp.top_logprobs[0] == pytest.approx(lp.logprob)
+        assert lp.top_logprobs[0] >= lp.top_logprobs[1] >= lp.top_logprobs[2]
         assert lp.logprob <= 0
 
 

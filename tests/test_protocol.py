@@ -14,6 +14,8 @@ from shared.protocol import (
     DecodeAssignMsg,
     DecodeAssignReplyMsg,
     HeartbeatMsg,
+    KVPool,
+    KVRankPool,
     KvReadyMsg,
     PrefillAssignMsg,
     SubmitMsg,
@@ -25,6 +27,12 @@ from shared.protocol import (
 )
 from shared.sampling.params import SamplingParams
 
+POOL = KVPool(
+    "mha:L2:H2:D8:S16:bfloat16",
+    "host-1",
+    (KVRankPool((0, 2), (0, 1), "/dev/shm/a"), KVRankPool((0, 2), (1, 2), "/dev/shm/a-r1")),
+    tcp="h:1",
+)
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2)
 
 EXAMPLES = [
@@ -32,10 +40,10 @@ EXAMPLES = [
     SubmitReplyMsg("r1", protocol.QUEUE_FULL, reason="busy", retry_after_s=1.0),
     SubmitReplyMsg("r1", protocol.ACCEPTED, prefill_worker="p1", decode_worker="d1"),
     CancelMsg("r1", reason="disconnect"),
-    HeartbeatMsg("d1", "decode", "m", 256, 0.5, free_pages=3, endpoints={"shm": "/x"}),
+    HeartbeatMsg("d1", "decode", "m", 256, 0.5, free_pages=3),
     DecodeAssignMsg("r1", "gw1", "p1", (5, 6), SAMPLING),
-    DecodeAssignReplyMsg("r1", True, page_ids=(4, 9), endpoints={"tcp": "h:1"}),
-    PrefillAssignMsg("r1", "gw1", (5, 6), SAMPLING, "d1", {"tcp": "h:1"}, (4, 9)),
+    DecodeAssignReplyMsg("r1", True, page_ids=(4, 9), kv=POOL),
+    PrefillAssignMsg("r1", "gw1", (5, 6), SAMPLING, "d1", POOL, (4, 9)),
     KvReadyMsg("r1", "p1", True, 42, TokenLogprob(42, -0.25, (42, 7), (-0.25, -2.0))),
     KvReadyMsg("r1", "p1", False, error="transfer failed"),
     TokensMsg(
@@ -123,3 +131,11 @@ async def test_messages_cross_a_real_nats_server(tmp_path):
         assert await asyncio.wait_for(got.get(), 5) == beat
         await nc.close()
     assert not server._accepts()
+
+
+def test_a_pool_nested_in_a_plan_round_trips_and_names_a_bad_field():
+    assert protocol.from_plain(KVPool, protocol.to_plain(POOL)) == POOL
+    plain = protocol.to_plain(POOL)
+    plain["ranks"][1]["units"] = "0-1"
+    with pytest.raises(ProtocolError, match=r"KVPool\.ranks\.\[\]\.units"):
+        protocol.from_plain(KVPool, plain)

@@ -5,7 +5,6 @@ from services.scheduler.policy import (
     AdmissionQueue,
     Pending,
     Router,
-    pages_needed,
 )
 from shared import protocol
 from shared.protocol import HeartbeatMsg, SubmitMsg
@@ -27,10 +26,6 @@ def router(*beats, now=0.0):
     for b in beats:
         r.observe(b, now)
     return r
-
-
-def test_pages_needed_rounds_up():
-    assert [pages_needed(n, 4) for n in (1, 4, 5, 8)] == [1, 1, 2, 2]
 
 
 def test_admission_needs_both_roles_and_a_big_enough_pool():
@@ -103,6 +98,18 @@ def test_no_choice_when_no_decode_worker_has_room():
     r = router(beat("d", free_pages=1, total_pages=10), beat("p", role="prefill"))
     assert r.choose(submit(prompt_len=6, max_tokens=2), 0.0) is None
     assert r.choose(submit(prompt_len=2, max_tokens=2), 0.0) is not None
+
+
+def test_room_is_the_prompt_and_one_token_whatever_max_tokens():
+    """The decode worker admits a request when its prompt and next token fit and grows it as it
+    decodes: a long max_tokens neither keeps a request from a worker nor counts against it."""
+    r = router(beat("d", free_pages=2, total_pages=40), beat("p", role="prefill"))
+    long = submit("long", prompt_len=7, max_tokens=150)  # 8 tokens now: 2 pages of 4
+    assert r.admission_status(long, 0.0)[0] == protocol.ACCEPTED
+    r.record(r.choose(long, 0.0), long)
+    assert r.choose(submit(prompt_len=1), 0.0) is None  # its 2 pages count until the next beat
+    r = router(beat("d", free_pages=1, total_pages=40), beat("p", role="prefill"))
+    assert r.choose(submit(prompt_len=4, max_tokens=1), 0.0) is None  # 4 + 1 tokens: 2 pages
 
 
 def test_reap_forgets_dead_workers():

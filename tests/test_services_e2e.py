@@ -117,6 +117,27 @@ async def test_chat_equals_offline_chat(client, llm, tiny_llama, stream):
     assert text == ref.text
 
 
+async def test_logprobs_equal_offline_chat(client, llm, tiny_llama):
+    """One logprob type from the engine to the response: the first token's (the prefill
+    worker's) and the decode worker's are the offline ones."""
+    messages = [{"role": "user", "content": "hello there"}]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    ref = llm.chat([messages], params)[0].logprobs
+    out = await client.chat.completions.create(
+        model=tiny_llama.name,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    got = out.choices[0].logprobs.content
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in ref], abs=1e-4)
+    tops = [[t.logprob for t in e.top_logprobs] for e in got]
+    assert tops == [pytest.approx(list(e.top_logprobs), abs=1e-4) for e in ref]
+
+
 async def test_seeded_sampling_is_the_same_across_prefill_and_decode(client, llm, tiny_llama):
     """The seed drives both workers' draws (prefill samples token 0, decode the rest)."""
     params = dict(temperature=0.9, top_p=0.95, seed=4242, max_tokens=20)
@@ -202,7 +223,7 @@ async def test_metrics_show_where_a_tokens_time_goes(cluster, client, tiny_llama
     )
     after = await read()
     delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in names}
-    assert delta["step"][1] >= 10  # the first token comes from prefill, then a step each
+    assert delta["step"][1] >= 10  # the first token is relayed (no step), then a step each
     assert delta["step"][1] == delta["cycle"][1] == delta["transit"][1]
     assert delta["cycle"][0] >= delta["step"][0] > 0
     assert 0 <= delta["transit"][0] / delta["transit"][1] < 1.0

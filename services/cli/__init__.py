@@ -4,7 +4,7 @@ import argparse
 import importlib
 import sys
 
-from shared import cpu_isa
+from kernels.cpu import isa
 from shared.huge_pages import restart_with_huge_pages
 
 # Subcommand -> the module under services/cli that adds it (each defines register(subparsers)),
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         restart_with_huge_pages()  # before torch is imported; children inherit the setting
         argv = sys.argv[1:]
     try:
-        cpu_isa.cap_torch()  # TISON_CPU_ISA caps torch too (before its first op); children inherit
+        isa.cap_torch()  # TISON_CPU_ISA caps torch too (before its first op); children inherit
     except ValueError as e:
         print(f"tison: {e}", file=sys.stderr)
         return 2

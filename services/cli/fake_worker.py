@@ -43,6 +43,5 @@ def main(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         max_model_len=args.max_model_len,
         eos_after=args.eos_after,
-        endpoints={"fake": "none"},
     )
     return run_service(functools.partial(run_fake_worker, config), args.log_level)

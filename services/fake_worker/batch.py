@@ -1,36 +1,20 @@
-"""Page accounting and the continuous batch of the fake decode worker. Pure (no NATS, no clock)."""
+"""The continuous batch of the fake decode worker. Pure (no NATS, no clock).
 
+Pages follow the engine's rule (shared/kv/pages.py) on the engine's allocator: a request
+reserves room for its prompt and one token, grows a page at a time as it decodes, and when the
+pool is full the newest decoding request is preempted. A preempted request resumes, oldest
+first, once its pages fit again; its tokens depend on the output index only, so a resumed
+request gives the tokens it would have given (the fake recomputes nothing)."""
+
+import itertools
 from dataclasses import dataclass, field
 
 from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token, prompt_digest
 from shared import protocol
+from shared.kv.allocator import PageAllocator
+from shared.kv.pages import fits, pages_to_admit, pages_to_grow
 from shared.protocol import DecodeAssignMsg, KvReadyMsg, TokenItem, Usage
 from shared.sampling.params import SamplingParams
-
-
-class PageAllocator:
-    """A pool of `num_pages` page ids; reserve all-or-nothing, release on finish or cancel."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
-    def reserve(self, num: int) -> tuple[int, ...] | None:
-        """`num` page ids, or None (and nothing reserved) when fewer are free."""
-        if num > len(self._free):
-            return None
-        return tuple(self._free.pop() for _ in range(num))
-
-    def release(self, page_ids: tuple[int, ...]) -> None:
-        self._free.extend(reversed(page_ids))
 
 
 @dataclass
@@ -42,9 +26,15 @@ class FakeSeq:
     num_prompt_tokens: int
     digest: int  # prompt_digest of the prompt: the fake tokens depend on it
     sampling: SamplingParams
-    page_ids: tuple[int, ...]
-    num_output: int = 0  # tokens produced so far (the prefill's first token included)
-    kv_ready: bool = False  # the prefill worker has written the pages
+    arrival: int  # the newest decoding request is preempted first
+    page_ids: list[int]
+    num_output: int = 0  # tokens produced so far (the first token included)
+    kv_ready: bool = False  # the prompt's KV is in place: the request decodes
+    preempted: bool = False  # waits for its pages back
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output
 
 
 @dataclass
@@ -56,38 +46,51 @@ class DecodeBatch:
     page_size: int
     eos_after: int | None = None
     seqs: dict[str, FakeSeq] = field(default_factory=dict)
+    _arrivals: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt + output cap: the whole pool, as the engine caps it."""
+        return self.pages.num_pages * self.page_size
 
     def reserve(self, assign: DecodeAssignMsg) -> tuple[int, ...] | None:
-        """Reserve pages for prompt + max_tokens; None when the pool cannot hold it now."""
-        num_tokens = len(assign.prompt_token_ids) + assign.sampling.max_tokens
-        page_ids = self.pages.reserve(-(-num_tokens // self.page_size))
-        if page_ids is not None:
-            self.seqs[assign.request_id] = FakeSeq(
-                request_id=assign.request_id,
-                gateway_id=assign.gateway_id,
-                num_prompt_tokens=len(assign.prompt_token_ids),
-                digest=prompt_digest(assign.prompt_token_ids),
-                sampling=assign.sampling,
-                page_ids=page_ids,
-            )
-        return page_ids
+        """Reserve the prompt's admission pages; None when the pool cannot hold them now."""
+        num_prompt = len(assign.prompt_token_ids)
+        if not fits(self.pages.num_free, num_prompt, self.page_size):
+            return None
+        page_ids = self.pages.allocate(pages_to_admit(num_prompt, self.page_size))
+        self.seqs[assign.request_id] = FakeSeq(
+            request_id=assign.request_id,
+            gateway_id=assign.gateway_id,
+            num_prompt_tokens=num_prompt,
+            digest=prompt_digest(assign.prompt_token_ids),
+            sampling=assign.sampling,
+            arrival=next(self._arrivals),
+            page_ids=page_ids,
+        )
+        return tuple(page_ids)
 
     def kv_ready(self, msg: KvReadyMsg) -> tuple[str, TokenItem] | None:
-        """Start decoding; (gateway, item) when the request already ends (error, EOS, length)."""
+        """Start decoding from the prefill's first token; (gateway, item) to publish at once:
+        that token (output index 0) or, on a prefill error, the failure. None if cancelled."""
         seq = self.seqs.get(msg.request_id)
         if seq is None:
             return None  # cancelled meanwhile
         if not msg.ok:
             return self._finish(seq, [], [], protocol.FINISH_ERROR, msg.error or "prefill failed")
         seq.kv_ready, seq.num_output = True, 1
-        reason = self._finish_reason(seq, msg.first_token_id)
-        return self._finish(seq, [], [], reason) if reason else None
+        logprobs = [] if msg.first_logprob is None else [msg.first_logprob]
+        token = msg.first_token_id
+        reason = self._finish_reason(seq, token)
+        if reason:
+            return self._finish(seq, [token], logprobs, reason, index=0)
+        return seq.gateway_id, TokenItem(seq.request_id, 0, (token,), tuple(logprobs))
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request and free its pages; True if it was held."""
         seq = self.seqs.pop(request_id, None)
-        if seq is not None:
-            self.pages.release(seq.page_ids)
+        if seq is not None and seq.page_ids:
+            self.pages.free(seq.page_ids)
         return seq is not None
 
     @property
@@ -95,22 +98,50 @@ class DecodeBatch:
         return sum(seq.kv_ready for seq in self.seqs.values())
 
     def step(self) -> dict[str, list[TokenItem]]:
-        """One token for every ready request, grouped by gateway."""
+        """One token for every decoding request, oldest first, grouped by gateway."""
+        self._resume()
         out: dict[str, list[TokenItem]] = {}
-        for seq in [s for s in self.seqs.values() if s.kv_ready]:
-            index = seq.num_output
-            token = next_token(self.info, seq.digest, index, seq.sampling, self.eos_after)
-            top_n = seq.sampling.logprobs
-            logprobs = [] if top_n is None else [fake_logprob(self.info, token, index, top_n)]
-            seq.num_output += 1
-            reason = self._finish_reason(seq, token)
-            if reason:
-                gateway, item = self._finish(seq, [token], logprobs, reason, index=index)
-            else:
-                gateway = seq.gateway_id
-                item = TokenItem(seq.request_id, index, (token,), tuple(logprobs))
+        for seq in sorted(self._decoding(), key=lambda s: s.arrival):
+            if seq.preempted or not self._grow(seq):
+                continue
+            gateway, item = self._advance(seq)
             out.setdefault(gateway, []).append(item)
         return out
+
+    def _decoding(self) -> list[FakeSeq]:
+        return [s for s in self.seqs.values() if s.kv_ready and not s.preempted]
+
+    def _resume(self) -> None:
+        for seq in sorted(self.seqs.values(), key=lambda s: s.arrival):
+            if seq.preempted:
+                if not fits(self.pages.num_free, seq.num_tokens, self.page_size):
+                    return  # oldest first: the others wait behind it
+                seq.page_ids = self.pages.allocate(pages_to_admit(seq.num_tokens, self.page_size))
+                seq.preempted = False
+
+    def _grow(self, seq: FakeSeq) -> bool:
+        """Pages for the token this step writes, preempting the newest decoding requests if
+        needed; False when seq itself was preempted."""
+        extra = pages_to_grow(len(seq.page_ids), seq.num_tokens, self.page_size)
+        while not self.pages.can_allocate(extra):
+            victim = max(self._decoding(), key=lambda s: s.arrival)
+            self.pages.free(victim.page_ids)
+            victim.page_ids, victim.preempted = [], True
+            if victim is seq:
+                return False
+        seq.page_ids += self.pages.allocate(extra)
+        return True
+
+    def _advance(self, seq: FakeSeq) -> tuple[str, TokenItem]:
+        index = seq.num_output
+        token = next_token(self.info, seq.digest, index, seq.sampling, self.eos_after)
+        top_n = seq.sampling.logprobs
+        logprobs = [] if top_n is None else [fake_logprob(self.info, token, index, top_n)]
+        seq.num_output += 1
+        reason = self._finish_reason(seq, token)
+        if reason:
+            return self._finish(seq, [token], logprobs, reason, index=index)
+        return seq.gateway_id, TokenItem(seq.request_id, index, (token,), tuple(logprobs))
 
     def _finish_reason(self, seq: FakeSeq, token: int) -> str | None:
         sampling = seq.sampling
@@ -120,7 +151,7 @@ class DecodeBatch:
         # Stop tokens count only once min_tokens were generated (this token included).
         if is_stop and seq.num_output > sampling.min_tokens:
             return protocol.FINISH_STOP
-        if seq.num_output >= sampling.max_tokens:
+        if seq.num_output >= sampling.max_tokens or seq.num_tokens >= self.max_total_tokens:
             return protocol.FINISH_LENGTH
         return None
 

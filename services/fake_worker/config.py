@@ -3,7 +3,7 @@
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROLES = ("prefill", "decode", "both")
@@ -31,7 +31,6 @@ class FakeWorkerConfig:
     heartbeat_s: float = 0.5
     max_model_len: int = 0  # 0 → max_position_embeddings of the model
     eos_after: int | None = None  # emit EOS at this output index (unless ignore_eos)
-    endpoints: dict[str, str] = field(default_factory=dict)  # advertised; the fake moves no KV
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -6,10 +6,11 @@ import logging
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.fake_worker.batch import DecodeBatch, PageAllocator
+from services.fake_worker.batch import DecodeBatch
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.tokens import FakeModelInfo
 from shared import protocol, subjects
+from shared.kv.allocator import PageAllocator
 from shared.protocol import (
     CancelMsg,
     DecodeAssignMsg,
@@ -53,17 +54,15 @@ class FakeDecode:
         if page_ids is None:
             reply = DecodeAssignReplyMsg(assign.request_id, False, reason="KV pool full")
         else:
-            reply = DecodeAssignReplyMsg(
-                assign.request_id, True, page_ids, dict(self.config.endpoints)
-            )
+            reply = DecodeAssignReplyMsg(assign.request_id, True, page_ids)
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
 
     @protocol.on_message(KvReadyMsg)
     async def _on_kv(self, ready: KvReadyMsg, msg: Msg) -> None:
-        finished = self.batch.kv_ready(ready)
-        if finished is not None:
-            await self._publish(*finished)
+        published = self.batch.kv_ready(ready)  # the first token, at once: not with a step
+        if published is not None:
+            await self._publish(*published)
         self._work.set()
 
     @protocol.on_message(CancelMsg)

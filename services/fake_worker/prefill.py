@@ -1,4 +1,5 @@
-"""The fake prefill worker: "computes" prompts, sends the first token, tells decode it is done."""
+"""The fake prefill worker: "computes" prompts, then tells the decode worker it is done, with the
+first token (which the decode worker publishes: a request's tokens all come from there)."""
 
 import asyncio
 import logging
@@ -7,11 +8,12 @@ from dataclasses import dataclass
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.fake_worker.batch import PageAllocator
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token, prompt_digest
 from shared import protocol, subjects
-from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
+from shared.kv.allocator import PageAllocator
+from shared.kv.pages import pages_for
+from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Job:
     assign: PrefillAssignMsg
-    page_ids: tuple[int, ...]  # its own pages while computing
+    page_ids: list[int]  # its own pages while computing
 
 
 class FakePrefill:
@@ -49,22 +51,22 @@ class FakePrefill:
 
     @protocol.on_message(PrefillAssignMsg)
     async def _on_assign(self, assign: PrefillAssignMsg, msg: Msg) -> None:
-        num_pages = -(-len(assign.prompt_token_ids) // self.config.page_size)
-        page_ids = self.pages.reserve(num_pages)
-        if page_ids is None:
+        # The prompt's pages only: a prefill never writes the KV of the token it samples.
+        num_pages = pages_for(len(assign.prompt_token_ids), self.config.page_size)
+        if not self.pages.can_allocate(num_pages):
             await self._kv_ready(
                 assign,
                 KvReadyMsg(assign.request_id, self.worker_id, False, error="prefill KV pool full"),
             )
             return
-        self._jobs[assign.request_id] = _Job(assign, page_ids)
+        self._jobs[assign.request_id] = _Job(assign, self.pages.allocate(num_pages))
         self._work.set()
 
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         job = self._jobs.pop(cancel.request_id, None)
         if job is not None:
-            self.pages.release(job.page_ids)
+            self.pages.free(job.page_ids)
 
     async def _kv_ready(self, assign: PrefillAssignMsg, ready: KvReadyMsg) -> None:
         await self.nc.publish(subjects.decode_kv(assign.decode_worker), protocol.encode(ready))
@@ -83,27 +85,16 @@ class FakePrefill:
             await self._finish(done)
 
     async def _finish(self, jobs: list[_Job]) -> None:
-        firsts = [self._first_token(job.assign) for job in jobs]
-        by_gateway: dict[str, list[TokenItem]] = {}
-        for job, item in zip(jobs, firsts, strict=True):
-            by_gateway.setdefault(job.assign.gateway_id, []).append(item)
-        for gateway_id, items in by_gateway.items():
-            body = protocol.encode(TokensMsg(self.worker_id, tuple(items)))
-            await self.nc.publish(subjects.gateway_tokens(gateway_id), body)
-        for job, item in zip(jobs, firsts, strict=True):
-            self.pages.release(job.page_ids)
-            ready = KvReadyMsg(
-                job.assign.request_id,
-                self.worker_id,
-                True,
-                first_token_id=item.token_ids[0],
-                first_logprob=item.logprobs[0] if item.logprobs else None,
-            )
-            await self._kv_ready(job.assign, ready)
+        for job in jobs:
+            self.pages.free(job.page_ids)
+            await self._kv_ready(job.assign, self._ready(job.assign))
 
-    def _first_token(self, assign: PrefillAssignMsg) -> TokenItem:
+    def _ready(self, assign: PrefillAssignMsg) -> KvReadyMsg:
+        """The "pages written" message, with the first token (output index 0) and its logprobs."""
         digest = prompt_digest(assign.prompt_token_ids)
         token = next_token(self.info, digest, 0, assign.sampling, self.config.eos_after)
         top_n = assign.sampling.logprobs
-        logprobs = () if top_n is None else (fake_logprob(self.info, token, 0, top_n),)
-        return TokenItem(assign.request_id, 0, (token,), logprobs)
+        logprob = None if top_n is None else fake_logprob(self.info, token, 0, top_n)
+        return KvReadyMsg(
+            assign.request_id, self.worker_id, True, first_token_id=token, first_logprob=logprob
+        )

@@ -49,7 +49,6 @@ async def _heartbeats(nc, config: FakeWorkerConfig, info: FakeModelInfo, roles) 
                 max_model_len=max_model_len,
                 interval_s=config.heartbeat_s,
                 page_size=config.page_size,
-                endpoints=dict(config.endpoints),
                 **role.load(),
             )
             await nc.publish(subjects.heartbeat(role.role, role.worker_id), protocol.encode(beat))

@@ -34,7 +34,7 @@ class OpenRequest:
     prefill_worker: str = ""  # from the submit reply
     decode_worker: str = ""
     accepted_at: float = 0.0  # unix time of the submit reply; 0 before
-    decode_started: bool = False  # an item past output index 0 arrived: prefill is done with it
+    decode_started: bool = False  # an item arrived: the decode worker has it, prefill is done
     failed: bool = False  # the watchdog queued an error item
 
 
@@ -119,8 +119,7 @@ class ControlPlane:
             request = self._open.get(item.request_id)
             if request is None:
                 continue  # finished or cancelled here already
-            if item.index > 0 or item.finish_reason:
-                request.decode_started = True
+            request.decode_started = True  # every item comes from the decode worker
             request.items.put_nowait(item)
 
     @protocol.on_message(HeartbeatMsg)

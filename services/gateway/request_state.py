@@ -1,11 +1,12 @@
-"""The output of one request as its token items arrive: ordering, text, stop strings, finish.
+"""The output of one request as its token items arrive: text, stop strings, finish.
 
-Items come from two publishers (the prefill worker sends output index 0, the decode worker the
-rest), so they may arrive out of order or twice: each carries the output index of its first
-token, and RequestStream applies them strictly in index order, dropping what it already has.
-An error or abort item ends the request at once, whatever its index.
+Every item of a request comes from its decode worker, in order (it relays the prefill worker's
+first token as output index 0), so each item starts where the previous one ended. One that does
+not is a protocol error: the request fails with it rather than show tokens out of order. An
+error or abort item ends the request at once, whatever its index.
 """
 
+import logging
 from dataclasses import dataclass
 
 from shared import protocol
@@ -14,6 +15,8 @@ from shared.sampling.params import SamplingParams
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.stop import StopStringMatcher
 from shared.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,6 @@ class RequestStream:
             tokenizer, prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens
         )
         self._stops = StopStringMatcher(sampling.stop)
-        self._pending: list[TokenItem] = []  # arrived ahead of their turn
         self.num_output = 0  # tokens applied; the next expected output index
         self.finish_reason: str | None = None
         self.error = ""
@@ -77,49 +79,42 @@ class RequestStream:
         return Delta(finish_reason=protocol.FINISH_ERROR, error=error)
 
     def accept(self, item: TokenItem) -> Delta | None:
-        """Apply an item (and any pending ones it unblocks); the Delta to send, if any."""
+        """Apply the request's next item; the Delta to send (None once the request is done)."""
         if self.done:
             return None
         if item.finish_reason in (protocol.FINISH_ERROR, protocol.FINISH_ABORT):
             self.finish_reason, self.error = item.finish_reason, item.error or "request aborted"
             return Delta(finish_reason=item.finish_reason, error=self.error)
-        self._pending.append(item)
+        if item.index != self.num_output:
+            log.error(
+                "request %s: output index %d arrived, %d expected",
+                item.request_id,
+                item.index,
+                self.num_output,
+            )
+            return self.fail(
+                f"protocol error: the worker sent output index {item.index}, "
+                f"expected {self.num_output}"
+            )
         before = self.num_output
-        texts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        while not self.done and (ready := self._next_ready()) is not None:
-            self._apply(ready, texts, logprobs)
-        if not texts and not logprobs and not self.done:
-            return None
-        return Delta(
-            "".join(texts), tuple(logprobs), self.finish_reason, tokens=self.num_output - before
-        )
+        text = self._apply(item)
+        return Delta(text, item.logprobs, self.finish_reason, tokens=self.num_output - before)
 
-    def _next_ready(self) -> TokenItem | None:
-        for item in self._pending:
-            if item.index <= self.num_output:
-                self._pending.remove(item)
-                return item
-        return None
-
-    def _apply(self, item: TokenItem, texts: list[str], logprobs: list[TokenLogprob]) -> None:
-        skip = self.num_output - item.index  # tokens of this item already applied
-        new_ids = item.token_ids[skip:]
-        logprobs.extend(item.logprobs[skip:])
+    def _apply(self, item: TokenItem) -> str:
+        """The text the item's tokens add (up to a stop string), finishing the request if the
+        item or a stop string ends it."""
         bypass_stops = self.num_output < self.sampling.min_tokens
-        self.num_output += len(new_ids)
-        text = self._detok.add(new_ids) if new_ids else ""
-        if bypass_stops:
-            texts.append(text)
-        else:
-            emit, stopped = self._stops.feed(text)
-            texts.append(emit)
+        self.num_output += len(item.token_ids)
+        text = self._detok.add(item.token_ids) if item.token_ids else ""
+        if not bypass_stops:
+            text, stopped = self._stops.feed(text)
             if stopped:
                 self.finish_reason, self.stopped_by_string = protocol.FINISH_STOP, True
-                return
-        if item.finish_reason is not None and item.index + len(item.token_ids) <= self.num_output:
-            texts.append(self._final_text())
+                return text
+        if item.finish_reason is not None:
+            text += self._final_text()
             self.finish_reason, self._usage = item.finish_reason, item.usage
+        return text
 
     def _final_text(self) -> str:
         emit, stopped = self._stops.feed(self._detok.flush())

@@ -1,12 +1,13 @@
 """Admission and routing policy of the scheduler. Pure: no NATS, no clock (time is passed in).
 
 Admission: a request is refused outright when no prefill or no decode worker is alive, or when
-no decode worker's whole KV pool could ever hold it; otherwise it waits in a bounded FIFO queue
-(full → QUEUE_FULL, the gateway answers 429) until a decode worker with enough free pages exists.
+no decode worker's whole KV pool could ever hold its prompt + max_tokens; otherwise it waits in
+a bounded FIFO queue (full → QUEUE_FULL, the gateway answers 429) until a decode worker would
+accept it now: the page rule of shared/kv/pages.py (room for the prompt and one token).
 
-Routing: decode = fewest running sequences among those with enough free pages (ties: most free
-pages); prefill = fewest queued prompt tokens. Heartbeats are up to one interval old, so the
-router adds what it assigned since each worker's last heartbeat to that heartbeat's load.
+Routing: decode = fewest running sequences among those with room (ties: most free pages);
+prefill = fewest queued prompt tokens. Heartbeats are up to one interval old, so the router adds
+what it assigned since each worker's last heartbeat to that heartbeat's load.
 
 Conditional prefill: the chosen decode worker computes a prompt itself (real ones can, fake
 ones not) when its batch is empty, it has fewer prompt tokens to compute than the prefill
@@ -19,19 +20,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared import protocol
+from shared.kv.pages import fits, pages_to_admit
 from shared.protocol import HeartbeatMsg, SubmitMsg
 from shared.registry import WorkerRegistry
 
 LOCAL_PREFILL_TOKENS = 256
 
 
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """KV pages a decode worker reserves for `num_tokens` (prompt + max new tokens)."""
-    return -(-num_tokens // page_size)
-
-
-def request_tokens(submit: SubmitMsg) -> int:
-    """Tokens a request may occupy in the KV cache at its longest."""
+def max_request_tokens(submit: SubmitMsg) -> int:
+    """Tokens a request may occupy in the KV cache at its longest (the TOO_LONG check only)."""
     return len(submit.prompt_token_ids) + submit.sampling.max_tokens
 
 
@@ -81,14 +78,14 @@ class Router:
         if not decoders or not self.registry.alive("prefill", now):
             return protocol.NO_WORKERS, 0
         limit = max(b.total_pages * b.page_size for b in decoders)
-        if request_tokens(submit) > limit:
+        if max_request_tokens(submit) > limit:
             return protocol.TOO_LONG, limit
         return protocol.ACCEPTED, limit
 
     def choose(self, submit: SubmitMsg, now: float) -> Choice | None:
         """Workers for the request now, or None when no decode worker has room at the moment."""
-        num_tokens = request_tokens(submit)
-        decoders = [b for b in self.registry.alive("decode", now) if self._fits(b, num_tokens)]
+        prompt_len = len(submit.prompt_token_ids)
+        decoders = [b for b in self.registry.alive("decode", now) if self._fits(b, prompt_len)]
         prefills = self.registry.alive("prefill", now)
         if not decoders or not prefills:
             return None
@@ -98,7 +95,7 @@ class Router:
         local = (
             decode.local_prefill
             and decode.decoding_seqs == 0
-            and mine + len(submit.prompt_token_ids) <= LOCAL_PREFILL_TOKENS
+            and mine + prompt_len <= LOCAL_PREFILL_TOKENS
             and mine < self._tokens(prefill)
         )
         return Choice(prefill=prefill, decode=decode, local=local)
@@ -107,7 +104,7 @@ class Router:
         """Count an assignment against both workers until their next heartbeat."""
         decode = self._since.setdefault(choice.decode.worker_id, _SinceBeat())
         decode.seqs += 1
-        decode.pages += pages_needed(request_tokens(submit), choice.decode.page_size)
+        decode.pages += pages_to_admit(len(submit.prompt_token_ids), choice.decode.page_size)
         computes = self._since.setdefault(choice.prefill_worker, _SinceBeat())
         computes.tokens += len(submit.prompt_token_ids)
 
@@ -115,9 +112,9 @@ class Router:
         """The decode worker refused (or did not answer): skip it until it reports again."""
         self._since.setdefault(decode_worker, _SinceBeat()).refused = True
 
-    def _fits(self, beat: HeartbeatMsg, num_tokens: int) -> bool:
+    def _fits(self, beat: HeartbeatMsg, num_prompt_tokens: int) -> bool:
         since = self._since.get(beat.worker_id, _SinceBeat())
-        return not since.refused and self._free(beat) >= pages_needed(num_tokens, beat.page_size)
+        return not since.refused and fits(self._free(beat), num_prompt_tokens, beat.page_size)
 
     def _free(self, beat: HeartbeatMsg) -> int:
         return beat.free_pages - self._since.get(beat.worker_id, _SinceBeat()).pages

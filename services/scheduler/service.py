@@ -221,7 +221,7 @@ class Scheduler:
             prompt_token_ids=submit.prompt_token_ids,
             sampling=submit.sampling,
             decode_worker=choice.decode.worker_id,
-            decode_endpoints=reservation.endpoints,
+            decode_kv=reservation.kv,
             page_ids=reservation.page_ids,
         )
         subject = subjects.assign("prefill", choice.prefill.worker_id)

@@ -1,5 +1,7 @@
 """Decode role: reserves pages for a prompt that a prefill worker computes, then decodes it with
-the rest of the batch, publishing one TokensMsg per step per gateway."""
+the rest of the batch, publishing one TokensMsg per step per gateway. It publishes every token
+of its requests: the prefill worker's first token too, on receipt of the KV, so the gateway gets
+each request's tokens from one publisher, in order."""
 
 import logging
 import time
@@ -8,7 +10,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.worker.loop import EngineLoop
-from services.worker.messages import from_wire_logprob, token_item
+from services.worker.messages import token_item
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
@@ -17,10 +19,12 @@ from shared.protocol import (
     CancelMsg,
     DecodeAssignMsg,
     DecodeAssignReplyMsg,
+    KVPool,
     KvReadyMsg,
     TokenItem,
     TokensMsg,
 )
+from shared.transfer.tcp import TcpKVServer
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +32,18 @@ log = logging.getLogger(__name__)
 class DecodeRole:
     role = "decode"
 
-    def __init__(self, nc: Client, loop: EngineLoop, worker_id: str, endpoints: dict[str, str]):
+    def __init__(
+        self,
+        nc: Client,
+        loop: EngineLoop,
+        worker_id: str,
+        pool: KVPool,
+        tcp_server: TcpKVServer | None = None,
+    ):
         self.nc, self.loop, self.worker_id = nc, loop, worker_id
         self.engine = loop.engine
-        self.endpoints = endpoints
+        self.pool = pool  # where prefill workers write our pages
+        self.tcp_server = tcp_server
         self.gateways: dict[str, str] = {}  # request id -> gateway that streams it
 
     async def subscribe(self) -> None:
@@ -58,7 +70,7 @@ class DecodeRole:
             reply = DecodeAssignReplyMsg(rid, False, reason=reason)
         else:
             self.gateways[rid] = assign.gateway_id
-            reply = DecodeAssignReplyMsg(rid, True, tuple(pages), dict(self.endpoints))
+            reply = DecodeAssignReplyMsg(rid, True, tuple(pages), self.pool)
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
         if pages is not None and assign.prefill_here:  # its first token leaves with our steps
@@ -69,21 +81,36 @@ class DecodeRole:
         rid = ready.request_id
         if rid not in self.gateways:
             return  # cancelled meanwhile
-        if not ready.ok:
+        error = (ready.error or "prefill failed") if not ready.ok else self._missing_kv(rid)
+        if error:
             req = self.engine.requests.get(rid)
             await self.loop.call(self.engine.finish, rid, FinishReason.ERROR)
             if req is not None:
-                await self._publish_items(
-                    [(rid, token_item(req, [], [], ready.error or "prefill failed"))]
-                )
+                await self._publish_items([(rid, token_item(req, [], [], error))])
             return
-        logprob = from_wire_logprob(ready.first_logprob)
-        req = await self.loop.call(self.engine.start_remote, rid, ready.first_token_id, logprob)
+        # The first token leaves now, not after the step running meanwhile (time to first token).
+        token, logprob = ready.first_token_id, ready.first_logprob
+        first = TokenItem(rid, 0, (token,), () if logprob is None else (logprob,))
+        await self._publish_items([(rid, first)])
+        req = await self.loop.call(self.engine.start_remote, rid, token, logprob)
         if req is not None and req.finished:  # the first token already ended it
             await self._publish_items([(rid, token_item(req, [], []))])
 
+    def _missing_kv(self, request_id: str) -> str:
+        """Over TCP each prefill rank streams its own part: all of the prompt's KV must have
+        come (a rank whose connection broke cannot tell rank 0). "" when complete, or by shm."""
+        if self.tcp_server is None:
+            return ""
+        got = self.tcp_server.take_received(request_id)
+        req = self.engine.requests.get(request_id)
+        spec = self.engine.kv_spec
+        want = 0 if req is None else req.num_prompt_tokens * spec.page_size_bytes // spec.page_size
+        return f"KV incomplete: {got} of {want} bytes arrived" if got and got != want else ""
+
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
+        if self.tcp_server is not None:
+            self.tcp_server.take_received(cancel.request_id)
         if self.gateways.pop(cancel.request_id, None) is not None:
             await self.loop.call(self.engine.abort, cancel.request_id)
 
@@ -99,16 +126,19 @@ class DecodeRole:
                 items.append(
                     (rid, token_item(out.request, out.new_token_ids, out.new_logprobs, error))
                 )
-        await self._publish_items(items)
+        await self._publish_items(items, from_step=True)
 
-    async def _publish_items(self, items: list[tuple[str, TokenItem]]) -> None:
+    async def _publish_items(
+        self, items: list[tuple[str, TokenItem]], from_step: bool = False
+    ) -> None:
+        """One TokensMsg per gateway; stamped with the step's times if a step made the items."""
         by_gateway: dict[str, list[TokenItem]] = {}
         for rid, item in items:
-            gateway = self.gateways[rid] if item.finish_reason is None else self.gateways.pop(rid)
-            by_gateway.setdefault(gateway, []).append(item)
+            ends = item.finish_reason is not None
+            gateway = self.gateways.pop(rid, None) if ends else self.gateways.get(rid)
+            if gateway is not None:  # else cancelled meanwhile
+                by_gateway.setdefault(gateway, []).append(item)
+        step_s, cycle_s = (self.loop.step_s, self.loop.cycle_s) if from_step else (0.0, 0.0)
         for gateway, batch in by_gateway.items():
-            tokens = TokensMsg(
-                self.worker_id, tuple(batch), self.loop.step_s, self.loop.cycle_s, time.time()
-            )
-            body = protocol.encode(tokens)
-            await self.nc.publish(subjects.gateway_tokens(gateway), body)
+            tokens = TokensMsg(self.worker_id, tuple(batch), step_s, cycle_s, time.time())
+            await self.nc.publish(subjects.gateway_tokens(gateway), protocol.encode(tokens))

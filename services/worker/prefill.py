@@ -1,21 +1,19 @@
 """Prefill role: computes prompts (chunked, batched), streams each layer's KV into the decode
-worker's reserved pages as it is computed, then sends the first token to the gateway and
-"pages written" to the decode worker. A colocated worker hands its own requests to its engine."""
+worker's reserved pages as it is computed, then sends "pages written" with the first token to
+the decode worker, which publishes it to the gateway. A colocated worker hands its own requests
+to its engine."""
 
-import asyncio
 import logging
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.worker.kv_push import KVPusher
 from services.worker.loop import EngineLoop
-from services.worker.messages import to_wire_logprob
 from shared import protocol, subjects
 from shared.engine.engine import StepOutput
 from shared.engine.request import FinishReason
-from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg, TokenItem, TokensMsg
-from shared.transfer.base import KVTarget
+from shared.protocol import CancelMsg, KvReadyMsg, PrefillAssignMsg
+from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +26,12 @@ class PrefillRole:
         nc: Client,
         loop: EngineLoop,
         worker_id: str,
-        pusher: KVPusher,
+        handoff: KVHandoff,
         local_decode_id: str | None = None,
     ):
         self.nc, self.loop, self.worker_id = nc, loop, worker_id
         self.engine = loop.engine
-        self.pusher = pusher
+        self.handoff = handoff
         self.local_decode_id = local_decode_id  # colocated: our own decode role's id
         self.jobs: dict[str, PrefillAssignMsg] = {}
 
@@ -50,11 +48,11 @@ class PrefillRole:
             await self.loop.call(self.engine.start_local, rid)  # pages are ours already
             return
         try:
-            self.pusher.add(KVTarget(rid, assign.page_ids, assign.decode_endpoints))
+            self.handoff.add(rid, assign.page_ids, assign.decode_kv)
             prompt = list(assign.prompt_token_ids)
             await self.loop.call(self.engine.add_request, rid, prompt, assign.sampling, True)
         except Exception as e:  # bad layout, unreachable peer, invalid prompt: fail it alone
-            self.pusher.drop(rid)
+            self.handoff.drop(rid)
             await self._kv_ready(assign, KvReadyMsg(rid, self.worker_id, False, error=str(e)))
             return
         self.jobs[rid] = assign
@@ -62,44 +60,28 @@ class PrefillRole:
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         if self.jobs.pop(cancel.request_id, None) is not None:
-            self.pusher.drop(cancel.request_id)
+            self.handoff.drop(cancel.request_id)
             await self.loop.call(self.engine.abort, cancel.request_id)
 
     async def on_outputs(self, outputs: list[StepOutput]) -> None:
-        firsts: dict[str, list[TokenItem]] = {}
-        readies = []
         for out in outputs:
             assign = self.jobs.pop(out.request.request_id, None)
             if assign is None or not out.finished:
                 continue
             if out.request.finish_reason == FinishReason.ERROR:
-                self.pusher.drop(assign.request_id)
+                self.handoff.drop(assign.request_id)
                 error = "prefill step failed"
             else:
-                error = await asyncio.to_thread(self.pusher.finish, assign.request_id)
-            readies.append((assign, self._ready(out, error)))
-            if not error:
-                item = TokenItem(
-                    assign.request_id,
-                    0,
-                    tuple(out.new_token_ids),
-                    tuple(
-                        to_wire_logprob(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs)
-                    ),
-                )
-                firsts.setdefault(assign.gateway_id, []).append(item)
-        for gateway, items in firsts.items():
-            body = protocol.encode(TokensMsg(self.worker_id, tuple(items)))
-            await self.nc.publish(subjects.gateway_tokens(gateway), body)
-        for assign, ready in readies:
-            await self._kv_ready(assign, ready)
+                error = self.handoff.finish(assign.request_id)
+            await self._kv_ready(assign, self._ready(out, error))
 
     def _ready(self, out: StepOutput, error: str | None) -> KvReadyMsg:
+        """The "pages written" message with the first token and its logprobs, or the failure."""
         rid = out.request.request_id
         if error:
             return KvReadyMsg(rid, self.worker_id, False, error=error)
         token = out.new_token_ids[0]
-        logprob = to_wire_logprob(token, out.new_logprobs[0]) if out.new_logprobs else None
+        logprob = out.new_logprobs[0] if out.new_logprobs else None
         return KvReadyMsg(rid, self.worker_id, True, first_token_id=token, first_logprob=logprob)
 
     async def _kv_ready(self, assign: PrefillAssignMsg, ready: KvReadyMsg) -> None:

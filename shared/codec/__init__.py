@@ -1,6 +1,6 @@
 """Tison's lossless weight codec: canonical-Huffman-coded exponents (plus the top mantissa
 bits), raw sign and low mantissa, cut into segments that decode in parallel on CPU threads
-or GPU threads (kernels/codec_decode.py). The format is specified in FORMAT.md."""
+or GPU threads (gpu.py). The format is specified in FORMAT.md."""
 
 from shared.codec.checkpoint import CompressedCheckpoint, is_compressed_dir
 from shared.codec.folder import (

@@ -48,7 +48,7 @@ class CompressedCheckpoint:
     def get_encoded(self, name: str) -> EncodedTensor:
         """The tensor still compressed (planes on the CPU, checked for size, a valid code
         table and, if verify, their CRC-32C), e.g. to keep it compressed on a device and
-        decode it there just in time (kernels/codec_decode.py)."""
+        decode it there just in time (gpu.py)."""
         encoded = self._reader(name).encoded(name)
         if encoded.planes is not None:
             full_lengths(encoded)

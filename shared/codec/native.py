@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kernels.build import build_library
 from shared.codec.format import SEG_BITS, SEGS_PER_BLOCK, raw_layout
 from shared.codec.huffman import canonical_codes
-from shared.native_build import build_library
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """EngineConfig: everything one engine instance needs, validated at construction."""
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,8 @@ class EngineConfig:
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
     allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
+    kv_transport: str = "auto"  # kv_push: auto | shm | tcp (shared/transfer/handoff.py)
+    kv_secret: str = field(default="", repr=False)  # kv_push over TCP; never in to_json_dict
     cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
     device: str = "cpu"  # the device of every rank's tensors (weights, KV pool, steps)
     attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | torch
@@ -85,6 +87,7 @@ class EngineConfig:
     def to_json_dict(self) -> dict:
         """Plain values (paths as strings), for the other ranks' command line."""
         fields = dataclasses.asdict(self)
+        del fields["kv_secret"]  # the other ranks read it from their environment (ranks.py)
         return {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}
 
     def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:

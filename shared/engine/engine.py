@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from shared.engine.config import EngineConfig
 from shared.engine.executor import StepResult, start_executor
 from shared.engine.micro_batch import schedule_micro_batch, split_launched
-from shared.engine.request import FinishReason, Request, TokenLogprobs, check_stop
+from shared.engine.request import FinishReason, Request, check_stop
 from shared.engine.scheduler import Scheduler
-from shared.engine.shard import shard_kv_spec
+from shared.engine.shard import model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.sampling.batch import request_stop_token_ids
+from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
 
 
@@ -23,7 +24,7 @@ class StepOutput:
 
     request: Request
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs]  # empty unless the request asked for logprobs
+    new_logprobs: list[TokenLogprob]  # one per new token if the request asked for logprobs
 
     @property
     def finished(self) -> bool:
@@ -37,12 +38,14 @@ class LLMEngine:
         self.dtype = config.torch_dtype(cfg.torch_dtype)
         shape = config.parallel
         shape.validate(cfg.num_heads, cfg.num_kv_heads, cfg.num_layers)  # before any process
+        self.kv_spec = model_kv_spec(cfg, config.page_size, self.dtype)  # the whole model's
         # rank 0's pool sizes every rank's: page ids are the same everywhere
-        spec = shard_kv_spec(cfg, config, self.dtype, shape.tp, shape.stage_of(0, cfg.num_layers))
-        num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
-        self.executor = start_executor(config, cfg, num_pages)
+        rank0 = rank_kv_spec(self.kv_spec, shape, 0)
+        num_pages = config.num_pages or rank0.pages_for_budget(config.kv_cache_bytes)
+        self.executor = start_executor(config, cfg, self.kv_spec, num_pages)
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
+        self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
@@ -82,7 +85,12 @@ class LLMEngine:
         self.requests[request_id] = req
         return list(req.page_ids)
 
-    def start_remote(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None):
+    def reserved_pages(self, request_id: str) -> list[int] | None:
+        """Pages held for a reserved request whose KV has not arrived yet; None otherwise."""
+        req = self.scheduler.reserved.get(request_id)
+        return None if req is None else req.page_ids
+
+    def start_remote(self, request_id: str, first_token: int, logprob: TokenLogprob | None):
         """The prompt KV of a reserved request arrived with its first token: decode from here.
         Returns the request (finished at once if that token ends it), None if it is gone."""
         req = self.requests.get(request_id)
@@ -90,8 +98,8 @@ class LLMEngine:
             return None
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(first_token)
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
         self.scheduler.activate(req)
         reason = check_stop(req)
         if reason is not None:
@@ -152,6 +160,21 @@ class LLMEngine:
     def num_pages_used(self) -> int:
         return self.allocator.num_used
 
+    def load(self) -> dict[str, int]:
+        """What a worker's heartbeat reports (HeartbeatMsg's fields of the same names)."""
+        sched = self.scheduler
+        queued = sum(
+            r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
+            for r in list(sched.waiting)
+        )
+        return dict(
+            queued_tokens=queued,
+            running_seqs=len(sched.running) + len(sched.reserved),
+            decoding_seqs=len(sched.running),
+            free_pages=self.allocator.num_free,
+            total_pages=self.allocator.num_pages,
+        )
+
     def step(self) -> list[StepOutput]:
         """Launches micro-batches until `depth` are in flight, then applies the oldest one's
         results. Without pipeline stages: schedule, run, update, as one step."""
@@ -189,7 +212,7 @@ class LLMEngine:
                     continue
                 sampled[req] = tokens[row]
                 if req.params.logprobs is not None:
-                    logprobs[req] = _logprobs(samples, row, req.params.logprobs)
+                    logprobs[req] = _logprobs(samples, row, tokens[row], req.params.logprobs)
         self.scheduler.update(out, sampled)
         results = []
         for req, token in sampled.items():
@@ -205,10 +228,11 @@ class LLMEngine:
         self.executor.close()
 
 
-def _logprobs(samples, row: int, n: int) -> TokenLogprobs:
-    top = []
+def _logprobs(samples, row: int, token_id: int, n: int) -> TokenLogprob:
+    """Row `row` of the sampler's results as the logprobs of `token_id` and its top `n`."""
+    ids: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
     if n:
-        ids = samples.top_logprob_ids[row, :n].tolist()
-        values = samples.top_logprobs[row, :n].tolist()
-        top = list(zip(ids, values))
-    return TokenLogprobs(float(samples.logprobs[row]), top)
+        ids = tuple(samples.top_logprob_ids[row, :n].tolist())
+        values = tuple(samples.top_logprobs[row, :n].tolist())
+    return TokenLogprob(token_id, float(samples.logprobs[row]), ids, values)

@@ -5,7 +5,6 @@ are in flight: one without pipeline stages, P with P stages."""
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +15,15 @@ from shared.engine.ranks import RankProcesses
 from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import SchedulerOutput
 from shared.engine.shard import build_shard
+from shared.kv.cache import KVCache
+from shared.kv.spec import KVSpec
 from shared.models.config import ModelConfig
 from shared.parallel.comm import PLAN, RESULT, RankComm
 from shared.parallel.cores import pin, rank_cores
 from shared.parallel.group import SINGLE
 from shared.parallel.pipeline import WHOLE_MODEL
 from shared.sampling.sampler import SamplerOutput
+from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,9 @@ class LocalExecutor:
 
     depth = 1
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, handoff: KVHandoff | None = None):
         self.runner = runner
-        self.plan_extras: Callable[[SchedulerOutput], dict] | None = None  # as RankExecutor's
+        self.handoff = handoff  # prefill workers: rank 0's KV handoff
         self._done: deque[StepResult] = deque()
 
     @property
@@ -49,28 +51,32 @@ class LocalExecutor:
         return len(self._done)
 
     def launch(self, out: SchedulerOutput) -> None:
-        if self.plan_extras is not None:
-            self.plan_extras(out)
         self._done.append(_run(self.runner, out))
 
     def collect(self) -> StepResult:
         return self._done.popleft()
 
     def close(self) -> None:
-        self.runner.kv.close()
+        _close(self.runner, self.handoff)
 
 
 class RankExecutor:
     """Rank 0 of T x P ranks: sends each micro-batch's plan to every other rank, runs its own
     part (stage 0, TP rank 0), and with P > 1 returns at once; results come back from the last
-    stage's TP rank 0 in launch order. `plan_extras(out)` adds fields to the plan (KV push)."""
+    stage's TP rank 0 in launch order. A prefill worker's plans carry its KV handoff's news."""
 
-    def __init__(self, runner: ModelRunner, comm: RankComm, ranks: RankProcesses):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        comm: RankComm,
+        ranks: RankProcesses,
+        handoff: KVHandoff | None = None,
+    ):
         self.runner, self.comm, self.ranks = runner, comm, ranks
+        self.handoff = handoff
         shape = comm.shape
         self.depth = shape.pp
         self.last_rank = shape.rank_of(shape.pp - 1, 0)
-        self.plan_extras: Callable[[SchedulerOutput], dict] | None = None
         self._ids = itertools.count()
         self._pending: deque[StepResult] = deque()
         self.last_stage_busy_s = 0.0  # the last stage's seconds of work, as it last reported
@@ -80,7 +86,7 @@ class RankExecutor:
         return len(self._pending)
 
     def launch(self, out: SchedulerOutput) -> None:
-        extras = self.plan_extras(out) if self.plan_extras is not None else None
+        extras = self.handoff.plan_extras(out) if self.handoff is not None else None
         plan = encode_plan(next(self._ids), out, extras)
         for rank in range(1, self.comm.shape.world_size):
             self.comm.send_bytes(plan, rank, PLAN)
@@ -96,7 +102,13 @@ class RankExecutor:
 
     def close(self) -> None:
         self.ranks.stop(self.comm, encode_stop())
-        self.runner.kv.close()
+        _close(self.runner, self.handoff)
+
+
+def _close(runner: ModelRunner, handoff: KVHandoff | None) -> None:
+    if handoff is not None:
+        handoff.close()
+    runner.kv.close()
 
 
 def _run(runner: ModelRunner, out: SchedulerOutput) -> StepResult:
@@ -107,14 +119,26 @@ def _run(runner: ModelRunner, out: SchedulerOutput) -> StepResult:
         return StepResult(out, [], None, e)
 
 
-def start_executor(config: EngineConfig, cfg: ModelConfig, num_pages: int):
-    """The executor for config's shape; with T x P > 1 this starts the other ranks."""
+def rank_handoff(config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int) -> KVHandoff | None:
+    """A prefill worker's KV handoff on one of its ranks; None unless config.kv_push."""
+    if not config.kv_push:
+        return None
+    secret = config.kv_secret.encode() or None
+    return KVHandoff.of_rank(kv, spec, config.parallel, rank, config.kv_transport, secret)
+
+
+def start_executor(config: EngineConfig, cfg: ModelConfig, spec: KVSpec, num_pages: int):
+    """The executor for config's shape; with T x P > 1 this starts the other ranks.
+    spec: the whole model's KV layout."""
     shape = config.parallel
     if config.cpus:
         pin(rank_cores(config.cpus, shape.world_size, 0))
     if shape.world_size == 1:
         model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages)
-        return LocalExecutor(ModelRunner(model, kv, cfg.vocab_size))
+        handoff = rank_handoff(config, spec, kv, 0)
+        hook = None if handoff is None else handoff.on_layer
+        runner = ModelRunner(model, kv, cfg.vocab_size, on_layer_done=hook)
+        return LocalExecutor(runner, handoff)
     ranks = RankProcesses(config, num_pages, torch.get_num_threads())
     comm = None
     try:
@@ -125,5 +149,7 @@ def start_executor(config: EngineConfig, cfg: ModelConfig, num_pages: int):
     except BaseException:
         ranks.stop(comm, encode_stop())
         raise
-    runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm)
-    return RankExecutor(runner, comm, ranks)
+    handoff = rank_handoff(config, spec, kv, 0)
+    hook = None if handoff is None else handoff.on_layer
+    runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm, hook)
+    return RankExecutor(runner, comm, ranks, handoff)

@@ -3,7 +3,7 @@ strings (matched on text, left out of the output, as OpenAI does)."""
 
 from dataclasses import dataclass, field
 
-from shared.engine.request import TokenLogprobs
+from shared.sampling.logprobs import TokenLogprob
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.stop import StopStringMatcher
 
@@ -16,7 +16,7 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string, if any
-    logprobs: list[TokenLogprobs] | None = None  # one per output token when requested
+    logprobs: list[TokenLogprob] | None = None  # one per output token when requested
 
 
 class TextTracker:

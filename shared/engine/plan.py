@@ -37,7 +37,7 @@ class StepPlan:
     micro_batch: int  # id, rising; results come back in this order
     seqs: list[PlannedSeq]
     rows: list[SamplingRow]  # sampling state of the seqs that sample, in order
-    push: dict  # prefill workers: KV handoff targets (services.worker.rank_push), else {}
+    push: dict  # prefill workers: KVHandoff.plan_extras (new and dropped targets), else {}
     stop: bool = False  # the worker is shutting down: ranks exit
 
     def scheduler_output(self) -> SchedulerOutput:

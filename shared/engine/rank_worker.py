@@ -6,25 +6,29 @@ until told to stop. The last stage's TP rank 0 samples and sends the tokens back
 import argparse
 import json
 import logging
+import os
 import sys
 
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.kv_handoff import rank_pusher
+from shared.engine.executor import rank_handoff
 from shared.engine.plan import decode_plan, encode_result
+from shared.engine.ranks import SECRET_ENV
 from shared.engine.runner import ModelRunner
-from shared.engine.shard import build_shard
+from shared.engine.shard import build_shard, model_kv_spec
 from shared.models.config import ModelConfig
 from shared.parallel.comm import PLAN, RESULT, RankComm, open_store
 from shared.parallel.cores import pin, rank_cores
+from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger("tison.rank")
 
 
 def build_runner(rank: int, port: int, spec: dict):
-    """(runner, comm, on_plan) of this rank, once rank 0 and its peers are joined."""
-    config = EngineConfig(**spec["engine"])
+    """(runner, comm, handoff) of this rank, once rank 0 and its peers are joined."""
+    secret = os.environ.get(SECRET_ENV, "")  # not on the command line, where ps shows it
+    config = EngineConfig(**spec["engine"], kv_secret=secret)
     shape = config.parallel
     store = open_store("127.0.0.1", port, shape.world_size, is_master=False)
     store.set(f"joined{rank}", "1")
@@ -33,28 +37,27 @@ def build_runner(rank: int, port: int, spec: dict):
         cfg = ModelConfig.from_dir(config.model_dir)
         stage = shape.stage_of(rank, cfg.num_layers)
         model, kv = build_shard(config, cfg, comm.tp, stage, spec["num_pages"], rank)
-        runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm)
+        kv_spec = model_kv_spec(cfg, config.page_size, kv.spec.dtype)
+        handoff = rank_handoff(config, kv_spec, kv, rank)
+        hook = None if handoff is None else handoff.on_layer
+        runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm, hook)
     except Exception as e:
         store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
         raise
-    on_plan = None
-    if config.kv_push:
-        pusher = rank_pusher(kv, cfg, shape, rank)
-        runner.on_layer_done, on_plan = pusher.on_layer, pusher.on_plan
     store.set(f"ready{rank}", "ok")
-    return runner, comm, on_plan
+    return runner, comm, handoff
 
 
-def serve(runner: ModelRunner, comm: RankComm, on_plan=None) -> None:
-    """Runs plans until the stop plan. on_plan(plan, runner) is called before each step
-    (prefill workers register the step's KV targets there)."""
+def serve(runner: ModelRunner, comm: RankComm, handoff: KVHandoff | None = None) -> None:
+    """Runs plans until the stop plan. A prefill worker's handoff learns of new and dropped
+    KV targets from each plan before its step."""
     replies = runner.stage.is_last and runner.tp.rank == 0 and comm.rank != 0
     while True:
         plan = decode_plan(comm.recv_bytes(0, PLAN))
         if plan.stop:
             break
-        if on_plan is not None:
-            on_plan(plan, runner)
+        if handoff is not None:
+            handoff.on_plan(plan.push)
         index, samples = runner.execute(plan.scheduler_output(), plan.rows)
         if replies:
             reply = encode_result(plan.micro_batch, index, samples, runner.busy_s)
@@ -76,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         pin(rank_cores(config.cpus, config.parallel.world_size, args.rank))
     else:
         torch.set_num_threads(args.threads)
-    runner, comm, on_plan = build_runner(args.rank, args.port, spec)
+    runner, comm, handoff = build_runner(args.rank, args.port, spec)
     try:
-        serve(runner, comm, on_plan)
+        serve(runner, comm, handoff)
     finally:
+        if handoff is not None:
+            handoff.close()
         runner.kv.close()
     return 0
 

@@ -15,6 +15,7 @@ from shared.parallel.comm import PLAN, RankComm, open_store
 from shared.proc import die_with_parent
 
 READY_TIMEOUT_S = 600.0
+SECRET_ENV = "TISON_KV_SECRET"  # EngineConfig.kv_secret, for the ranks (not on command lines)
 
 
 class RankProcesses:
@@ -29,6 +30,7 @@ class RankProcesses:
         root = str(Path(shared.__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         env["OMP_NUM_THREADS"] = str(threads)
+        env[SECRET_ENV] = config.kv_secret
         self.procs = [
             subprocess.Popen(
                 [

@@ -4,6 +4,7 @@ recompute after preemption are all "compute the tokens not yet computed"."""
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
 
 
@@ -12,14 +13,6 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens, or the model's / pool's length cap
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # failed while running; the others go on
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob of the sampled token and the top-n alternatives (raw model distribution)."""
-
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 @dataclass(eq=False)
@@ -32,7 +25,7 @@ class Request:
     max_total_tokens: int  # prompt + output cap: min(max model length, whole KV pool)
     arrival: int  # admission order; the newest running request is preempted first
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # if params.logprobs
     num_computed_tokens: int = 0  # tokens whose KV is in the pages
     page_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

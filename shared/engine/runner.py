@@ -27,6 +27,7 @@ class ModelRunner:
         tp: TPGroup = SINGLE,
         stage: PPStage = WHOLE_MODEL,
         comm: RankComm | None = None,  # needed when stage.size > 1
+        on_layer_done: Callable[[int, SchedulerOutput], None] | None = None,
     ):
         self.model = model
         self.kv = kv
@@ -39,7 +40,7 @@ class ModelRunner:
         self.hidden_size = model.config.hidden_size
         self.dtype = kv.spec.dtype
         # after each layer of a forward pass: (global layer index, the step) -> push its new KV
-        self.on_layer_done: Callable[[int, SchedulerOutput], None] | None = None
+        self.on_layer_done = on_layer_done
         self.busy_s = 0.0  # seconds in execute, less those blocked on the previous stage
 
     def execute(

@@ -4,13 +4,16 @@ Each step is a mixed batch under a token budget: running requests that decode fi
 each), then running requests still prefilling (oldest first), each getting the tokens it has
 not computed yet, capped by what is left of the budget (chunked prefill); when pages run out
 the newest running request is preempted (pages freed, recomputed later). Then waiting
-requests are admitted while the budget, the sequence limit and the free pages allow."""
+requests are admitted while the budget, the sequence limit and the free pages allow. Pages
+follow the rule of shared/kv/pages.py: a request gets its admission pages at once, then one
+page at a time as it decodes."""
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from shared.engine.request import FinishReason, Request, check_stop
-from shared.kv.allocator import PageAllocator, pages_needed
+from shared.kv.allocator import PageAllocator
+from shared.kv.pages import pages_for, pages_to_admit, pages_to_grow
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,20 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # pages held for a prefill done elsewhere
 
     def reserve(self, req: Request) -> bool:
-        """Holds pages for req's prompt, to be written by a prefill worker. All or nothing."""
-        need = pages_needed(req.num_prompt_tokens, self.page_size)
+        """Holds req's admission pages, its prompt's to be written by a prefill worker. All or
+        nothing."""
+        need = self._admission_pages(req)
         if not self.allocator.can_allocate(need):
             return False
         req.page_ids = self.allocator.allocate(need)
         self.reserved[req.request_id] = req
         return True
+
+    def _admission_pages(self, req: Request) -> int:
+        """Pages req needs to join the batch, beyond those it holds (a reserved request holds
+        them all). A prefill-only request never writes the KV of the token it samples."""
+        admit = pages_for if req.prefill_only else pages_to_admit
+        return max(0, admit(req.num_tokens, self.page_size) - len(req.page_ids))
 
     def activate(self, req: Request) -> None:
         """A reserved request joins the batch: decoding if its prompt KV arrived
@@ -120,7 +130,7 @@ class Scheduler:
         ):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            extra = pages_needed(req.num_computed_tokens + n, self.page_size) - len(req.page_ids)
+            extra = self._admission_pages(req)
             if not self.allocator.can_allocate(extra):
                 break
             self.waiting.popleft()
@@ -133,7 +143,7 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, out: SchedulerOutput, exclude) -> bool:
         """Pages for req's next n tokens, preempting the newest running requests (never one in
         flight) if needed. False when req itself was preempted or nothing could be."""
-        extra = pages_needed(req.num_computed_tokens + n, self.page_size) - len(req.page_ids)
+        extra = pages_to_grow(len(req.page_ids), req.num_computed_tokens + n, self.page_size)
         while not self.allocator.can_allocate(extra):
             victims = [r for r in self.running if r not in exclude]
             if not victims:

@@ -9,27 +9,45 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.kv.cache import KVCache
-from shared.kv.spec import MHAKVSpec
+from shared.kv.spec import KVSpec, MHAKVSpec
 from shared.models.config import ModelConfig
 from shared.models.layers.attention_backend import select_backend
 from shared.models.loader import load_model
 from shared.parallel.group import TPGroup
 from shared.parallel.pipeline import PPStage
+from shared.parallel.shape import ParallelConfig
+from shared.protocol import KVRankPool
 
 log = logging.getLogger(__name__)
 
 
-def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads a rank holds: a share, or one replicated head when TP exceeds them (vLLM)."""
-    return max(1, num_kv_heads // tp_size)
+def model_kv_spec(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> KVSpec:
+    """The whole model's KV layout (every layer, every head)."""
+    return MHAKVSpec(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
-def shard_kv_spec(
-    cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, tp_size: int, stage: PPStage
-) -> MHAKVSpec:
-    end = cfg.num_layers if stage.end_layer is None else stage.end_layer
-    heads = local_kv_heads(cfg.num_kv_heads, tp_size)
-    return MHAKVSpec(end - stage.start_layer, config.page_size, heads, cfg.head_dim, dtype)
+def rank_layers(shape: ParallelConfig, rank: int, num_layers: int) -> tuple[int, int]:
+    """[first, end) global layers of a rank's stage."""
+    stage = shape.stage_of(rank, num_layers)
+    return stage.start_layer, num_layers if stage.end_layer is None else stage.end_layer
+
+
+def rank_kv_spec(spec: KVSpec, shape: ParallelConfig, rank: int) -> KVSpec:
+    """What a rank's pool holds: its stage's layers, its TP rank's units (heads)."""
+    units = spec.rank_units(rank % shape.tp, shape.tp)
+    return spec.shard(rank_layers(shape, rank, spec.num_layers), units)
+
+
+def rank_pools(spec: KVSpec, shape: ParallelConfig, shm_path: Path) -> tuple[KVRankPool, ...]:
+    """Each rank's layers, units and pool file: a decode worker's KVPool.ranks."""
+    return tuple(
+        KVRankPool(
+            rank_layers(shape, rank, spec.num_layers),
+            spec.rank_units(rank % shape.tp, shape.tp),
+            str(rank_shm_path(shm_path, rank)),
+        )
+        for rank in range(shape.world_size)
+    )
 
 
 def rank_shm_path(path: Path | None, rank: int) -> Path | None:
@@ -47,6 +65,7 @@ def build_shard(
     num_pages: int,
     rank: int = 0,
 ) -> tuple[torch.nn.Module, KVCache]:
+    """The model's part and the KV pool of rank `rank` (TP rank tp.rank of stage `stage`)."""
     dtype, device = config.torch_dtype(cfg.torch_dtype), config.torch_device
     attention = select_backend(device, dtype, config.attention_backend)  # once, for all layers
     start = time.perf_counter()
@@ -55,7 +74,7 @@ def build_shard(
     log.info(
         "rank %d: model loaded in %.2f s (attention: %s)", rank, loaded - start, attention.name
     )
-    spec = shard_kv_spec(cfg, config, dtype, tp.size, stage)
+    spec = rank_kv_spec(model_kv_spec(cfg, config.page_size, dtype), config.parallel, rank)
     kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank), device)
     log.info(
         "rank %d: KV pool of %d pages (%.0f MiB) in %.2f s",

@@ -1,4 +1,5 @@
-"""Page allocator: which KV pages are free. Pure bookkeeping, single owner (the scheduler)."""
+"""Page allocator: which KV pages are free. Pure bookkeeping, single owner (the scheduler); how
+many pages a request needs is shared/kv/pages.py's rule."""
 
 from collections import deque
 
@@ -59,7 +60,3 @@ class PageAllocator:
         for page in pages:
             self._used.remove(page)
             self._free.append(page)
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import torch
 
-from shared.kv.spec import MHAKVSpec
+from shared.kv.spec import KVSpec
 
 
 class KVCache:
-    """Owns the pool tensor (L, 2, P, S, nkv, hd); `layer(i)` is the (2, P, S, nkv, hd) view."""
+    """Owns the pool tensor (its spec's pool_shape); `layer(i)` is the view a layer's attention
+    uses (MHA: (2, P, S, nkv, hd))."""
 
     def __init__(
         self,
-        spec: MHAKVSpec,
+        spec: KVSpec,
         num_pages: int,
         shm_path: str | Path | None = None,
         device: torch.device | str = "cpu",  # EngineConfig.device
@@ -40,7 +41,7 @@ class KVCache:
             self.data = self.data.view(shape)
 
     def layer(self, index: int) -> torch.Tensor:
-        return self.data[index]
+        return self.spec.layer(self.data, index)
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +51,15 @@ class KVCache:
         """Unlinks the shared-memory file (owner only); mappings stay valid until dropped."""
         if self.shm_path is not None and self.shm_path.exists():
             self.shm_path.unlink()
+
+
+def map_pool(path: str | Path, spec: KVSpec) -> torch.Tensor:
+    """Another process's pool file, mapped shared (writes land in its pool), shaped by `spec`."""
+    num_pages = spec.pages_in(Path(path).stat().st_size)
+    shape = spec.pool_shape(num_pages)
+    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=spec.dtype).view(
+        shape
+    )
 
 
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,9 @@ linears are all marked then run decode steps in one C call (layers/decode_layer.
 import torch
 from torch import nn
 
-from shared.models.layers import cpu_kernels, cpu_linear
+from kernels.cpu import library
+from kernels.cpu.linear import linear_fits
+from shared.models.layers import cpu_linear
 from shared.models.layers.embedding import ParallelLMHead
 from shared.models.layers.linear import LinearBase
 
@@ -14,12 +16,12 @@ from shared.models.layers.linear import LinearBase
 def prepare_cpu_linears(model: nn.Module) -> None:
     """For a bf16 CPU model: every linear layer and the LM head (an untied one, for oneDNN)."""
     tied = getattr(model.config, "tie_word_embeddings", False)
-    kernels = cpu_kernels.usable(torch.zeros(1, dtype=torch.bfloat16))
+    kernels = library.usable(torch.zeros(1, dtype=torch.bfloat16))
     onednn = cpu_linear.onednn_bf16()
     for module in model.modules():
         if not isinstance(module, (LinearBase, ParallelLMHead)):
             continue
-        if kernels and cpu_kernels.linear_fits(module.weight):
+        if kernels and linear_fits(module.weight):
             module.c_linear = True
         elif onednn and (isinstance(module, LinearBase) or not tied):
             module.packed = cpu_linear.PackedLinear(

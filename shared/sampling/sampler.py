@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu import library
+from kernels.cpu.argmax import argmax
 from shared.errors import TisonError
-from shared.models.layers import cpu_kernels
 from shared.sampling import filters
 from shared.sampling.batch import (
     MIN_TEMPERATURE,
@@ -113,8 +114,8 @@ def _candidates(
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """(R,) index of each row's first maximum: in C on CPU (~10x faster than max().indices at
     32 x 32k), else max().indices (~3x faster than argmax on CPU)."""
-    if cpu_kernels.usable(x) and x.shape[-1] > 0:
-        return cpu_kernels.argmax(x)
+    if library.usable(x) and x.shape[-1] > 0:
+        return argmax(x)
     return x.max(dim=-1).indices
 
 

@@ -1,8 +1,9 @@
 """KV handoff between a prefill and a decode worker: what moves, and the transport interface.
 
-Pages move as token slots (page * page_size + offset) of one layer at a time, K and V together:
-the prefill worker sends each layer as soon as its forward pass has written it. Transports move
-opaque bytes; only the layout string says what they are."""
+Pages move as token slots (page * page_size + offset) of one layer at a time: the prefill rank
+sends each layer as soon as its forward pass has written it, the KV of the units (heads) it
+holds. Transports move opaque payloads; the layout's spec (shared/kv/spec.py) reads and writes
+them, and the decode worker's `KVPool` (shared/protocol.py) says which of its ranks holds what."""
 
 import socket
 from abc import ABC, abstractmethod
@@ -11,15 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shared.kv.cache import KVCache
-
-
-def layout_id(kv: KVCache) -> str:
-    """Both sides must agree on this for pages to be copied as they are."""
-    s = kv.spec
-    return f"mha:L{s.num_layers}:H{s.num_kv_heads}:D{s.head_dim}:S{s.page_size}:{s.dtype}".replace(
-        "torch.", ""
-    )
+from shared.protocol import KVPool
 
 
 def host_id() -> str:
@@ -28,32 +21,32 @@ def host_id() -> str:
     return f"{socket.gethostname()}-{boot.read_text().strip() if boot.exists() else ''}"
 
 
-def slots(
-    page_ids: list[int] | tuple[int, ...], start: int, end: int, page_size: int
-) -> torch.Tensor:
-    """(end - start,) pool slots of tokens [start, end) of a sequence holding `page_ids`."""
-    pos = torch.arange(start, end)
-    pages = torch.as_tensor(page_ids, dtype=torch.long)
-    return pages[pos // page_size] * page_size + pos % page_size
-
-
 @dataclass(frozen=True)
 class KVTarget:
-    """Where one request's KV goes: the decode worker's reserved pages."""
+    """Where one request's KV goes: the decode worker's reserved pages, and how."""
 
     request_id: str
     page_ids: tuple[int, ...]  # decode pages, in token order
-    endpoints: dict[str, str]  # the decode worker's transport endpoints (DecodeAssignReplyMsg)
+    pool: KVPool  # the decode worker's pool (DecodeAssignReplyMsg.kv)
+    transport: str  # the sender that reaches it (shm | tcp)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What moves: the KV of some tokens of one layer, of the units one prefill rank holds."""
+
+    layer: int  # global layer
+    units: tuple[int, int]  # [first, end) global units (MHA: KV heads)
+    slots: torch.Tensor  # (n,) int64 destination slots
+    payload: torch.Tensor  # a spec's `read` of those tokens and units
 
 
 class KVSender(ABC):
-    """Prefill side of one transport. Called from the prefill worker's step thread."""
+    """Prefill side of one transport. Called from a prefill rank's step thread."""
 
     @abstractmethod
-    def send_layer(
-        self, target: KVTarget, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor
-    ) -> int:
-        """Writes (2, n, nkv, hd) K/V of one layer into dst_slots; returns the bytes moved."""
+    def send_layer(self, target: KVTarget, kv: LayerKV) -> int:
+        """Writes kv into every decode rank holding some of its units; returns bytes moved."""
 
     @abstractmethod
     def finish(self, target: KVTarget) -> None:

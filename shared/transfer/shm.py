@@ -1,38 +1,31 @@
-"""Same-host transport: the decode worker's KV pool is a file in /dev/shm that the prefill
-worker maps too and writes into directly. A plain memory copy; no bytes cross a socket."""
+"""Same-host transport: each rank of the decode worker keeps its KV pool in a /dev/shm file,
+which the prefill rank maps too and writes into directly. A plain memory copy; no bytes cross a
+socket, and stores to a shared mapping are visible to the decode process once made."""
 
-from pathlib import Path
+from shared.kv.spec import KVSpec
+from shared.transfer.base import KVSender, KVTarget, LayerKV
+from shared.transfer.pools import MappedPool, map_pools, write_layer
 
-import torch
-
-from shared.transfer.base import KVSender, KVTarget
-
-ENDPOINT = "shm"  # endpoints["shm"] = path of the pool file
+NAME = "shm"
 
 
 class ShmSender(KVSender):
-    def __init__(self, pool_shape: tuple[int, ...], dtype: torch.dtype):
-        self.pool_shape = pool_shape[:2] + (-1,) + pool_shape[4:]  # (L, 2, P*S, nkv, hd)
-        self.dtype = dtype
-        self._pools: dict[str, torch.Tensor] = {}
+    def __init__(self, spec: KVSpec):
+        self.spec = spec  # the whole model's
+        self._pools: dict[tuple[str, ...], list[MappedPool]] = {}  # by the pools' files
 
-    def _pool(self, path: str) -> torch.Tensor:
-        if path not in self._pools:
-            file = Path(path)
-            numel = file.stat().st_size // self.dtype.itemsize
-            mapped = torch.from_file(path, shared=True, size=numel, dtype=self.dtype)
-            self._pools[path] = mapped.view(self.pool_shape)
-        return self._pools[path]
+    def _mapped(self, target: KVTarget) -> list[MappedPool]:
+        key = tuple(rank.shm for rank in target.pool.ranks)
+        if key not in self._pools:
+            self._pools[key] = map_pools(self.spec, target.pool.ranks)
+        return self._pools[key]
 
-    def send_layer(
-        self, target: KVTarget, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor
-    ) -> int:
-        pool = self._pool(target.endpoints[ENDPOINT])
-        pool[layer, :, dst_slots] = kv  # (2, n, nkv, hd) into the mapped pages
-        return kv.numel() * kv.element_size()
+    def send_layer(self, target: KVTarget, kv: LayerKV) -> int:
+        write_layer(self.spec, self._mapped(target), kv)
+        return kv.payload.numel() * kv.payload.element_size()
 
     def finish(self, target: KVTarget) -> None:
-        """Stores to a shared mapping are visible to the decode process once made."""
+        """Every store was made in send_layer."""
 
     def close(self) -> None:
         self._pools.clear()

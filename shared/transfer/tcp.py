@@ -2,9 +2,12 @@
 
 Connection: the server sends a 32-byte nonce, the client answers HMAC-SHA256(secret, nonce);
 a wrong answer closes the connection. Then frames, each `u32 header length | msgpack header |
-payload`: header {"r": request id, "l": layer, "s": int64 slot bytes, "n": payload bytes,
-"done": bool}. A "done" frame carries no payload and is answered with one byte once all of the
-request's earlier frames are in the pool."""
+payload`: header {"r": request id, "l": global layer, "u": [first, end) units, "s": int64 slot
+bytes, "n": payload bytes, "done": bool}. A "done" frame carries no payload and is answered with
+one byte once all of the request's earlier frames on that connection are in the pool. The
+server writes each frame into every rank of its worker holding part of it (transfer/pools.py),
+so prefill and decode workers of any shapes meet over it; it counts each request's bytes, so
+the decode worker can tell that every prefill rank's KV arrived."""
 
 import asyncio
 import hashlib
@@ -19,10 +22,12 @@ from collections.abc import Callable
 import msgpack
 import torch
 
-from shared.transfer.base import KVSender, KVTarget
+from shared.kv.spec import KVSpec
+from shared.transfer.base import KVSender, KVTarget, LayerKV
+from shared.transfer.pools import MappedPool, write_layer
 
 log = logging.getLogger(__name__)
-ENDPOINT = "tcp"  # endpoints["tcp"] = "host:port"
+NAME = "tcp"
 ACK = b"\x01"
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 24
@@ -33,19 +38,25 @@ def _answer(secret: bytes, nonce: bytes) -> bytes:
 
 
 class TcpKVServer:
-    """Decode side: accepts authenticated peers and writes their frames into the pool.
-
-    `allowed(request_id, slots)` says whether the slots belong to pages reserved for it."""
+    """Decode side: accepts authenticated peers and writes their frames into the pools of the
+    worker's ranks. `allowed(request_id, slots)` says whether the slots belong to pages
+    reserved for it; a frame that is not allowed is read and dropped (a request cancelled while
+    its KV was on the way), and the connection goes on."""
 
     def __init__(
-        self, pool: torch.Tensor, secret: bytes, allowed: Callable[[str, torch.Tensor], bool]
+        self,
+        spec: KVSpec,
+        pools: list[MappedPool],
+        secret: bytes,
+        allowed: Callable[[str, torch.Tensor], bool],
     ):
-        self.pool = pool.view(pool.shape[:2] + (-1,) + pool.shape[4:])  # (L, 2, P*S, nkv, hd)
-        self.row_shape = self.pool.shape[3:]
+        self.spec = spec  # the whole model's
+        self.pools = pools
         self.secret = secret
         self.allowed = allowed
         self.bytes_received = 0
         self.seconds = 0.0
+        self.received: dict[str, int] = {}  # request id -> payload bytes written so far
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -88,14 +99,23 @@ class TcpKVServer:
         finally:
             writer.close()
 
+    def take_received(self, request_id: str) -> int:
+        """Payload bytes written for the request (0 if none came over TCP); forgets it."""
+        return self.received.pop(request_id, 0)
+
     def _write(self, header: dict, payload: bytes) -> None:
+        rid = str(header["r"])
         slots = torch.frombuffer(bytearray(header["s"]), dtype=torch.int64)
-        layer = int(header["l"])
-        if not 0 <= layer < self.pool.shape[0] or not self.allowed(str(header["r"]), slots):
-            raise ValueError(f"frame for layer {layer} / slots outside request {header['r']!r}")
-        kv = torch.frombuffer(bytearray(payload), dtype=self.pool.dtype)
-        self.pool[layer, :, slots] = kv.view(2, len(slots), *self.row_shape)
+        layer, units = int(header["l"]), tuple(header["u"])
+        if not 0 <= layer < self.spec.num_layers or not self.allowed(rid, slots):
+            log.warning("dropped a KV frame of layer %d outside request %r's pages", layer, rid)
+            return
+        shape = self.spec.payload_shape(layer, len(slots), units)
+        data = torch.frombuffer(bytearray(payload), dtype=self.spec.dtype).view(shape)
+        if not write_layer(self.spec, self.pools, LayerKV(layer, units, slots, data)):
+            raise ValueError(f"no rank holds layer {layer} units {units}")
         self.bytes_received += len(payload)
+        self.received[rid] = self.received.get(rid, 0) + len(payload)
 
 
 class TcpSender(KVSender):
@@ -117,18 +137,17 @@ class TcpSender(KVSender):
             self._socks[endpoint] = sock
         return self._socks[endpoint]
 
-    def send_layer(
-        self, target: KVTarget, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor
-    ) -> int:
-        payload = kv.contiguous().view(torch.uint8).numpy()
+    def send_layer(self, target: KVTarget, kv: LayerKV) -> int:
+        data = kv.payload.contiguous().view(torch.uint8).numpy()
         header = {
             "r": target.request_id,
-            "l": layer,
-            "s": dst_slots.numpy().tobytes(),
-            "n": payload.nbytes,
+            "l": kv.layer,
+            "u": list(kv.units),
+            "s": kv.slots.numpy().tobytes(),
+            "n": data.nbytes,
         }
-        self._send(target, header, payload)
-        return payload.nbytes
+        self._send(target, header, data)
+        return data.nbytes
 
     def finish(self, target: KVTarget) -> None:
         sock = self._send(target, {"r": target.request_id, "done": True}, None)
@@ -136,11 +155,11 @@ class TcpSender(KVSender):
             if _recv_exactly(sock, 1) != ACK:
                 raise ConnectionError("KV peer did not acknowledge")
         except OSError:
-            self._drop(target.endpoints[ENDPOINT])
+            self._drop(target.pool.tcp)
             raise
 
     def _send(self, target: KVTarget, header: dict, payload) -> socket.socket:
-        endpoint = target.endpoints[ENDPOINT]
+        endpoint = target.pool.tcp
         sock = self._sock(endpoint)
         try:
             head = msgpack.packb(header)

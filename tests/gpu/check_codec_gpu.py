@@ -2,7 +2,7 @@
 
     python tests/gpu/check_codec_gpu.py [--elements 268435456] [--repeats 20]
 
-1. Bit-exactness: kernels/codec_decode.decode_on_device against the CPU decoder
+1. Bit-exactness: shared/codec/gpu.decode_on_device against the CPU decoder
    (shared.codec.decode_tensor) for every coded dtype and split point, on ragged shapes
    with NaN, inf and subnormals mixed in.
 2. Throughput: decoding a large BF16 weight tensor already resident on the GPU, in output
@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from kernels.codec_decode import decode_on_device  # noqa: E402
 from shared.codec import decode_tensor, encode_tensor  # noqa: E402
 from shared.codec.format import LAYOUTS  # noqa: E402
+from shared.codec.gpu import decode_on_device  # noqa: E402
 
 SHAPES = [(513, 301), (64, 33), (1024, 777)]
 TARGET_BYTES_PER_S = 1e12

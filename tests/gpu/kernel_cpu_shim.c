@@ -1,5 +1,5 @@
-/* Runs the CUDA kernels of kernels/codec_decode.cu on the CPU, one thread after another, so
- * their logic is tested where no GPU is (tests/test_codec_kernel_cpu.py). The kernels use
+/* Runs the CUDA kernels of kernels/cuda/codec_decode.cu on the CPU, one thread after another,
+ * so their logic is tested where no GPU is (tests/test_codec_kernel_cpu.py). The kernels use
  * no shared memory and no barriers, so running threads in turn is exact. */
 #include <stdint.h>
 
@@ -8,7 +8,7 @@ static struct { unsigned x; } blockIdx, threadIdx, blockDim;
 #define __global__
 #define TC_DEVICE static inline
 #define TC_BSWAP32(x) __builtin_bswap32(x)
-#include "../../kernels/codec_decode.cu"
+#include "../../kernels/cuda/codec_decode.cu"
 
 #define THREADS 128
 
@@ -50,7 +50,8 @@ static void decode_body(void *p) {
                        a->k, a->out);
 }
 
-/* Both kernels over a grid rounded up to whole blocks, as kernels/codec_decode.py does. */
+/* Both kernels over a grid rounded up to whole blocks, as kernels/cuda/codec_decode.py does
+ * it. */
 void shim_count(const tc_u32 *stream, const unsigned char *gaps, const unsigned short *lut,
                 int lut_bits, tc_i64 total_bits, tc_i64 n_seg, int seg_bits, tc_i64 *counts) {
     launch_args a = {.stream = stream, .gaps = gaps, .lut = lut, .lut_bits = lut_bits,

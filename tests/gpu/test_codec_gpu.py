@@ -42,8 +42,8 @@ def test_gpu_decode_of_a_large_tensor():
 
 
 def test_corrupt_stream_is_caught_on_the_gpu():
-    from kernels.codec_decode import decode_on_device
     from shared.codec import encode_tensor
+    from shared.codec.gpu import decode_on_device
     from shared.errors import ModelFolderError
 
     # Same damage as tests/test_codec_kernel_cpu.py, where the CPU build of the kernels

@@ -43,7 +43,7 @@ class DecodeRows:
     first_key: torch.Tensor | None = None
 
     def kernel_args(self) -> dict:
-        """The decode part of cpu_kernels.paged_attention's arguments."""
+        """The decode part of kernels.cpu.attention.paged_attention's arguments."""
         return dict(
             block_table=self.block_table,
             context_lens=self.context_lens,

@@ -5,7 +5,7 @@ whether the C kernels build) and hands it to every layer; another device adds a 
 - TorchBackend: plain torch (index_copy_ and SDPA) on any device and dtype, for every mask;
   the reference the other backends are tested against.
 - CpuKernelBackend: the C kernels on CPU, float32 and bfloat16: one pass writes the new K/V
-  and runs the decode rows over the pages in place (cpu_kernels.paged_attention). Prefill
+  and runs the decode rows over the pages in place (kernels/cpu/attention.py). Prefill
   chunks are torch's SDPA, and so are decode rows whose mask the kernel cannot express (a
   chunked layer whose chunks do not start pages). Its layers may also run whole decode steps
   in one C call (decode_layer.py) when they all attend alike."""
@@ -16,8 +16,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import attention as cpu_attention
 from shared.errors import InvalidRequestError
-from shared.models.layers import cpu_kernels
 from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
 
 AUTO, CPU_KERNELS, TORCH = "auto", "cpu_kernels", "torch"
@@ -128,22 +128,22 @@ class CpuKernelBackend(AttentionBackend):
     fused_decode = True
 
     def __init__(self) -> None:
-        if not cpu_kernels.usable(torch.empty(0)):  # builds and loads them on first use
+        if not cpu_attention.usable(torch.empty(0)):  # builds and loads them on first use
             raise RuntimeError("the C CPU kernels could not be built (no C compiler?)")
         self.reference = TorchBackend()  # prefill chunks; decode masks the kernel lacks
 
     def for_shape(self, num_heads, num_kv_heads, head_dim) -> AttentionBackend:
-        if cpu_kernels.attention_supported(num_heads, num_kv_heads, head_dim):
+        if cpu_attention.attention_supported(num_heads, num_kv_heads, head_dim):
             return self
         return self.reference
 
     def write_and_decode(self, q, k, v, kv_layer, meta, scale, out):
         d = meta.decode
         if d is not None and d.first_key is not None:  # the kernel writes, torch decodes
-            cpu_kernels.paged_attention(q, k, v, kv_layer, meta.slot_mapping, scale, out)
+            cpu_attention.paged_attention(q, k, v, kv_layer, meta.slot_mapping, scale, out)
             return self.reference.decode_rows(q, kv_layer, d, scale, out)
         decode = {} if d is None else d.kernel_args()
-        cpu_kernels.paged_attention(q, k, v, kv_layer, meta.slot_mapping, scale, out, **decode)
+        cpu_attention.paged_attention(q, k, v, kv_layer, meta.slot_mapping, scale, out, **decode)
         return out
 
     def prefill(self, q, kv_layer, span, scale):
@@ -160,7 +160,7 @@ def select_backend(
         raise InvalidRequestError("attention_backend", f"must be one of {', '.join(BACKENDS)}")
     if name == TORCH:
         return TorchBackend()
-    if torch.device(device).type == "cpu" and cpu_kernels.usable(torch.empty(0, dtype=dtype)):
+    if torch.device(device).type == "cpu" and cpu_attention.usable(torch.empty(0, dtype=dtype)):
         return CpuKernelBackend()
     if name == CPU_KERNELS:
         raise InvalidRequestError(

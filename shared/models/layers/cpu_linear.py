@@ -1,5 +1,5 @@
-"""bfloat16 matmuls on CPU. Decode-sized inputs (up to cpu_kernels.linear_max_rows() rows) run
-in our kernel on the plain weight (linear_bf16.c: AMX tiles or the vector units of the CPU's
+"""bfloat16 matmuls on CPU. Decode-sized inputs (up to linear_max_rows() rows) run
+in our kernel on the plain weight (kernels/cpu/linear.py: AMX tiles or the vector units of the CPU's
 tier), which streams the weight at near the memory bandwidth where oneDNN's small-batch kernels
 reach two thirds of it. Larger inputs (prefill) go to F.linear: oneDNN's bf16 kernel where the
 tier has one (AVX-512 and up), else a float32 matmul on the weight widened for the call (torch's
@@ -12,15 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared import cpu_isa
-from shared.models.layers import cpu_kernels
+from kernels.cpu import isa
+from kernels.cpu.linear import linear_bf16, linear_max_rows
 
 
 @cache
 def onednn_bf16() -> bool:
     """Whether oneDNN runs bf16 matmuls here: the tier has AVX-512 (what oneDNN's bf16 path
     needs where the CPU has no AVX-NE-CONVERT) and torch agrees."""
-    return cpu_isa.at_least("avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return isa.at_least("avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
@@ -45,8 +45,8 @@ def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) 
     if packed is not None:
         return packed(x)
     if getattr(module, "c_linear", False) and x.dim() == 2:
-        if x.shape[0] <= cpu_kernels.linear_max_rows():
-            return cpu_kernels.linear_bf16(x, weight, bias)
+        if x.shape[0] <= linear_max_rows():
+            return linear_bf16(x, weight, bias)
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not onednn_bf16():
         wide_bias = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)

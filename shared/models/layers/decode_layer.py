@@ -1,36 +1,14 @@
-"""The decoder layers of a decode step in one C call (decode_layer.c), on every CPU tier.
-
-Op by op, every op of a layer pays a Python module call, a ctypes call, a tensor allocation and
-a thread-team wake-up, and the Python between the kernels runs on caches that the weights
-stream has just flushed: ~250 us a layer here, a quarter of a batch-32 step. The fused call
-runs the same kernels in the same order inside one OpenMP region, so its output is the
-op-by-op output bit for bit. It takes steps whose rows all decode, bfloat16, one tensor-
-parallel rank (no all-reduce inside) and linears on the C linear (linear_bf16.c); everything
-else stays op by op."""
-
-import ctypes
+"""A stage's decoder layers, for decode steps, in one C call (kernels/cpu/decode_layer.py), on
+every CPU tier. It takes steps whose rows all decode, bfloat16, one tensor-parallel rank (no
+all-reduce inside) and linears on the C linear (kernels/cpu/linear.py); everything else stays
+op by op."""
 
 import torch
 
+from kernels.cpu.decode_layer import DecodeLayerSpec, decode_layers
+from kernels.cpu.linear import linear_max_rows
 from shared.kv.cache import KVCache
-from shared.models.layers import cpu_kernels
 from shared.models.layers.attention import AttentionMetadata
-
-_POINTERS = (
-    "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down",
-    "cos", "sin",
-)  # fmt: skip
-_SIZES = ("hidden", "heads", "kv_heads", "head_dim", "intermediate")
-
-
-class DecodeLayerSpec(ctypes.Structure):
-    """decode_layer.c's `decode_layer`: one layer's weight addresses and shapes."""
-
-    _fields_ = (
-        [(name, ctypes.c_void_p) for name in _POINTERS]
-        + [(name, ctypes.c_int64) for name in _SIZES]
-        + [(name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")]
-    )
 
 
 def layer_spec(
@@ -71,7 +49,6 @@ class FusedDecoder:
         self.specs = (DecodeLayerSpec * len(specs))(*(spec for spec, _ in specs))
         self._tensors = [t for _, tensors in specs for t in tensors]
         self.rotary = rotary
-        self._call = cpu_kernels.kernel("tk_decode_layers_bf16")  # loaded: the linears use it
 
     @staticmethod
     def takes(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -81,7 +58,7 @@ class FusedDecoder:
             d is not None
             and d.rows is None
             and not meta.prefills
-            and x.shape[0] <= cpu_kernels.linear_max_rows()
+            and x.shape[0] <= linear_max_rows()
             and x.dtype == torch.bfloat16
         )
 
@@ -95,17 +72,8 @@ class FusedDecoder:
         first = residual is None
         if first:
             residual = x
-        if not (x.is_contiguous() and residual.is_contiguous()):
-            raise ValueError("decode layers: x and residual must be contiguous")
-        out = torch.empty_like(x)
-        pool = kv.data  # (L, 2, P, S, nkv, hd)
-        status = self._call(
-            self.specs, len(self.specs), x.data_ptr(), residual.data_ptr(), first,
-            out.data_ptr(), x.shape[0], positions.data_ptr(), meta.slot_mapping.data_ptr(),
-            pool.data_ptr(), pool.stride(0), pool.stride(1), d.block_table.data_ptr(),
-            d.block_table.stride(0), d.context_lens.data_ptr(), d.page_size, d.window or 0,
-            torch.get_num_threads(),
+        out = decode_layers(
+            self.specs, x, residual, first, positions, meta.slot_mapping, kv.data,
+            d.block_table, d.context_lens, d.page_size, d.window,
         )  # fmt: skip
-        if status != 0:
-            raise MemoryError("decode layers: no memory for their activations")
         return out, residual

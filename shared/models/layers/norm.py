@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.models.layers import cpu_kernels
+from kernels.cpu import library
+from kernels.cpu.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,11 +17,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual); the sum may
         be written into residual's storage. x (T, [heads,] size); residual (T, size)."""
-        if cpu_kernels.usable(x):  # one pass, no dispatch per op
+        if library.usable(x):  # one pass, no dispatch per op
             return (
-                cpu_kernels.rms_norm(x, self.weight, self.eps)
+                rms_norm(x, self.weight, self.eps)
                 if residual is None
-                else (cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual)
+                else (rms_norm(x, self.weight, self.eps, residual), residual)
             )
         if residual is not None:
             x = x + residual

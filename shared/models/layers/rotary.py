@@ -5,7 +5,8 @@ import math
 import torch
 from torch import nn
 
-from shared.models.layers import cpu_kernels
+from kernels.cpu import library
+from kernels.cpu.rope import rope
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -63,8 +64,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         self.check(positions)
-        if cpu_kernels.usable(q):
-            return cpu_kernels.rope(q, k, positions, self.cos, self.sin)
+        if library.usable(q):
+            return rope(q, k, positions, self.cos, self.sin)
         if not self._cos_sin:
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         cos, sin = self._cos_sin  # (T, 1, hd) each

@@ -1,6 +1,6 @@
 /* The decoder layers of a decode step (one new token per sequence), Llama family, bfloat16, in
  * one call and one OpenMP parallel region: the team runs each layer's kernels one
- * after the other (see cpu_kernels.h), meeting at a barrier after each. Op by op, every op
+ * after the other (see kernels.h), meeting at a barrier after each. Op by op, every op
  * pays a Python module call, a ctypes call, a tensor allocation and a thread-team wake-up, and
  * the Python between them runs on caches that the weights stream has just flushed: ~250 us a
  * layer here, a quarter of a batch-32 step. The kernels are the ones the op-by-op path runs,
@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 /* One layer's weights and shapes, filled once (decode_layer.py). Pointers to bf16 tensors;
  * qkv_bias, q_norm and k_norm may be NULL. */

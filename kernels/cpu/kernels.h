@@ -1,9 +1,10 @@
 /* What the kernel files share: the bfloat16 type, decode attention's work split, and the
- * bfloat16 team kernels (cpu_kernels_impl.h, linear_bf16.c) that decode_layer.c runs in one
- * parallel region. A team kernel splits its loops over the enclosing region's threads
- * (orphaned `omp for`s, each ending at a barrier), or runs alone outside a region. */
-#ifndef TISON_CPU_KERNELS_H
-#define TISON_CPU_KERNELS_H
+ * bfloat16 team kernels (rms_norm.c, rope.c, kv_write.c, attention.c, silu_mul.c,
+ * linear_bf16.c) that decode_layer.c runs in one parallel region. A team kernel splits its
+ * loops over the enclosing region's threads (orphaned `omp for`s, each ending at a barrier),
+ * or runs alone outside a region. */
+#ifndef TISON_KERNELS_H
+#define TISON_KERNELS_H
 #include <stdint.h>
 #include <string.h>
 

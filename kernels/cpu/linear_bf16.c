@@ -3,7 +3,7 @@
  * layout (one copy, shared with a tied embedding and with F.linear for prefill).
  *
  * Where the build has AMX (amx_linear.c) the tiles do the work; elsewhere the vector units,
- * at the build's tier (cpu_isa.py), in dot-product form: a thread owns whole groups of R weight
+ * at the build's tier (isa.py), in dot-product form: a thread owns whole groups of R weight
  * rows, streams each group from memory once into L1 and runs it against every row of x, MB rows
  * at a time, in R x MB vector accumulators summed across their lanes at the end.
  * - avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs of w and x straight from memory;
@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -184,7 +184,7 @@ int64_t vec_linear_scratch(int64_t M, int64_t K) { return XF32 ? M * K * 4 : 0; 
 
 /* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL, w (N, K) contiguous,
  * K % 32 == 0; scratch: vec_linear_scratch(M, K) bytes shared by the team. A team kernel
- * (cpu_kernels.h): the team lays out x, then shares out the groups. */
+ * (kernels.h): the team lays out x, then shares out the groups. */
 void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                      int64_t N, int64_t K, bf16 *y, void *scratch) {
 #if XF32

@@ -6,14 +6,14 @@
  * (16 outputs n, 16 rows m), transposed on the way out. A thread owns whole 32-output groups
  * and streams their rows once, for up to 32 rows of x at a time.
  *
- * Built only where the compiler targets AMX-BF16 (cpu_isa.py's amx tier); linear_bf16.c
+ * Built only where the compiler targets AMX-BF16 (isa.py's amx tier); linear_bf16.c
  * calls it there and its vector kernels elsewhere.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 #if AMX_BUILD
 #include <immintrin.h>

@@ -1,5 +1,5 @@
 /* Decode attention's two inner loops (scores; weighted values) for bfloat16 K and V on the
- * vector tiers, at one vector width W (float lanes): cpu_kernels.c includes this once per
+ * vector tiers, at one vector width W (float lanes): attention_vec.h includes this once per
  * width its build has (8: AVX2, 16: AVX-512) with VEC, VINT, W, VJ, VNAME(x) and the vector
  * ops defined; it undefines them at its end. No include guard on purpose.
  *

@@ -1,146 +1,30 @@
-/* The kernels of cpu_kernels.c for one element type T (see there for T, NAME, LOAD, STORE,
- * ROUND). Included once per type; no include guard on purpose.
- * Each kernel's work is a NAME(..._team) function whose loops are orphaned `omp for`s: called
- * inside a parallel region (decode_layer.c runs a whole decoder layer in one), the team shares
- * the work and meets at the loop's end; called outside one, it runs on the calling thread. The
- * tk_ entry points open a region of the caller's size around them. */
+/* Paged decode attention, for float32 and bfloat16 (each_type.h): the decode rows' queries
+ * against the keys and values of their pages, read in place; tk_paged_attention first writes
+ * the new tokens' K/V (kv_write.c). bfloat16 K/V run attention_vec.h's loops on the vector
+ * tiers, float32 K/V (and bfloat16 on the portable tier) this file's. */
+#ifndef NAME /* compiled as itself: the typed part below, once per element type */
+#include <omp.h>
+#include <stdlib.h>
 
-/* x: n rows of `heads` vectors of `dim` (row stride x_stride); out likewise (may be x).
- * With residual ((n, dim) contiguous, heads == 1): residual = x + residual first, and the
- * norm is taken of the sum. out = weight * round(v / sqrt(mean(v^2) + eps)), as HF computes
- * it: statistics in float32, the normalised value rounded to T before the weight. */
-void NAME(rms_norm_team)(const T *x, int64_t x_stride, T *out, int64_t out_stride, T *residual,
-                         const T *weight, int64_t n, int64_t heads, int64_t dim, float eps) {
-    int64_t vectors = n * heads;
-#pragma omp for
-    for (int64_t r = 0; r < vectors; r++) {
-        int64_t row = r / heads, head = r % heads;
-        const T *v = x + row * x_stride + head * dim;
-        T *o = out + row * out_stride + head * dim;
-        if (residual != NULL) {
-            T *sum = residual + row * dim;
-            for (int64_t d = 0; d < dim; d++) sum[d] = STORE(LOAD(v[d]) + LOAD(sum[d]));
-            v = sum;
-        }
-        float acc[LANES] = {0};
-        int64_t d = 0;
-        for (; d + LANES <= dim; d += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] += LOAD(v[d + l]) * LOAD(v[d + l]);
-        for (; d < dim; d++) acc[0] += LOAD(v[d]) * LOAD(v[d]);
-        float inv = 1.0f / sqrtf(sum_lanes(acc) / (float)dim + eps);
-        for (d = 0; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(v[d]) * inv));
-    }
-}
+#include "attention_vec.h"
+#include "typed.h"
 
-void NAME(tk_rms_norm)(const T *x, int64_t x_stride, T *out, int64_t out_stride, T *residual,
-                       const T *weight, int64_t n, int64_t heads, int64_t dim, float eps,
-                       int threads) {
-#pragma omp parallel num_threads(threads) if (n * heads * dim >= PARALLEL_MIN_ELEMS)
-    NAME(rms_norm_team)(x, x_stride, out, out_stride, residual, weight, n, heads, dim, eps);
-}
+#define MAX_GROUP 64 /* query heads per KV head, at most */
+#define PARALLEL_MIN_KEYS 1024 /* (key, kv head) pairs below which one thread runs */
+#define PREFETCH_KEYS 32 /* positions ahead of the one read that are asked for */
 
-/* One head of hd values, "rotate half" layout: to = x * cos + cat(-x2, x1) * sin, each
- * product and the sum rounded as torch rounds them. */
-__attribute__((noinline)) /* inlined into the OpenMP body, it would not vectorize */
-static void NAME(rotate)(const T *restrict x, const T *restrict cos, const T *restrict sin,
-                         int64_t hd, T *restrict to) {
-    int64_t half = hd / 2;
-    for (int64_t i = 0; i < half; i++) {
-        float x1 = LOAD(x[i]), x2 = LOAD(x[i + half]);
-        float a = ROUND(x1 * LOAD(cos[i])) + ROUND(-x2 * LOAD(sin[i]));
-        float b = ROUND(x2 * LOAD(cos[i + half])) + ROUND(x1 * LOAD(sin[i + half]));
-        to[i] = STORE(a);
-        to[i + half] = STORE(b);
-    }
-}
-
-/* q: n rows of nh heads of hd values (row stride q_stride), k likewise with nkv heads ->
- * q_out (n, nh, hd) and k_out (n, nkv, hd), contiguous, rotated by the cos/sin rows (tables
- * (max_positions, hd)) of positions[t]. */
-void NAME(rope_team)(const T *q, int64_t q_stride, const T *k, int64_t k_stride, int64_t n,
-                     int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions, const T *cos,
-                     const T *sin, T *q_out, T *k_out) {
-    int64_t heads = nh + nkv;
-#pragma omp for
-    for (int64_t r = 0; r < n * heads; r++) {
-        int64_t t = r / heads, h = r % heads;
-        const T *c = cos + positions[t] * hd, *s = sin + positions[t] * hd;
-        if (h < nh)
-            NAME(rotate)(q + t * q_stride + h * hd, c, s, hd, q_out + (t * nh + h) * hd);
-        else
-            NAME(rotate)(k + t * k_stride + (h - nh) * hd, c, s, hd,
-                         k_out + (t * nkv + h - nh) * hd);
-    }
-}
-
-void NAME(tk_rope)(const T *q, int64_t q_stride, const T *k, int64_t k_stride, int64_t n,
-                   int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions, const T *cos,
-                   const T *sin, T *q_out, T *k_out, int threads) {
-#pragma omp parallel num_threads(threads) if (n * (nh + nkv) * hd >= PARALLEL_MIN_ELEMS)
-    NAME(rope_team)(q, q_stride, k, k_stride, n, nh, nkv, hd, positions, cos, sin, q_out, k_out);
-}
-
-/* x: (n, 2*d) gate|up -> out (n, d) = silu(gate) * up, the silu rounded as torch rounds it. */
-void NAME(silu_mul_team)(const T *x, T *out, int64_t n, int64_t d) {
-#pragma omp for
-    for (int64_t t = 0; t < n; t++) {
-        const T *gate = x + t * 2 * d, *up = gate + d;
-        T *o = out + t * d;
-        for (int64_t i = 0; i < d; i++) {
-            float g = LOAD(gate[i]);
-            o[i] = STORE(ROUND(g / (1.0f + exp_approx(-g))) * LOAD(up[i]));
-        }
-    }
-}
-
-void NAME(tk_silu_mul)(const T *x, T *out, int64_t n, int64_t d, int threads) {
-#pragma omp parallel num_threads(threads) if (n * d >= PARALLEL_MIN_ELEMS)
-    NAME(silu_mul_team)(x, out, n, d);
-}
-
-/* The index of the first maximum of row[0..d), NaN counting as the largest value (as torch's
- * max does); d >= 1. */
-static int64_t NAME(row_argmax)(const T *row, int64_t d) {
-    float best = -INFINITY;
-    int any_nan = 0;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
-    for (; i + LANES <= d; i += LANES) {
-        __m512 v = LOAD16(row + i);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        top = _mm512_max_ps(top, v);
-    }
-    any_nan = nan != 0;
-    best = _mm512_reduce_max_ps(top);
+#define TYPED_FILE "attention.c"
+#include "each_type.h"
+#else
+#if IS_BF16 && defined(__AVX2__) && defined(__FMA__)
+#define KV_VEC 1 /* attention_vec.h's loops, where kv_lanes says */
+#else
+#define KV_VEC 0 /* this file's loops */
 #endif
-    for (; i < d; i++) {
-        float v = LOAD(row[i]);
-        best = v > best ? v : best;
-        any_nan |= v != v;
-    }
-    int64_t at = 0;
-    if (any_nan) {
-        while (LOAD(row[at]) == LOAD(row[at])) at++;
-        return at;
-    }
-#if defined(__AVX512F__)
-    __m512 wanted = _mm512_set1_ps(best);
-    for (; at + LANES <= d; at += LANES) {
-        __mmask16 hit = _mm512_cmp_ps_mask(LOAD16(row + at), wanted, _CMP_EQ_OQ);
-        if (hit) return at + __builtin_ctz(hit);
-    }
-#endif
-    while (LOAD(row[at]) != best) at++;
-    return at;
-}
 
-/* out[r] = row_argmax of row r of x (n rows of d values, row stride xs). */
-void NAME(tk_argmax)(const T *x, int64_t xs, int64_t n, int64_t d, int64_t *out, int threads) {
-#pragma omp parallel for num_threads(threads) if (n * d >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < n; r++) out[r] = NAME(row_argmax)(x + r * xs, d);
-}
+void NAME(kv_write_team)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,
+                         const int64_t *slots, int64_t n_new, T *k_pool, T *v_pool, int64_t nkv,
+                         int64_t hd); /* kv_write.c */
 
 /* For the `count` keys of one page from `slot` on (pool rows of nkv * hd), KV heads
  * [g0, g1): scores[(g * group + j) * score_stride + i] = dot(q[g * group + j], key i of head
@@ -236,18 +120,6 @@ static float NAME(softmax_weights)(float *restrict s, int64_t n) {
         for (int l = 0; l < LANES; l++) lane[l] += s[i + l];
     for (; i < n; i++) lane[0] += s[i];
     return sum_lanes(lane);
-}
-
-/* The n_new tokens' k and v (rows of nkv*hd values, row strides k_stride and v_stride) into
- * their slots[t] of the pools (P*S, nkv, hd). */
-void NAME(kv_write_team)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,
-                         const int64_t *slots, int64_t n_new, T *k_pool, T *v_pool, int64_t nkv,
-                         int64_t hd) {
-#pragma omp for
-    for (int64_t t = 0; t < n_new; t++) {
-        memcpy(k_pool + slots[t] * nkv * hd, k + t * k_stride, nkv * hd * sizeof(T));
-        memcpy(v_pool + slots[t] * nkv * hd, v + t * v_stride, nkv * hd * sizeof(T));
-    }
 }
 
 /* Asks for the rows of positions [from, to) of a task's stream: its keys, positions [start,
@@ -384,3 +256,5 @@ int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v
     free(scratch);
     return 0;
 }
+#undef KV_VEC
+#endif

@@ -1,0 +1,52 @@
+"""The bfloat16 linear for decode-sized inputs (linear_bf16.c; amx_linear.c on the amx tier):
+y = x w^T + bias on the plain row-major weight, summed in float32."""
+
+import torch
+
+from kernels.cpu import library
+from kernels.cpu.checks import check
+
+AMX_MAX_ROWS = 256  # measured: above this oneDNN's large-M kernel is the faster one
+VEC_MAX_ROWS = 64  # likewise, for linear_bf16.c's vector kernels
+LINEAR_K_ALIGN = 32  # linear_bf16.c: input features, a multiple of this
+AMX_N_ALIGN = 16  # amx_linear.c: output features, a multiple of this
+
+
+def linear_max_rows() -> int:
+    """Rows of x up to which linear_bf16 beats F.linear (measured: AMX_MAX_ROWS on AMX tiles,
+    VEC_MAX_ROWS on the vector units)."""
+    return AMX_MAX_ROWS if library.amx_ready() else VEC_MAX_ROWS
+
+
+def linear_fits(weight: torch.Tensor) -> bool:
+    """Whether linear_bf16 takes this (out, in) weight: bf16, contiguous, sizes aligned."""
+    out_features, in_features = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and in_features % LINEAR_K_ALIGN == 0
+        and (not library.amx_ready() or out_features % AMX_N_ALIGN == 0)
+    )
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, in) bf16, rows possibly strided; weight (out, in) with linear_fits(weight); bias
+    (out,) or None -> (M, out) = x weight^T + bias, summed in float32, on AMX tiles where
+    library.amx_ready(), else on the vector units."""
+    M, K = x.shape
+    N = weight.shape[0]
+    check("linear x", x, torch.bfloat16, M, K)
+    if weight.shape[1] != K:
+        raise ValueError(f"linear: x has {K} features, the weight takes {weight.shape[1]}")
+    if bias is not None:
+        check("linear bias", bias, torch.bfloat16, N)
+    y = torch.empty((M, N), dtype=torch.bfloat16)
+    if M == 0:
+        return y
+    status = library.kernel("tk_linear_bf16")(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        M, N, K, y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("linear: no memory for the scratch of its input")
+    return y

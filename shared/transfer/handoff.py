@@ -1,0 +1,191 @@
+"""Prefill side of the KV handoff, one per rank of a prefill worker of any shape: after each
+layer of a forward pass, the rank writes the new KV of its layers and units (heads) of every
+request bound for a decode worker into that worker's reserved pages, over shm or TCP, to each
+decode rank that holds them. Single-rank and T x P workers run the same code.
+
+Rank 0 registers targets (`add`, from the PrefillAssignMsg) and tells the other ranks of new and
+dropped ones in its step plans (`plan_extras` -> `on_plan`), so a target is parsed once per rank.
+
+Acknowledgement is causal: a rank writes a layer's KV before its stage passes the hidden states
+on, and at a request's last layer on that rank it waits for the transport's acknowledgement
+(TCP), all before the last stage's logits all-gather. So once rank 0 holds a request's first
+token, every rank's KV of it is in the decode worker's pool."""
+
+import logging
+import time
+from pathlib import Path
+
+from shared import protocol
+from shared.kv.cache import KVCache
+from shared.kv.spec import KVSpec
+from shared.parallel.shape import ParallelConfig
+from shared.protocol import KVPool
+from shared.transfer import shm, tcp
+from shared.transfer.base import KVSender, KVTarget, LayerKV, host_id
+
+log = logging.getLogger(__name__)
+TRANSPORTS = ("auto", shm.NAME, tcp.NAME)
+
+
+class KVHandoff:
+    """Owns one rank's targets and senders; counts bytes and seconds."""
+
+    def __init__(
+        self,
+        kv: KVCache,
+        spec: KVSpec,
+        layers: tuple[int, int],
+        units: tuple[int, int],
+        writes: bool,
+        reports: bool,
+        announces: bool,
+        transport: str = "auto",
+        secret: bytes | None = None,
+    ):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"KV transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.kv, self.spec = kv, spec  # this rank's pool; the whole model's spec
+        self.layers, self.units = layers, units  # global [first, end) of this rank
+        self.writes = writes  # False on a replica of units another rank sends
+        self.reports = reports  # rank 0: keeps each request's outcome for `finish`
+        self.announces = announces  # rank 0 of several: tells the others in plans
+        self.transport = transport
+        self.host = host_id()
+        self.senders: dict[str, KVSender] = {shm.NAME: shm.ShmSender(spec)}
+        if secret:
+            self.senders[tcp.NAME] = tcp.TcpSender(secret)
+        self.targets: dict[str, KVTarget] = {}
+        self.errors: dict[str, str] = {}  # request id -> why its transfer failed
+        self.results: dict[str, str | None] = {}  # rank 0: finished requests -> error or None
+        self.bytes_sent, self.seconds = 0, 0.0
+        self._new: dict[str, list] = {}  # rank 0: targets the other ranks have not seen yet
+        self._gone: list[str] = []  # rank 0: targets dropped since the last plan
+        self._step: dict[str, tuple] = {}  # this step: request id -> (target, src, dst, last)
+
+    @classmethod
+    def of_rank(
+        cls, kv: KVCache, spec: KVSpec, shape: ParallelConfig, rank: int, transport, secret
+    ) -> "KVHandoff":
+        stage = shape.stage_of(rank, spec.num_layers)
+        end = spec.num_layers if stage.end_layer is None else stage.end_layer
+        tp_rank = rank % shape.tp
+        units = spec.rank_units(tp_rank, shape.tp)
+        writes = spec.writes(tp_rank, shape.tp)
+        layers = (stage.start_layer, end)
+        announces = rank == 0 and shape.world_size > 1
+        return cls(kv, spec, layers, units, writes, rank == 0, announces, transport, secret)
+
+    def transport_to(self, pool: KVPool) -> str:
+        """The transport that reaches `pool`; ValueError naming why none does."""
+        if pool.layout != self.spec.layout:
+            raise ValueError(f"KV layout {pool.layout} != this worker's {self.spec.layout}")
+        same_host = pool.host == self.host and all(
+            rank.shm and Path(rank.shm).exists() for rank in pool.ranks
+        )
+        if same_host and self.transport in ("auto", shm.NAME):
+            return shm.NAME
+        if pool.tcp and tcp.NAME in self.senders and self.transport in ("auto", tcp.NAME):
+            return tcp.NAME
+        raise ValueError(
+            f"no {self.transport} KV transport reaches the decode worker "
+            f"(same host: {same_host}, its TCP server: {pool.tcp or 'none'}; is a KV secret set?)"
+        )
+
+    def add(self, request_id: str, page_ids, pool: KVPool | None) -> None:
+        """Rank 0: registers a request's destination; ValueError if no transport reaches it."""
+        if pool is None:
+            raise ValueError("the decode worker sent no KV pool")
+        target = KVTarget(request_id, tuple(page_ids), pool, self.transport_to(pool))
+        self.targets[request_id] = target
+        if self.announces:
+            self._new[request_id] = [list(page_ids), protocol.to_plain(pool)]
+
+    def plan_extras(self, out) -> dict:
+        """Rank 0: what the other ranks learn with this step's plan."""
+        extras = {"new": self._new, "gone": self._gone}
+        self._new, self._gone = {}, []
+        return extras
+
+    def on_plan(self, push: dict) -> None:
+        """Ranks > 0: the targets rank 0 added and dropped since its previous plan."""
+        for rid in push.get("gone", ()):
+            self.targets.pop(rid, None)
+        for rid, (pages, plain) in push.get("new", {}).items():
+            pool = protocol.from_plain(KVPool, plain)
+            try:
+                self.targets[rid] = KVTarget(rid, tuple(pages), pool, self.transport_to(pool))
+            except ValueError as e:  # rank 0 reached it: the decode worker's byte count tells
+                log.warning("request %s: %s", rid, e)
+
+    def on_layer(self, layer: int, out) -> None:
+        """After global layer `layer` of this rank's part of step `out` wrote its KV."""
+        if not self.targets:
+            return
+        start = time.perf_counter()
+        if layer == self.layers[0]:  # the first layer of a step: work out its slots once
+            self._step = self._step_slots(out)
+        if self.writes:
+            for rid, (target, src, dst, _) in self._step.items():
+                if rid not in self.errors:
+                    self._send(target, layer, src, dst)
+        if layer == self.layers[1] - 1:
+            for target, _, _, last in self._step.values():
+                if last:
+                    self._complete(target)
+        self.seconds += time.perf_counter() - start
+
+    def _send(self, target: KVTarget, layer: int, src, dst) -> None:
+        local = (0, self.units[1] - self.units[0])
+        try:
+            payload = self.kv.spec.read(self.kv.data, layer - self.layers[0], src, local)
+            sent = LayerKV(layer, self.units, dst, payload)
+            self.bytes_sent += self.senders[target.transport].send_layer(target, sent)
+        except Exception as e:  # the decode worker went away: fail this request only
+            self.errors[target.request_id] = f"KV transfer failed: {e}"
+
+    def _complete(self, target: KVTarget) -> None:
+        """The request's last chunk passed this rank: wait for its bytes, forget the target."""
+        rid = target.request_id
+        if self.writes and rid not in self.errors:
+            try:
+                self.senders[target.transport].finish(target)
+            except Exception as e:
+                self.errors[rid] = f"KV transfer failed: {e}"
+        self.targets.pop(rid, None)
+        error = self.errors.pop(rid, None)
+        if self.reports:
+            self.results[rid] = error
+        elif error:
+            log.warning("request %s: %s", rid, error)
+
+    def _step_slots(self, out) -> dict:
+        """Source and destination slots of this step's tokens of every pushed request."""
+        step = {}
+        for s in out.scheduled:
+            target = self.targets.get(s.request.request_id)
+            if target is not None:
+                end = s.start + s.num_tokens
+                src = self.spec.slots(s.request.page_ids, s.start, end)
+                dst = self.spec.slots(target.page_ids, s.start, end)
+                step[target.request_id] = (target, src, dst, s.samples)
+        return step
+
+    def finish(self, request_id: str) -> str | None:
+        """Rank 0, once the request's last chunk came back: None, or why its KV is not all in
+        place (on this rank; the decode worker checks the others' byte counts over TCP)."""
+        if request_id in self.results:
+            return self.results.pop(request_id)
+        self.drop(request_id)
+        return "no KV target"
+
+    def drop(self, request_id: str) -> None:
+        """Rank 0: forgets a request (cancelled, failed); the other ranks with the next plan."""
+        self.results.pop(request_id, None)
+        self.errors.pop(request_id, None)
+        if self.targets.pop(request_id, None) is not None and self.announces:
+            if self._new.pop(request_id, None) is None:
+                self._gone.append(request_id)
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()

@@ -1,0 +1,186 @@
+"""The KV handoff moves pages between prefill and decode workers of different shapes, over shm
+and TCP, byte for byte: MLA (one latent replicated on every TP rank), MHA (heads split across
+ranks) and a pool whose layer groups differ. Real pools (files in a temporary folder), real
+TCP server and senders; no model: each prefill rank's pool is filled with random KV."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from shared.engine.plan import PlannedSeq
+from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
+from shared.engine.shard import rank_kv_spec, rank_pools, rank_shm_path
+from shared.kv.cache import KVCache
+from shared.kv.layer_groups import LayerGroupKVSpec
+from shared.kv.spec import MHAKVSpec, MLAKVSpec
+from shared.parallel.shape import ParallelConfig
+from shared.protocol import KVPool
+from shared.transfer import tcp
+from shared.transfer.base import host_id
+from shared.transfer.handoff import KVHandoff
+from shared.transfer.pools import map_pools
+
+SECRET = b"test-secret"
+NUM_PAGES, PAGE = 8, 4
+PROMPT = 10  # tokens: two steps, [0, 6) then [6, 10)
+SRC_PAGES, DST_PAGES = [5, 1, 6], [2, 7, 0]
+SPECS = {
+    "mla": MLAKVSpec(4, PAGE, kv_lora_rank=16, rope_dim=8, dtype=torch.bfloat16),
+    "mha": MHAKVSpec(4, PAGE, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
+    "groups": LayerGroupKVSpec(
+        (
+            ((0, 2), MHAKVSpec(2, PAGE, 2, 8, torch.bfloat16)),
+            ((1, 3), MHAKVSpec(2, PAGE, 2, 4, torch.bfloat16)),
+        )
+    ),
+}
+SHAPES = {  # (prefill, decode) as (tp, pp)
+    "tp2->tp1": ((2, 1), (1, 1)),
+    "tp1->tp2": ((1, 1), (2, 1)),
+    "tp2pp2->tp1": ((2, 2), (1, 1)),
+    "tp1->tp2pp2": ((1, 1), (2, 2)),
+}
+
+
+def shape(tp_pp) -> ParallelConfig:
+    return ParallelConfig(*tp_pp, allow_oversubscribe=True)
+
+
+class TcpServerThread:
+    """A decode worker's TCP KV server on an event loop of its own."""
+
+    def __init__(self, spec, ranks):
+        self.server = tcp.TcpKVServer(spec, map_pools(spec, ranks), SECRET, self.allowed)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.address = self._run(self.server.start())
+
+    @staticmethod
+    def allowed(request_id, slots) -> bool:
+        return request_id == "r" and bool(torch.isin(slots // PAGE, torch.tensor(DST_PAGES)).all())
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    def close(self):
+        self._run(self.server.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def steps():
+    seq = PlannedSeq("r", 0, list(range(PROMPT)), SRC_PAGES, False)
+    return [
+        SchedulerOutput([ScheduledRequest(seq, 0, 6, False)]),
+        SchedulerOutput([ScheduledRequest(seq, 6, 4, True)]),
+    ]
+
+
+def prefill_ranks(spec, prefill: ParallelConfig, transport: str):
+    gen = torch.Generator().manual_seed(0)
+    ranks = []
+    for rank in range(prefill.world_size):
+        kv = KVCache(rank_kv_spec(spec, prefill, rank), NUM_PAGES)
+        kv.data.copy_(torch.randn(kv.data.shape, generator=gen))
+        ranks.append(KVHandoff.of_rank(kv, spec, prefill, rank, transport, SECRET))
+    return ranks
+
+
+def run_prefill(handoffs: list[KVHandoff], pool: KVPool) -> str | None:
+    """What a prefill worker's ranks do: rank 0 adds the target, each plan tells the others,
+    each rank calls on_layer after each of its layers (stage order)."""
+    handoffs[0].add("r", DST_PAGES, pool)
+    for out in steps():
+        extras = handoffs[0].plan_extras(out)
+        for h in handoffs[1:]:
+            h.on_plan(extras)
+        for h in sorted(handoffs, key=lambda h: h.layers[0]):
+            for layer in range(*h.layers):
+                h.on_layer(layer, out)
+    return handoffs[0].finish("r")
+
+
+def expected(spec, handoffs, layer: int) -> torch.Tensor:
+    """The whole layer's KV of the prompt, assembled from the writing prefill ranks."""
+    src = spec.slots(SRC_PAGES, 0, PROMPT)
+    parts = [
+        (h.units, h.kv.spec.read(h.kv.data, layer - h.layers[0], src, (0, h.units[1] - h.units[0])))
+        for h in handoffs
+        if h.writes and h.layers[0] <= layer < h.layers[1]
+    ]
+    parts.sort(key=lambda p: p[0])
+    if isinstance(spec, MLAKVSpec):
+        assert len(parts) == 1  # one replica writes
+        return parts[0][1]
+    return torch.cat([p for _, p in parts], dim=2)  # (2, n, heads, hd)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("kind", SPECS.keys())
+def test_pages_arrive_byte_exact_between_shapes(tmp_path, kind, shapes, transport):
+    spec = SPECS[kind]
+    prefill, decode = shape(shapes[0]), shape(shapes[1])
+    base = tmp_path / "pool"
+    pools = [
+        KVCache(rank_kv_spec(spec, decode, r), NUM_PAGES, rank_shm_path(base, r))
+        for r in range(decode.world_size)
+    ]
+    ranks = rank_pools(spec, decode, base)
+    server = TcpServerThread(spec, ranks) if transport == "tcp" else None
+    pool = KVPool(spec.layout, host_id(), ranks, server.address if server else "")
+    handoffs = prefill_ranks(spec, prefill, transport)
+    try:
+        assert run_prefill(handoffs, pool) is None
+        if server is not None:  # every rank's part arrived, and nothing twice
+            token_bytes = spec.page_size_bytes // PAGE
+            assert server.server.take_received("r") == PROMPT * token_bytes
+    finally:
+        for h in handoffs:
+            h.close()
+        if server is not None:
+            server.close()
+    dst = spec.slots(DST_PAGES, 0, PROMPT)
+    for desc, kv in zip(ranks, pools):
+        for layer in range(*desc.layers):
+            whole = expected(spec, handoffs, layer)
+            got = kv.spec.read(kv.data, layer - desc.layers[0], dst, (0, kv.spec.num_units))
+            want = spec.narrow(whole, layer, (0, spec.num_units), tuple(desc.units))
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (desc, layer)
+        others = [p for p in range(NUM_PAGES) if p not in DST_PAGES]
+        for layer in range(kv.spec.num_layers):
+            rows = kv.spec.read(kv.data, layer, spec.slots(others, 0, len(others) * PAGE), (0, 1))
+            assert not rows.any(), "a page nobody reserved was written"
+    for kv in pools:
+        kv.close()
+
+
+def test_a_layout_mismatch_or_an_unreachable_pool_fails_the_request_at_add(tmp_path):
+    spec = SPECS["mha"]
+    [handoff] = prefill_ranks(spec, shape((1, 1)), "auto")
+    ranks = rank_pools(spec, shape((1, 1)), tmp_path / "missing")
+    other = MHAKVSpec(4, PAGE, 2, 16, torch.bfloat16).layout
+    with pytest.raises(ValueError, match="layout"):
+        handoff.add("r", DST_PAGES, KVPool(other, host_id(), ranks))
+    with pytest.raises(ValueError, match="no auto KV transport"):
+        handoff.add("r", DST_PAGES, KVPool(spec.layout, host_id(), ranks))  # file missing
+    with pytest.raises(ValueError, match="no KV pool"):
+        handoff.add("r", DST_PAGES, None)
+    assert handoff.finish("r") == "no KV target"
+    handoff.close()
+
+
+def test_a_broken_decode_pool_fails_that_request_only(tmp_path):
+    spec = SPECS["mla"]
+    base = tmp_path / "pool"
+    kv = KVCache(rank_kv_spec(spec, shape((1, 1)), 0), NUM_PAGES, base)
+    pool = KVPool(spec.layout, host_id(), rank_pools(spec, shape((1, 1)), base))
+    handoffs = prefill_ranks(spec, shape((1, 1)), "shm")
+    kv.close()
+    base.write_bytes(b"")  # the decode worker's pool is gone: nothing can be mapped
+    error = run_prefill(handoffs, pool)
+    assert error and error.startswith("KV transfer failed")
+    assert not handoffs[0].targets and not handoffs[0].results
