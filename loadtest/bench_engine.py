@@ -5,9 +5,11 @@ this machine's memory-bandwidth roofline: at most batch x GB/s / the bytes a dec
 (roofline.py: linear weights, embedding rows, KV, logits) tokens/s, with GB/s measured just
 before and after that very measure (the bandwidth of this shared machine drifts by 2x in
 minutes) by a C read probe (membw.c) on the same threads. It prints the CPU tier each kernel
-ran at; --isa runs it at a lower tier (as TISON_CPU_ISA does).
+ran at; --isa runs it at a lower tier (as TISON_CPU_ISA does). `--model-kind moe` runs a
+Mixtral-shaped mixture of experts of the same size instead, against its active-bytes roofline
+(the experts a step's tokens chose, roofline.py).
 
-    python -m loadtest.bench_engine [--isa avx2] [--prompt-len 256] [--threads 2] [--out f.json]
+    python -m loadtest.bench_engine [--isa avx2] [--model-kind moe] [--threads 2] [--out f.json]
 """
 
 import argparse
@@ -25,7 +27,7 @@ import torch
 
 from kernels.build import build_library
 from kernels.cpu import isa, library
-from loadtest.random_model import llama_fields, save_random_llama
+from loadtest.random_model import llama_fields, mixtral_fields, save_random_llama
 from loadtest.roofline import LlamaShape, mean_step_bytes
 from shared.cpu_report import report as env_report
 from shared.engine.config import EngineConfig
@@ -34,7 +36,14 @@ from shared.huge_pages import restart_with_huge_pages
 from shared.models.layers.cpu_linear import onednn_bf16
 from shared.sampling.params import SamplingParams
 
-MODEL = llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4)  # ~150M parameters
+MODELS = {  # ~150M parameters each
+    "dense": llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4),
+    # 8 experts, top 2: ~140M parameters, ~48M read by a batch-1 decode step
+    "moe": mixtral_fields(
+        8, 2, vocab=32000, hidden=512, intermediate=1024, layers=8, heads=8, kv_heads=4
+    ),
+}
+VOCAB = 32000  # both models'
 
 
 @functools.cache
@@ -68,7 +77,7 @@ def memory_bandwidth_gbs(seconds: float = 2.0) -> float:
 
 def prompts(batch: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(3, MODEL["vocab_size"], (batch, length), generator=g).tolist()
+    return torch.randint(3, VOCAB, (batch, length), generator=g).tolist()
 
 
 def tison_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -191,8 +200,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32, help="decode measures: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4, help="paired rounds (A, B / B, A ...)")
+    ap.add_argument("--model-kind", default="dense", choices=sorted(MODELS))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    fields = MODELS[args.model_kind]
     run_at_tier(args.isa)
     restart_with_huge_pages()  # as the `tison` command does: weights on 2 MiB pages
     torch.set_num_threads(args.threads)
@@ -201,7 +212,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folders = {name: Path(tmp) / name for name in ("bfloat16", "float32")}
         for name, folder in folders.items():
-            save_random_llama(folder, MODEL, getattr(torch, name))
+            save_random_llama(folder, fields, getattr(torch, name))
         engine = LLMEngine(
             EngineConfig(model_dir=folders[args.dtype], dtype=args.dtype, kv_cache_bytes=2 << 30)
         )
@@ -220,13 +231,14 @@ def main() -> None:
         f"{'yes' if facts['onednn_bf16'] else 'no'}; {args.threads} threads"
     )
     print(
+        f"Model: {args.model_kind} ({hf.num_parameters() / 1e6:.0f}M parameters); "
         f"Tison in {args.dtype}; transformers {transformers.__version__} in {hf_dtype}, its "
         f"fastest here (batch-32 trial: "
         + ", ".join(f"{k} {v:.0f} tok/s" for k, v in trial.items())
         + f"); {args.rounds} paired rounds; decode after a {args.prompt_len}-token prompt, "
         f"{args.new_tokens} new tokens"
     )
-    shape = LlamaShape.from_fields(MODEL)
+    shape = LlamaShape.from_fields(fields)
     print_table(rounds, shape, args.prompt_len, args.new_tokens, torch.finfo(engine.dtype).bits)
     if args.out:
         args.out.write_text(json.dumps({"facts": facts, "rounds": rounds}, indent=1))

@@ -1,4 +1,5 @@
-"""Random-weight Llama-shaped model folders for benchmarks (fixed seed, safetensors)."""
+"""Random-weight Llama-shaped model folders for benchmarks (fixed seed, safetensors): dense
+Llama, or a Mixtral-style mixture of experts (`model_type` "mixtral" in the fields)."""
 
 from pathlib import Path
 
@@ -29,12 +30,22 @@ def llama_fields(
     return {**_COMMON, **sizes, **extra}
 
 
+def mixtral_fields(experts: int, top_k: int, **llama) -> dict:
+    """MixtralConfig fields: llama_fields(...)'s, each expert of `intermediate` size."""
+    return dict(
+        llama_fields(**llama), model_type="mixtral", num_local_experts=experts,
+        num_experts_per_tok=top_k,
+    )  # fmt: skip
+
+
 def save_random_llama(out: Path, fields: dict, dtype: torch.dtype, seed: int = 0) -> int:
-    """Saves LlamaForCausalLM(LlamaConfig(**fields)) in `dtype` to `out`; returns weight bytes."""
+    """Saves a random model of `fields` (LlamaConfig's, or another model_type's) in `dtype` to
+    `out`; returns weight bytes."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**fields)
-    model = transformers.LlamaForCausalLM(config).to(dtype)
+    fields = dict(fields)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -31,3 +31,16 @@ def test_kv_and_batch_terms():
     # decode steps after a 5-token prompt with 3 new tokens attend 6 and 7 keys
     expected = (decode_step_bytes(shape, [6]) + decode_step_bytes(shape, [7])) / 2
     assert mean_step_bytes(shape, 1, 5, 3) == expected
+
+
+def test_a_mixture_of_experts_reads_its_active_experts_only():
+    fields = llama_fields(1000, 64, 160, layers=3, heads=4, kv_heads=2)
+    dense = LlamaShape.from_fields(fields)
+    moe = LlamaShape.from_fields(dict(fields, num_local_experts=8, num_experts_per_tok=2))
+    expert = 3 * 64 * 160  # gate, up, down of one expert
+    router = 64 * 8
+    # batch 1: two experts a layer, where the dense model has one MLP of the same size
+    assert decode_step_bytes(moe, [5]) - decode_step_bytes(dense, [5]) == 3 * (expert + router) * 2
+    # a large batch reads every expert; two tokens, 1 - (3/4)^2 of them in expectation
+    assert moe.active_experts(1000) == pytest.approx(8)
+    assert moe.active_experts(2) == pytest.approx(8 * (1 - 0.75**2))
