@@ -32,6 +32,26 @@ class TPGroup:
         self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows x[sum(send[:d]) : sum(send[:d + 1])] go to rank d; returns the rows every rank
+        sent here, in rank order (recv[s] of them from rank s)."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        self.group.alltoall_base(out, x.contiguous(), recv, send, dist.AllToAllOptions()).wait()
+        return out
+
+    def all_gather_rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Concatenate every rank's rows (rank s holds rows[s] of them) along dim 0."""
+        if self.size == 1:
+            return x
+        most = max(rows)
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[: len(x)] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self.group.allgather([parts], [padded]).wait()
+        return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
     def shard(self, total: int, what: str) -> int:
         """Per-rank share of `total`; it must divide evenly."""
         if total % self.size:

@@ -1,0 +1,60 @@
+"""Expert parallelism: whole experts spread over the ranks of a TP group (rank r holds experts
+[r * E/n, (r + 1) * E/n)), tokens sent to their experts' ranks and back with all-to-all.
+
+The hidden states enter replicated (attention's all-reduce made them so). Each rank routes a
+slice of the tokens, sends each (token, expert) pair's row to the expert's rank, computes the
+rows that arrived for its own experts, sends the results back, weighs and sums them into its
+slice, and an all-gather of the slices leaves every rank with the whole (T, H) again. Per rank
+this reads 1/n of the experts' weights and computes 1/n of the expert rows."""
+
+from collections.abc import Callable
+
+import torch
+
+from shared.parallel.group import TPGroup
+
+# (rows (N, H), local expert ids (N,)) -> (N, H): this rank's experts on the rows sent to them
+LocalExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def token_slices(num_tokens: int, size: int) -> list[int]:
+    """Tokens each rank routes: an even split, the first ranks one more."""
+    share, extra = divmod(num_tokens, size)
+    return [share + (r < extra) for r in range(size)]
+
+
+class ExpertParallel:
+    def __init__(self, tp: TPGroup, num_experts: int):
+        self.tp = tp
+        self.local = tp.shard(num_experts, "num_experts (expert parallelism)")
+        self.first = tp.rank * self.local  # this rank's first expert
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # (T, H), the same on every rank
+        topk_ids: torch.Tensor,  # (T, k) int64 experts of each token
+        topk_weights: torch.Tensor,  # (T, k) float32
+        experts: LocalExperts,
+        weights_on_input: bool = False,  # scale each row before its expert (Llama 4), not after
+    ) -> torch.Tensor:
+        sizes = token_slices(len(x), self.tp.size)
+        lo = sum(sizes[: self.tp.rank])
+        mine = slice(lo, lo + sizes[self.tp.rank])
+        ids, weights = topk_ids[mine].reshape(-1), topk_weights[mine].reshape(-1)  # (n*k,)
+        token = torch.arange(sizes[self.tp.rank]).repeat_interleave(topk_ids.shape[1])
+        dest = ids // self.local
+        order = torch.argsort(dest, stable=True)  # pairs grouped by the rank holding the expert
+        ids, weights, token = ids[order], weights[order], token[order]
+        send = torch.bincount(dest, minlength=self.tp.size)  # (n,) pairs to each rank
+        recv = self.tp.all_to_all(send, [1] * self.tp.size, [1] * self.tp.size)
+        send_l, recv_l = send.tolist(), recv.tolist()
+        rows = x[mine][token]  # (P, H)
+        if weights_on_input:
+            rows = (rows.float() * weights[:, None]).to(x.dtype)
+        arrived = self.tp.all_to_all(rows, send_l, recv_l)  # (R, H) for this rank's experts
+        arrived_ids = self.tp.all_to_all(ids, send_l, recv_l) - self.first  # (R,) local ids
+        done = self.tp.all_to_all(experts(arrived, arrived_ids), recv_l, send_l)  # (P, H)
+        scale = torch.ones_like(weights) if weights_on_input else weights
+        out = torch.zeros(sizes[self.tp.rank], x.shape[1], dtype=torch.float32)
+        out.index_add_(0, token, done.float() * scale[:, None])
+        return self.tp.all_gather_rows(out.to(x.dtype), sizes)  # (T, H)
