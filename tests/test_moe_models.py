@@ -1,9 +1,11 @@
 """Mixtral and Qwen3-MoE against transformers: greedy tokens and float32 logprobs with chunked
 prefill and staggered arrivals, bf16 logprobs within a tolerance, offline (tp, pp) = (2, 1) and
-(1, 2), both checkpoint layouts of the experts, and one `tison up` on a tiny MoE model."""
+(1, 2), both checkpoint layouts of the experts, a prefill worker of (2, 1) handing its KV to a
+decode worker of (1, 2) through the real services, and one `tison up` on a tiny MoE model."""
 
 import shutil
 
+import openai
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -24,7 +26,7 @@ from engine_helpers import (
     new_engine,
     run_all,
 )
-from services_harness import free_port
+from services_harness import Services, free_port
 from tiny_models import load_hf
 
 # family, overrides: Mixtral (top 2 renormalised); Qwen3-MoE without and with renormalisation
@@ -149,3 +151,31 @@ def test_up_serves_a_moe_model(references):
         up.complete(model_dir.name)
     finally:
         assert up.stop() == 0
+
+
+async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
+    """The MoE model through the services equals the offline (1, 1) engine (itself equal to
+    transformers, above): its KV is MHA, so the handoff is as for Llama."""
+    model_dir = references("qwen3_moe")[0]
+    prompts = ["def fibonacci(n):", "The quick brown fox"]
+    with LLM(model_dir, dtype="float32") as llm:
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    s = Services(tmp_path, model_dir)
+    s.__enter__()
+    common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2"]
+    common += ["--allow-oversubscribe", "--threads", "1"]
+    try:
+        s.scheduler()
+        s.start("prefill", "prefill", *common, "--tp", "2", "--kv-transport", "shm")
+        s.start("decode", "decode", *common, "--pp", "2")
+        s.gateway()
+        s.wait_healthy(120)
+        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
+            for prompt, ref in zip(prompts, expected):
+                out = await c.completions.create(
+                    model=model_dir.name, prompt=prompt, max_tokens=16, temperature=0
+                )
+                assert out.choices[0].text == ref.text, s.logs()
+                assert out.usage.completion_tokens == len(ref.token_ids)
+    finally:
+        s.stop_all()
