@@ -104,16 +104,16 @@ class FusedMoE(nn.Module):
         expert, kind = shard_id
         dst = param.data if expert is None else param.data[expert]
         shard, rank = self.w2.shape[-1], self.tp.rank
-        if kind in (GATE, UP, GATE_UP):  # rows of I: (..., I, H)
-            halves = [GATE, UP] if kind == GATE_UP else [kind]
-            for half in halves:
-                first = self.intermediate_size if kind == GATE_UP and half == UP else 0
+        whole = self.intermediate_size
+        rows = {GATE: [(0, 0)], UP: [(0, shard)], GATE_UP: [(0, 0), (whole, shard)]}
+        if kind in rows:  # (..., I or 2I, H): (first row of gate or up there, its rows in ours)
+            for first, offset in rows[kind]:
                 part = loaded.narrow(-2, first + rank * shard, shard)
-                _copy(dst.narrow(-2, 0 if half == GATE else shard, shard), part)
+                _copy(dst.narrow(-2, offset, shard), part)
         elif kind == GATE_UP_T:  # (E, H, 2I): gate columns, then up columns
-            for i, first in enumerate((0, self.intermediate_size)):
+            for first, offset in ((0, 0), (whole, shard)):
                 part = materialize(loaded.narrow(2, first + rank * shard, shard))
-                _copy(dst.narrow(1, i * shard, shard), part.transpose(1, 2))
+                _copy(dst.narrow(1, offset, shard), part.transpose(1, 2))
         elif kind == DOWN:  # (..., H, I)
             _copy(dst, loaded.narrow(-1, rank * shard, shard))
         elif kind == DOWN_T:  # (E, I, H)
