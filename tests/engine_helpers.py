@@ -76,3 +76,51 @@ def run_all(engine: LLMEngine, outputs: dict | None = None) -> dict[str, list[in
 def attention_backends(engine: LLMEngine) -> set[str]:
     """The names of the attention backends rank 0's layers run on."""
     return {layer.self_attn.attn.backend.name for layer in engine.model.model.layers}
+
+
+def bf16_logprob_errors(engine: LLMEngine, model_dir, prompt: list[int]) -> dict[str, float]:
+    """Greedy 8 tokens of a bf16 engine with logprobs (top 5) against transformers' bf16 and
+    float32 log_softmax on the same tokens: the largest absolute difference over the logprobs
+    the engine returned, "ours-bf16", "ours-fp32" and "bf16-fp32" (transformers' own)."""
+    req = engine.add_request(
+        "a", prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    )
+    run_all(engine)
+    tokens = torch.tensor([prompt + req.output_token_ids])
+    ref = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        with torch.no_grad():
+            logits = load_hf(model_dir, dtype=dtype)(tokens).logits[0].float()
+        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (8 + 1, V)
+    ours = torch.full_like(ref[torch.float32], float("nan"))
+    for step, lp in enumerate(req.output_logprobs):
+        for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
+            ours[step, token] = value
+    seen = ~ours.isnan()
+
+    def worst(a, b):
+        return (a - b)[seen].abs().max().item()
+
+    bf16, fp32 = ref[torch.bfloat16], ref[torch.float32]
+    return {
+        "ours-bf16": worst(ours, bf16),
+        "ours-fp32": worst(ours, fp32),
+        "bf16-fp32": worst(bf16, fp32),
+    }
+
+
+def assert_logprobs_match(req, tokens: list[int], logits: torch.Tensor) -> None:
+    """A finished request's greedy tokens equal the reference's, and its logprobs (the chosen
+    token's and the top 5) equal log_softmax(logits) (n, V) within LOGPROB_TOL; its top-5 ids
+    are the reference's up to ties: the engine's j-th id has the reference's j-th logprob."""
+    close = dict(atol=LOGPROB_TOL, rtol=0)
+    assert req.output_token_ids == tokens
+    ref = torch.log_softmax(logits, dim=-1)  # (n, V)
+    chosen = torch.tensor([lp.logprob for lp in req.output_logprobs])  # (n,)
+    torch.testing.assert_close(chosen, ref[torch.arange(len(tokens)), tokens], **close)
+    top_ids = torch.tensor([lp.top_ids for lp in req.output_logprobs])  # (n, 5)
+    top = torch.tensor([lp.top_logprobs for lp in req.output_logprobs])  # (n, 5)
+    ref_at_ours = ref.gather(1, top_ids)  # (n, 5)
+    torch.testing.assert_close(top, ref_at_ours, **close)
+    ties = dict(atol=2 * LOGPROB_TOL, rtol=0)  # swapped ids: each logprob off by LOGPROB_TOL
+    torch.testing.assert_close(ref_at_ours, ref.topk(5, dim=-1).values, **ties)

@@ -10,13 +10,14 @@ from shared.sampling.params import SamplingParams
 
 from engine_helpers import (
     GREEDY_32,
-    LOGPROB_TOL,
+    assert_logprobs_match,
+    bf16_logprob_errors,
     hf_greedy_logits,
     make_prompts,
     new_engine,
     run_all,
 )
-from tiny_models import FAMILIES, load_hf
+from tiny_models import FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +88,8 @@ def test_float32_logprobs_match_transformers(references, family):
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
     requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
     run_all(engine)
-    close = dict(atol=LOGPROB_TOL, rtol=0)
     for req, tokens, logits in zip(requests, refs, ref_logits):
-        assert req.output_token_ids == tokens
-        ref = torch.log_softmax(logits, dim=-1)  # (n, V)
-        chosen = torch.tensor([lp.logprob for lp in req.output_logprobs])  # (n,)
-        torch.testing.assert_close(chosen, ref[torch.arange(len(tokens)), tokens], **close)
-        top_ids = torch.tensor([lp.top_ids for lp in req.output_logprobs])  # (n, 5)
-        top = torch.tensor([lp.top_logprobs for lp in req.output_logprobs])  # (n, 5)
-        ref_at_ours = ref.gather(1, top_ids)  # (n, 5)
-        torch.testing.assert_close(top, ref_at_ours, **close)
-        ties = dict(atol=2 * LOGPROB_TOL, rtol=0)  # swapped ids: each logprob off by LOGPROB_TOL
-        torch.testing.assert_close(ref_at_ours, ref.topk(5, dim=-1).values, **ties)
+        assert_logprobs_match(req, tokens, logits)
 
 
 def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
@@ -115,25 +106,6 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
         linears = [m for m in engine.model.modules() if isinstance(m, LinearBase)]
         assert all(m.c_linear for m in linears)
         assert engine.model.model.fused is not None
-    req = engine.add_request(
-        "a", prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    )
-    run_all(engine)
-    tokens = torch.tensor([prompt + req.output_token_ids])
-    ref = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        with torch.no_grad():
-            logits = load_hf(model_dir, dtype=dtype)(tokens).logits[0].float()
-        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (8 + 1, V)
-    ours = torch.full_like(ref[torch.float32], float("nan"))
-    for step, lp in enumerate(req.output_logprobs):
-        for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
-            ours[step, token] = value
-    seen = ~ours.isnan()
-
-    def worst(a, b):
-        return (a - b)[seen].abs().max().item()
-
-    assert worst(ours, ref[torch.bfloat16]) < 0.2
-    hf_error = worst(ref[torch.bfloat16], ref[torch.float32])
-    assert worst(ours, ref[torch.float32]) <= hf_error + 0.02, "less exact than HF bf16"
+    errors = bf16_logprob_errors(engine, model_dir, prompt)
+    assert errors["ours-bf16"] < 0.2
+    assert errors["ours-fp32"] <= errors["bf16-fp32"] + 0.02, "less exact than HF bf16"

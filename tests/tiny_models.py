@@ -44,6 +44,24 @@ FAMILIES = {
     ),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16),
+    # --- mixture of experts: Mixtral (top 2 renormalised), Qwen3-MoE (layer 1 dense) ---
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
 }
 
 

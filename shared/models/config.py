@@ -31,6 +31,14 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's stored dtype, e.g. "bfloat16"
     raw: dict  # the whole config.json, for family-specific fields
 
+    # --- Mixture of experts (Mixtral, Qwen3-MoE): _moe_fields; num_experts 0: dense ---
+    num_experts: int = 0  # routed experts of a MoE layer (num_local_experts / num_experts)
+    num_experts_per_tok: int = 0  # the experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (Mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum 1 (Mixtral)
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP
+    shared_expert_intermediate_size: int = 0  # an always-on shared expert's width; 0: none
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
@@ -61,9 +69,10 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // num_heads
         model_type = raw.get("model_type", "")
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        # transformers 5 keeps rope_theta in rope_parameters, also beside rope_type "default"
+        rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
         num_layers = int(need("num_hidden_layers"))
         cfg = cls(
             architecture=str(archs[0]),
@@ -80,10 +89,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             layer_attention=layers_from_hf(raw, num_layers, source),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             raw=raw,
+            **_moe_fields(raw, model_type, num_layers),
         )
         cfg._validate(source)
         return cfg
@@ -96,6 +106,32 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ModelFolderError(source, f"{name} must be positive")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelFolderError(source, "num_experts_per_tok must be in [1, num_experts]")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ModelFolderError(source, "moe_intermediate_size must be positive")
+
+
+def _moe_fields(raw: dict, model_type: str, num_layers: int) -> dict:
+    """The MoE fields of a config.json with experts ({} without). Mixtral: every layer routes,
+    to experts as wide as intermediate_size, the top k renormalised. Qwen3-MoE: experts of
+    moe_intermediate_size, renormalised iff norm_topk_prob; layer i is dense where
+    mlp_only_layers lists it or (i + 1) is not a multiple of decoder_sparse_step."""
+    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if not num_experts:
+        return {}
+    mixtral = model_type == "mixtral"
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    width = raw.get("intermediate_size") if mixtral else raw.get("moe_intermediate_size")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(width or raw.get("intermediate_size") or 0),
+        norm_topk_prob=mixtral or bool(raw.get("norm_topk_prob", False)),
+        moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:

@@ -75,19 +75,35 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def dense_mlp(cfg: ModelConfig, index: int, dtype, tp: TPGroup) -> nn.Module:
+    """Every layer's MLP in the dense families: make_mlp of LlamaModel by default."""
+    return LlamaMLP(cfg, dtype, tp)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, rotary, dtype, tp: TPGroup, backend):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        rotary,
+        dtype,
+        tp: TPGroup,
+        backend,
+        mlp: nn.Module | None = None,  # (T, H) -> (T, H); None: the dense LlamaMLP
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         layer = cfg.layer_attention[index]
         self.self_attn = LlamaAttention(cfg, layer, rotary, dtype, tp, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype, tp)
+        self.mlp = LlamaMLP(cfg, dtype, tp) if mlp is None else mlp
 
     def decode_spec(self):
         """This layer's part of a FusedDecoder, or None where it cannot run fused."""
         a, mlp = self.self_attn, self.mlp
         if a.rotary is None:  # decode_layer.c rotates every layer
+            return None
+        if not isinstance(mlp, LlamaMLP):  # decode_layer.c runs one dense SwiGLU (not MoE)
             return None
         return layer_spec(
             input_norm=self.input_layernorm, qkv=a.qkv_proj, q_norm=a.q_norm, k_norm=a.k_norm,
@@ -110,7 +126,10 @@ class PPMissingLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage, backend):
+    def __init__(
+        self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage, backend, make_mlp=dense_mlp
+    ):
+        """make_mlp(cfg, index, dtype, tp): layer index's MLP (a family's own, MoE say)."""
         super().__init__()
         self.stage = stage
         # only the first stage embeds and only the last one normalises: others hold neither
@@ -123,7 +142,7 @@ class LlamaModel(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, dtype, tp, backend)
+            LlamaDecoderLayer(cfg, i, rotary, dtype, tp, backend, make_mlp(cfg, i, dtype, tp))
             if stage.owns(i)
             else PPMissingLayer()
             for i in range(cfg.num_layers)
@@ -183,6 +202,9 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    renamed_modules: dict[str, str] = {}  # checkpoint module name -> ours (loader.py)
+    expert_params: dict[str, tuple[str, str]] = {}  # MoE families: see loader.py's _target
+    make_mlp = staticmethod(dense_mlp)  # (cfg, index, dtype, tp) -> layer index's MLP
 
     def __init__(
         self,
@@ -195,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         attention = attention or select_backend("cpu", dtype)
-        self.model = LlamaModel(cfg, dtype, tp, stage, attention)
+        self.model = LlamaModel(cfg, dtype, tp, stage, attention, self.make_mlp)
         self.lm_head = None
         if stage.is_last:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)

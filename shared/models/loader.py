@@ -17,6 +17,7 @@ from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(?:(\d+)\.)?(\w+)(?:\.weight)?$")  # (expert number, tensor)
 _SKIPPED = ("rotary_emb.inv_freq",)
 
 
@@ -58,7 +59,7 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
         layer = _LAYER.search(name)
         if layer and not stage.owns(int(layer.group(1))):
             continue
-        target, shard_id = _target(name, model.stacked_params)
+        target, shard_id = _target(name, model)
         if tied and target == "model.embed_tokens.weight" and target not in params:
             target = "lm_head.weight"  # a last stage without the embedding: its LM head
         if target not in params:
@@ -79,8 +80,21 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
         raise ModelFolderError(source, f"missing weights: {', '.join(sorted(missing)[:8])}")
 
 
-def _target(name: str, stacked: dict) -> tuple[str, object]:
-    parts = name.split(".")
+def _target(name: str, model: nn.Module) -> tuple[str, object]:
+    """Our parameter and its loader's shard id for a checkpoint tensor. In order: the model's
+    renamed_modules (Mixtral's block_sparse_moe is our mlp); expert tensors, `experts.{e}.X` or
+    all experts' `experts.X`, where expert_params maps X to (our FusedMoE parameter, kind)
+    (shard id (e or None, kind), see layers/moe.py); merged linears (stacked_params)."""
+    renamed = getattr(model, "renamed_modules", {})
+    parts = [renamed.get(part, part) for part in name.split(".")]
+    name = ".".join(parts)
+    expert = _EXPERT.search(name)
+    experts = getattr(model, "expert_params", {})
+    if expert and expert.group(2) in experts:
+        param, kind = experts[expert.group(2)]
+        number = None if expert.group(1) is None else int(expert.group(1))
+        return f"{name[: expert.start()]}.experts.{param}", (number, kind)
+    stacked = model.stacked_params
     for i, part in enumerate(parts):
         if part in stacked:
             merged, shard_id = stacked[part]

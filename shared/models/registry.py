@@ -10,6 +10,8 @@ _MODELS = {
     "MistralForCausalLM": "shared.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "shared.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "shared.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "shared.models.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "shared.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
