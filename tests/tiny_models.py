@@ -46,6 +46,32 @@ FAMILIES = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16),
 }
 
+# --- Llama 4 (text): every quirk at test lengths (prompts of up to 60 tokens + 32 new) ---
+LLAMA4 = dict(
+    architectures=["Llama4ForCausalLM"],
+    model_type="llama4_text",
+    num_hidden_layers=4,
+    no_rope_layers=[1, 1, 0, 1],  # layer 2: NoPE (global); the others RoPE (chunked)
+    attention_chunk_size=8,  # most prompts cross several chunk boundaries
+    use_qk_norm=True,
+    attn_temperature_tuning=True,
+    floor_scale=4,  # q of NoPE layers x 1.0 .. 1.32 over positions 0 .. 92
+    attn_scale=0.1,
+    intermediate_size=96,  # the MoE layers' experts and shared expert
+    intermediate_size_mlp=128,  # the dense layers
+    moe_layers=[],  # all dense: "llama4_moe" has the experts
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+)
+FAMILIES["llama4"] = LLAMA4
+# ------------------------------------------------------------------------------------------
+
 
 def build_tokenizer(out: Path) -> None:
     """Byte-level BPE tokenizer + tokenizer_config.json with a chat template."""

@@ -30,6 +30,7 @@ class ModelConfig:
     layer_attention: tuple[LayerAttention, ...]  # each layer's mask and RoPE, in layer order
     torch_dtype: str  # the checkpoint's stored dtype, e.g. "bfloat16"
     raw: dict  # the whole config.json, for family-specific fields
+    llama4: "Llama4Fields | None" = None  # Llama 4 text models only (below)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -84,6 +85,9 @@ class ModelConfig:
             layer_attention=layers_from_hf(raw, num_layers, source),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             raw=raw,
+            llama4=Llama4Fields.from_raw(raw, num_layers, source)
+            if model_type.startswith("llama4")
+            else None,
         )
         cfg._validate(source)
         return cfg
@@ -98,6 +102,45 @@ class ModelConfig:
                 raise ModelFolderError(source, f"{name} must be positive")
 
 
+# --- Llama 4 (text) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Llama4Fields:
+    """What Llama 4's text config adds, read as transformers' Llama4TextConfig reads it."""
+
+    use_qk_norm: bool  # L2 norm (no weight, eps = rms_norm_eps) on q and k of RoPE layers
+    attn_temperature_tuning: bool  # NoPE layers scale q by a function of the position
+    floor_scale: float  # temperature tuning: log(floor((p + 1) / floor_scale) + 1) ...
+    attn_scale: float  # ... * attn_scale + 1
+    intermediate_size_mlp: int  # the dense (non-MoE) layers' MLP width
+    moe_layers: tuple[int, ...]  # layers whose feed-forward is routed experts + a shared one
+    num_experts: int  # num_local_experts
+    num_experts_per_tok: int
+
+    @classmethod
+    def from_raw(cls, raw: dict, num_layers: int, source: str) -> "Llama4Fields":
+        moe = raw.get("moe_layers")
+        if moe is None:  # every interleave_moe_layer_step-th layer, the step-1'th first
+            step = int(raw.get("interleave_moe_layer_step", 1))
+            moe = range(step - 1, num_layers, step)
+        if any(not 0 <= int(i) < num_layers for i in moe):
+            raise ModelFolderError(source, f"moe_layers {list(moe)} outside 0..{num_layers - 1}")
+        return cls(
+            use_qk_norm=bool(raw.get("use_qk_norm", True)),
+            attn_temperature_tuning=bool(raw.get("attn_temperature_tuning", True)),
+            floor_scale=float(raw.get("floor_scale", 8192)),
+            attn_scale=float(raw.get("attn_scale", 0.1)),
+            intermediate_size_mlp=int(raw.get("intermediate_size_mlp", 16384)),
+            moe_layers=tuple(sorted(int(i) for i in moe)),
+            num_experts=int(raw.get("num_local_experts", 16)),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
+        )
+
+
+# -------------------------------------------------------------------------------------------
+
+
 def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:
     """EOS ids of generation_config.json (what HF generate stops on), else of config.json."""
     for name in ("generation_config.json", "config.json"):
@@ -105,7 +148,9 @@ def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:
         if not path.is_file():
             continue
         try:
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            raw = json.loads(path.read_text())
+            # a multimodal config.json (Llama 4) has its text model's ids in text_config
+            eos = raw.get("eos_token_id") or (raw.get("text_config") or {}).get("eos_token_id")
         except (OSError, ValueError, AttributeError) as e:
             raise ModelFolderError(str(path), f"not valid JSON ({e})") from e
         if eos is not None:

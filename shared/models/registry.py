@@ -10,6 +10,9 @@ _MODELS = {
     "MistralForCausalLM": "shared.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "shared.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "shared.models.llama:LlamaForCausalLM",
+    # Llama 4: the multimodal checkpoints are served text-only (their text_config)
+    "Llama4ForCausalLM": "shared.models.llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "shared.models.llama4:Llama4ForCausalLM",
 }
 
 
