@@ -1,7 +1,9 @@
 """After loading, the CPU bf16 linears pick their kernel (see layers/cpu_linear.py): each layer
 whose weight our C linear takes is marked `c_linear` and keeps its plain weight; where oneDNN
-has bf16, the others have their weight swapped for a oneDNN-packed one. Decoder layers whose
-linears are all marked then run decode steps in one C call (layers/decode_layer.py)."""
+has bf16, the others have their weight swapped for a oneDNN-packed one; the experts of a MoE
+layer are marked when every expert's matrices fit (their few-row matmuls then read only the
+active experts). Decoder layers whose linears are all marked then run decode steps in one C
+call (layers/decode_layer.py)."""
 
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from kernels.cpu.linear import linear_fits
 from shared.models.layers import cpu_linear
 from shared.models.layers.embedding import ParallelLMHead
 from shared.models.layers.linear import LinearBase
+from shared.models.layers.moe import FusedMoE
 
 
 def prepare_cpu_linears(model: nn.Module) -> None:
@@ -19,6 +22,8 @@ def prepare_cpu_linears(model: nn.Module) -> None:
     kernels = library.usable(torch.zeros(1, dtype=torch.bfloat16))
     onednn = cpu_linear.onednn_bf16()
     for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.c_linear = kernels and linear_fits(module.w13[0]) and linear_fits(module.w2[0])
         if not isinstance(module, (LinearBase, ParallelLMHead)):
             continue
         if kernels and linear_fits(module.weight):

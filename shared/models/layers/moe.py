@@ -1,0 +1,139 @@
+"""Mixture of experts: the router policy and the experts of one layer, token-grouped.
+
+`route` picks each token's experts and their weights (Mixtral, Qwen3-MoE: softmax top-k, with or
+without renormalisation; Llama 4: sigmoid top-1). `FusedMoE` holds every expert's SwiGLU
+weights stacked, w13 (E, 2 * I, H) (gate rows, then up rows) and w2 (E, H, I), each expert's
+intermediate dimension split across tensor-parallel ranks; a forward pass sorts the (token,
+slot) pairs by expert and runs one matmul per active expert, so a decode step reads only the
+active experts' weights."""
+
+import torch
+from torch import nn
+
+from shared.checkpoint import materialize
+from shared.models.layers.activation import SiluAndMul
+from shared.models.layers.cpu_linear import linear
+from shared.models.layers.linear import ReplicatedLinear, _copy
+from shared.parallel.group import SINGLE, TPGroup
+
+SOFTMAX, SIGMOID = "softmax", "sigmoid"
+
+# weight_loader shard ids: (expert, kind). With an expert number the tensor is that expert's, in
+# nn.Linear layout: gate and up (I, H), down (H, I). With None it stacks all experts: gate_up
+# (E, 2I, H) and down (E, H, I) as transformers 5 holds them in memory, or transposed as Llama 4's
+# checkpoints store them: gate_up_t (E, H, 2I) and down_t (E, I, H).
+GATE, UP, DOWN, GATE_UP, GATE_UP_T, DOWN_T = "gate", "up", "down", "gate_up", "gate_up_t", "down_t"
+
+
+def route(
+    logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) -> (weights (T, k) float32, expert ids (T, k) int64).
+
+    softmax: the top k of softmax(logits), renormalised to sum 1 if `renormalize`;
+    sigmoid: the top k of the raw logits, each weighted sigmoid(logit) (Llama 4, k = 1)."""
+    logits = logits.float()
+    if scoring == SOFTMAX:
+        weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    if scoring == SIGMOID:
+        top, ids = logits.topk(top_k, dim=-1)
+        return top.sigmoid(), ids
+    raise ValueError(f"router scoring {scoring!r} (supported: {SOFTMAX}, {SIGMOID})")
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: x (T, H), router_logits (T, E) -> (T, H), all-reduced
+    across the tensor-parallel group (each rank holds I / tp of every expert's intermediate
+    dimension). With `apply_weights_on_input` (Llama 4, top-1) the expert sees x * weight and
+    its output is summed as is; otherwise each output is scaled by its weight."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: TPGroup = SINGLE,
+        scoring: str = SOFTMAX,
+        renormalize: bool = True,
+        apply_weights_on_input: bool = False,
+    ):
+        super().__init__()
+        if apply_weights_on_input and top_k != 1:
+            raise ValueError("weights on the input need top-1 routing")
+        self.num_experts, self.top_k, self.tp = num_experts, top_k, tp
+        self.scoring, self.renormalize = scoring, renormalize
+        self.apply_weights_on_input = apply_weights_on_input
+        self.intermediate_size = intermediate_size  # whole, before the TP split
+        shard = tp.shard(intermediate_size, "expert intermediate size")
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * shard, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, shard, dtype=dtype), requires_grad=False
+        )
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.act = SiluAndMul()
+        self.c_linear = False  # packing.py: whether each expert's matrices take our C linear
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize)
+        pair_ids = ids.flatten()  # (T * k,): pair p is token p // k's slot p % k
+        order = pair_ids.argsort(stable=True)  # pairs grouped by expert
+        tokens = order // self.top_k  # (T * k,) each sorted pair's token
+        pair_weights = weights.flatten()[order]  # (T * k,)
+        counts = torch.bincount(pair_ids, minlength=self.num_experts)  # (E,)
+        ends = counts.cumsum(0).tolist()
+        out = torch.zeros(x.shape, dtype=torch.float32)  # (T, H), summed in float32
+        for e in counts.nonzero().flatten().tolist():  # the active experts only
+            start, end = ends[e] - int(counts[e]), ends[e]
+            rows, w = tokens[start:end], pair_weights[start:end, None]  # (n,), (n, 1)
+            h = x[rows]  # (n, H)
+            if self.apply_weights_on_input:
+                h = h * w.to(x.dtype)
+            h = linear(self, self.act(linear(self, h, self.w13[e])), self.w2[e])  # (n, H)
+            out.index_add_(0, rows, h.float() if self.apply_weights_on_input else h * w)
+        return self.tp.all_reduce(out.to(x.dtype))
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id) -> None:
+        """shard_id (expert, kind), see GATE ... DOWN_T: cut this rank's part of I."""
+        expert, kind = shard_id
+        dst = param.data if expert is None else param.data[expert]
+        shard, rank = self.w2.shape[-1], self.tp.rank
+        if kind in (GATE, UP, GATE_UP):  # rows of I: (..., I, H)
+            halves = [GATE, UP] if kind == GATE_UP else [kind]
+            for half in halves:
+                first = self.intermediate_size if kind == GATE_UP and half == UP else 0
+                part = loaded.narrow(-2, first + rank * shard, shard)
+                _copy(dst.narrow(-2, 0 if half == GATE else shard, shard), part)
+        elif kind == GATE_UP_T:  # (E, H, 2I): gate columns, then up columns
+            for i, first in enumerate((0, self.intermediate_size)):
+                part = materialize(loaded.narrow(2, first + rank * shard, shard))
+                _copy(dst.narrow(1, i * shard, shard), part.transpose(1, 2))
+        elif kind == DOWN:  # (..., H, I)
+            _copy(dst, loaded.narrow(-1, rank * shard, shard))
+        elif kind == DOWN_T:  # (E, I, H)
+            _copy(dst, materialize(loaded.narrow(1, rank * shard, shard)).transpose(1, 2))
+        else:
+            raise ValueError(f"expert weight kind {kind!r}")
+
+
+class MoEMLP(nn.Module):
+    """A decoder layer's MLP of routed experts (Mixtral, Qwen3-MoE): a replicated router
+    `gate` (H -> E logits) and the `experts`. (T, H) -> (T, H)."""
+
+    def __init__(
+        self, num_experts, top_k, hidden_size, intermediate_size, renormalize, dtype, tp=SINGLE
+    ):
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype)
+        self.experts = FusedMoE(
+            num_experts, top_k, hidden_size, intermediate_size, dtype, tp, SOFTMAX, renormalize
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
