@@ -70,6 +70,10 @@ LLAMA4 = dict(
     ),
 )
 FAMILIES["llama4"] = LLAMA4
+# layers 1 and 3 (interleave step 2) route to 4 experts, top-1, beside a shared expert
+FAMILIES["llama4_moe"] = dict(
+    LLAMA4, moe_layers=None, interleave_moe_layer_step=2, num_local_experts=4
+)
 # ------------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,8 @@ from shared.models.layer_attention import LayerAttention
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
 from shared.models.layers.attention_backend import AttentionBackend, select_backend
 from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shared.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from shared.models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from shared.models.layers.moe import DOWN_T, GATE_UP_T, SIGMOID, FusedMoE
 from shared.models.layers.norm import RMSNorm
 from shared.models.layers.rotary import InterleavedRotaryEmbedding
 from shared.models.llama import (
@@ -94,17 +95,21 @@ class Llama4Attention(nn.Module):
 
 
 class Llama4MoE(nn.Module):
-    """Routed experts plus a shared expert (a dense SwiGLU of intermediate_size), summed."""
+    """Routed experts (sigmoid top-k, the weight on the expert's input) plus a shared expert
+    (a dense SwiGLU of intermediate_size), summed. (T, H) -> (T, H)."""
 
     def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
         super().__init__()
-        try:
-            from shared.models.layers.moe import FusedMoE
-        except ImportError as e:
-            raise NotImplementedError(
-                "Llama 4 MoE layers need shared/models/layers/moe.py (FusedMoE), not built yet"
-            ) from e
-        raise NotImplementedError(f"Llama 4 MoE layers are not wired to {FusedMoE.__name__} yet")
+        l4 = cfg.llama4
+        self.router = ReplicatedLinear(cfg.hidden_size, l4.num_experts, False, dtype)
+        self.experts = FusedMoE(
+            l4.num_experts, l4.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size,
+            dtype, tp, scoring=SIGMOID, renormalize=False, apply_weights_on_input=True,
+        )  # fmt: skip
+        self.shared_expert = LlamaMLP(cfg, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared_expert(x) + self.experts(x, self.router(x))
 
 
 class Llama4DecoderLayer(LlamaDecoderLayer):
@@ -155,6 +160,14 @@ class Llama4Model(LlamaModel):
 class Llama4ForCausalLM(LlamaForCausalLM):
     """Llama4ForCausalLM and Llama4ForConditionalGeneration checkpoints (text only)."""
 
+    # Llama's, and the experts' stacked tensors as Llama 4 stores them (transposed: gate_up
+    # (E, H, 2I), down (E, I, H)), under the names checkpoint_name gives them
+    stacked_params = {
+        **LlamaForCausalLM.stacked_params,
+        "w13": ("w13", (None, GATE_UP_T)),
+        "w2": ("w2", (None, DOWN_T)),
+    }
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -179,4 +192,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         (a Llama4ForConditionalGeneration nests the text model under `language_model.`)."""
         if name.startswith(_NOT_TEXT):
             return None
-        return name.removeprefix("language_model.").replace(".feed_forward.", ".mlp.")
+        name = name.removeprefix("language_model.").replace(".feed_forward.", ".mlp.")
+        return name.replace(".experts.gate_up_proj", ".experts.w13").replace(
+            ".experts.down_proj", ".experts.w2"
+        )
