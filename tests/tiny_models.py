@@ -136,14 +136,14 @@ def build_model(out: Path, family: str = "llama", **overrides) -> Path:
     config = config_cls(**cfg_dict)
     torch.manual_seed(list(FAMILIES).index(family))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _soften_attention(model, config.hidden_size)
+    soften_attention(model, config.hidden_size)
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
     build_tokenizer(out)
     return out
 
 
-def _soften_attention(model, hidden_size: int) -> None:
+def soften_attention(model, hidden_size: int) -> None:
     """q and k projections at std hidden_size**-0.5: attention scores (over RMS-normed inputs)
     of std ~1, as in trained models. At initializer_range=0.5 they have std ~16: attention
     close to an argmax whose near-tied scores amplify float32 rounding: transformers' own cached
