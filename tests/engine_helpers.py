@@ -76,3 +76,27 @@ def run_all(engine: LLMEngine, outputs: dict | None = None) -> dict[str, list[in
 def attention_backends(engine: LLMEngine) -> set[str]:
     """The names of the attention backends rank 0's layers run on."""
     return {layer.self_attn.attn.backend.name for layer in engine.model.model.layers}
+
+
+def bf16_logprobs_and_hf(
+    engine: LLMEngine, model_dir, prompt: list[int], max_tokens: int = 8
+) -> tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]:
+    """The engine's greedy logprobs (top 5 and the chosen token at each step; NaN elsewhere)
+    and transformers' log_softmax at bf16 and float32 on the same tokens, each (steps + 1, V)."""
+    req = engine.add_request(
+        "a",
+        prompt,
+        SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5, ignore_eos=True),
+    )
+    run_all(engine)
+    tokens = torch.tensor([prompt + req.output_token_ids])
+    ref = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        with torch.no_grad():
+            logits = load_hf(model_dir, dtype=dtype)(tokens).logits[0].float()
+        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]
+    ours = torch.full_like(ref[torch.float32], float("nan"))
+    for step, lp in enumerate(req.output_logprobs):
+        for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
+            ours[step, token] = value
+    return ours, ref

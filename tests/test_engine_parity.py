@@ -11,12 +11,13 @@ from shared.sampling.params import SamplingParams
 from engine_helpers import (
     GREEDY_32,
     LOGPROB_TOL,
+    bf16_logprobs_and_hf,
     hf_greedy_logits,
     make_prompts,
     new_engine,
     run_all,
 )
-from tiny_models import FAMILIES, load_hf
+from tiny_models import FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -115,20 +116,7 @@ def test_bfloat16_logprobs_close_to_transformers(tiny_model_factory):
         linears = [m for m in engine.model.modules() if isinstance(m, LinearBase)]
         assert all(m.c_linear for m in linears)
         assert engine.model.model.fused is not None
-    req = engine.add_request(
-        "a", prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    )
-    run_all(engine)
-    tokens = torch.tensor([prompt + req.output_token_ids])
-    ref = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        with torch.no_grad():
-            logits = load_hf(model_dir, dtype=dtype)(tokens).logits[0].float()
-        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (8 + 1, V)
-    ours = torch.full_like(ref[torch.float32], float("nan"))
-    for step, lp in enumerate(req.output_logprobs):
-        for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
-            ours[step, token] = value
+    ours, ref = bf16_logprobs_and_hf(engine, model_dir, prompt)
     seen = ~ours.isnan()
 
     def worst(a, b):

@@ -21,18 +21,18 @@ from shared.models.layers import rotary
 from shared.models.layers.moe import FusedMoE
 from shared.models.llama4 import Llama4ForCausalLM
 from shared.parallel.group import TPGroup
-from shared.sampling.params import SamplingParams
 
 from compilers import needs_compiler
 from engine_helpers import (
     GREEDY_32,
     attention_backends,
+    bf16_logprobs_and_hf,
     hf_greedy,
     make_prompts,
     new_engine,
     run_all,
 )
-from tiny_models import build_tokenizer, hf_config, load_hf, soften_attention
+from tiny_models import build_tokenizer, hf_config, soften_attention
 
 SCOUT = Path("/work/shared/fixtures/configs/llama-4-scout.json")
 CHUNK8 = AttentionMask(CHUNKED, 8)
@@ -136,20 +136,7 @@ def test_bfloat16_logprobs_close_to_transformers(moe):
     model_dir, prompts, _ = moe
     prompt = prompts[5]  # 30 tokens: four chunks and the NoPE layer's temperature
     engine = new_engine(model_dir, dtype="bfloat16")
-    req = engine.add_request(
-        "a", prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    )
-    run_all(engine)
-    tokens = torch.tensor([prompt + req.output_token_ids])
-    ref = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        with torch.no_grad():
-            logits = load_hf(model_dir, dtype=dtype)(tokens).logits[0].float()
-        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (9, V)
-    ours = torch.full_like(ref[torch.float32], float("nan"))
-    for step, lp in enumerate(req.output_logprobs):
-        for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
-            ours[step, token] = value
+    ours, ref = bf16_logprobs_and_hf(engine, model_dir, prompt)
     seen = ~ours.isnan()
 
     def gaps(a, b):
