@@ -78,12 +78,15 @@ def attention_backends(engine: LLMEngine) -> set[str]:
     return {layer.self_attn.attn.backend.name for layer in engine.model.model.layers}
 
 
-def bf16_logprob_errors(engine: LLMEngine, model_dir, prompt: list[int]) -> dict[str, float]:
-    """Greedy 8 tokens of a bf16 engine with logprobs (top 5) against transformers' bf16 and
-    float32 log_softmax on the same tokens: the largest absolute difference over the logprobs
-    the engine returned, "ours-bf16", "ours-fp32" and "bf16-fp32" (transformers' own)."""
+def bf16_logprobs_and_hf(
+    engine: LLMEngine, model_dir, prompt: list[int], max_tokens: int = 8
+) -> tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]:
+    """The engine's greedy logprobs (top 5 and the chosen token at each step; NaN elsewhere)
+    and transformers' log_softmax at bf16 and float32 on the same tokens, each (steps + 1, V)."""
     req = engine.add_request(
-        "a", prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+        "a",
+        prompt,
+        SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5, ignore_eos=True),
     )
     run_all(engine)
     tokens = torch.tensor([prompt + req.output_token_ids])
@@ -91,11 +94,18 @@ def bf16_logprob_errors(engine: LLMEngine, model_dir, prompt: list[int]) -> dict
     for dtype in (torch.bfloat16, torch.float32):
         with torch.no_grad():
             logits = load_hf(model_dir, dtype=dtype)(tokens).logits[0].float()
-        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]  # (8 + 1, V)
+        ref[dtype] = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]
     ours = torch.full_like(ref[torch.float32], float("nan"))
     for step, lp in enumerate(req.output_logprobs):
         for token, value in [(lp.token_id, lp.logprob), *zip(lp.top_ids, lp.top_logprobs)]:
             ours[step, token] = value
+    return ours, ref
+
+
+def bf16_logprob_errors(engine: LLMEngine, model_dir, prompt: list[int]) -> dict[str, float]:
+    """The largest absolute difference over the logprobs a bf16 engine returned (greedy, 8
+    tokens, top 5): "ours-bf16", "ours-fp32" and "bf16-fp32" (transformers' own)."""
+    ours, ref = bf16_logprobs_and_hf(engine, model_dir, prompt)
     seen = ~ours.isnan()
 
     def worst(a, b):

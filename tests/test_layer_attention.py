@@ -31,7 +31,7 @@ from shared.models.layers.attention_backend import CpuKernelBackend, TorchBacken
 
 from compilers import needs_compiler
 
-FIXTURES = Path("/work/shared/fixtures/configs")
+FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 MASKS = [
     GLOBAL_MASK,
     AttentionMask(SLIDING, 5),

@@ -64,6 +64,36 @@ FAMILIES = {
     ),
 }
 
+# --- Llama 4 (text): every quirk at test lengths (prompts of up to 60 tokens + 32 new) ---
+LLAMA4 = dict(
+    architectures=["Llama4ForCausalLM"],
+    model_type="llama4_text",
+    num_hidden_layers=4,
+    no_rope_layers=[1, 1, 0, 1],  # layer 2: NoPE (global); the others RoPE (chunked)
+    attention_chunk_size=8,  # most prompts cross several chunk boundaries
+    use_qk_norm=True,
+    attn_temperature_tuning=True,
+    floor_scale=4,  # q of NoPE layers x 1.0 .. 1.32 over positions 0 .. 92
+    attn_scale=0.1,
+    intermediate_size=96,  # the MoE layers' experts and shared expert
+    intermediate_size_mlp=128,  # the dense layers
+    moe_layers=[],  # all dense: "llama4_moe" has the experts
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+)
+FAMILIES["llama4"] = LLAMA4
+# layers 1 and 3 (interleave step 2) route to 4 experts, top-1, beside a shared expert
+FAMILIES["llama4_moe"] = dict(
+    LLAMA4, moe_layers=None, interleave_moe_layer_step=2, num_local_experts=4
+)
+# ------------------------------------------------------------------------------------------
+
 
 def build_tokenizer(out: Path) -> None:
     """Byte-level BPE tokenizer + tokenizer_config.json with a chat template."""
@@ -124,14 +154,14 @@ def build_model(out: Path, family: str = "llama", **overrides) -> Path:
     config = config_cls(**cfg_dict)
     torch.manual_seed(list(FAMILIES).index(family))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _soften_attention(model, config.hidden_size)
+    soften_attention(model, config.hidden_size)
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
     build_tokenizer(out)
     return out
 
 
-def _soften_attention(model, hidden_size: int) -> None:
+def soften_attention(model, hidden_size: int) -> None:
     """q and k projections at std hidden_size**-0.5: attention scores (over RMS-normed inputs)
     of std ~1, as in trained models. At initializer_range=0.5 they have std ~16: attention
     close to an argmax whose near-tied scores amplify float32 rounding: transformers' own cached

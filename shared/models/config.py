@@ -30,8 +30,9 @@ class ModelConfig:
     layer_attention: tuple[LayerAttention, ...]  # each layer's mask and RoPE, in layer order
     torch_dtype: str  # the checkpoint's stored dtype, e.g. "bfloat16"
     raw: dict  # the whole config.json, for family-specific fields
+    llama4: "Llama4Fields | None" = None  # Llama 4 text models only (below)
 
-    # --- Mixture of experts (Mixtral, Qwen3-MoE): _moe_fields; num_experts 0: dense ---
+    # --- Mixture of experts (Mixtral, Qwen3-MoE, Llama 4): _moe_fields; num_experts 0: dense ---
     num_experts: int = 0  # routed experts of a MoE layer (num_local_experts / num_experts)
     num_experts_per_tok: int = 0  # the experts each token is routed to (top-k)
     moe_intermediate_size: int = 0  # each expert's SwiGLU width (Mixtral: intermediate_size)
@@ -94,6 +95,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             raw=raw,
             **_moe_fields(raw, model_type, num_layers),
+            llama4=Llama4Fields.from_raw(raw) if model_type.startswith("llama4") else None,
         )
         cfg._validate(source)
         return cfg
@@ -120,6 +122,8 @@ def _moe_fields(raw: dict, model_type: str, num_layers: int) -> dict:
     num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
     if not num_experts:
         return {}
+    if model_type.startswith("llama4"):
+        return _llama4_moe_fields(raw, num_experts, num_layers)
     mixtral = model_type == "mixtral"
     step = int(raw.get("decoder_sparse_step") or 1)
     dense = set(raw.get("mlp_only_layers") or [])
@@ -134,6 +138,56 @@ def _moe_fields(raw: dict, model_type: str, num_layers: int) -> dict:
     )
 
 
+def _llama4_moe_fields(raw: dict, num_experts: int, num_layers: int) -> dict:
+    """Llama 4: the layers of `moe_layers`, else every interleave_moe_layer_step-th (the
+    step-1'th first), route top-k by sigmoid to experts of intermediate_size, beside a shared
+    expert of the same width; the others are dense (intermediate_size_mlp)."""
+    moe = raw.get("moe_layers")
+    if moe is None:
+        step = int(raw.get("interleave_moe_layer_step", 1))
+        moe = range(step - 1, num_layers, step)
+    moe = {int(i) for i in moe}
+    if any(not 0 <= i < num_layers for i in moe):
+        raise ModelFolderError(
+            "config.json", f"moe_layers {sorted(moe)} outside 0..{num_layers - 1}"
+        )
+    width = int(raw["intermediate_size"])
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
+        moe_intermediate_size=width,
+        moe_layers=tuple(i in moe for i in range(num_layers)),
+        shared_expert_intermediate_size=width,
+    )
+
+
+# --- Llama 4 (text) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Llama4Fields:
+    """What Llama 4's text config adds, read as transformers' Llama4TextConfig reads it."""
+
+    use_qk_norm: bool  # L2 norm (no weight, eps = rms_norm_eps) on q and k of RoPE layers
+    attn_temperature_tuning: bool  # NoPE layers scale q by a function of the position
+    floor_scale: float  # temperature tuning: log(floor((p + 1) / floor_scale) + 1) ...
+    attn_scale: float  # ... * attn_scale + 1
+    intermediate_size_mlp: int  # the dense (non-MoE) layers' MLP width (MoE: ModelConfig's)
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "Llama4Fields":
+        return cls(
+            use_qk_norm=bool(raw.get("use_qk_norm", True)),
+            attn_temperature_tuning=bool(raw.get("attn_temperature_tuning", True)),
+            floor_scale=float(raw.get("floor_scale", 8192)),
+            attn_scale=float(raw.get("attn_scale", 0.1)),
+            intermediate_size_mlp=int(raw.get("intermediate_size_mlp", 16384)),
+        )
+
+
+# -------------------------------------------------------------------------------------------
+
+
 def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:
     """EOS ids of generation_config.json (what HF generate stops on), else of config.json."""
     for name in ("generation_config.json", "config.json"):
@@ -141,7 +195,9 @@ def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:
         if not path.is_file():
             continue
         try:
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            raw = json.loads(path.read_text())
+            # a multimodal config.json (Llama 4) has its text model's ids in text_config
+            eos = raw.get("eos_token_id") or (raw.get("text_config") or {}).get("eos_token_id")
         except (OSError, ValueError, AttributeError) as e:
             raise ModelFolderError(str(path), f"not valid JSON ({e})") from e
         if eos is not None:

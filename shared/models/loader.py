@@ -53,8 +53,11 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
     loaded: set[str] = set()
     tied = model.config.tie_word_embeddings
     read = getattr(checkpoint, "get_slice", checkpoint.get)
-    for name in checkpoint.names():
-        if name.endswith(_SKIPPED) or (tied and name == "lm_head.weight"):
+    # a family whose checkpoints nest or rename its tensors maps each name (None: not ours)
+    rename = getattr(model, "checkpoint_name", lambda name: name)
+    for stored in checkpoint.names():
+        name = rename(stored)
+        if name is None or name.endswith(_SKIPPED) or (tied and name == "lm_head.weight"):
             continue
         layer = _LAYER.search(name)
         if layer and not stage.owns(int(layer.group(1))):
@@ -65,13 +68,13 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
         if target not in params:
             if target.startswith(("model.embed_tokens", "model.norm", "lm_head")):
                 continue  # held by another pipeline stage
-            raise ModelFolderError(source, f"unexpected tensor {name!r} in the checkpoint")
+            raise ModelFolderError(source, f"unexpected tensor {stored!r} in the checkpoint")
         param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
-            loader(param, read(name), shard_id)
+            loader(param, read(stored), shard_id)
         except ValueError as e:
-            raise ModelFolderError(source, f"tensor {name!r}: {e}") from e
+            raise ModelFolderError(source, f"tensor {stored!r}: {e}") from e
         loaded.add(target)
     if tied and "model.embed_tokens.weight" in loaded:
         loaded.add("lm_head.weight")  # the same tensor as the embedding

@@ -12,6 +12,9 @@ _MODELS = {
     "Qwen3ForCausalLM": "shared.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "shared.models.mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "shared.models.qwen3_moe:Qwen3MoeForCausalLM",
+    # Llama 4: the multimodal checkpoints are served text-only (their text_config)
+    "Llama4ForCausalLM": "shared.models.llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "shared.models.llama4:Llama4ForCausalLM",
 }
 
 

@@ -1,4 +1,5 @@
-"""Rotary position embedding (GPT-NeoX "rotate half" layout, as HF Llama), with llama3 scaling."""
+"""Rotary position embedding: the GPT-NeoX "rotate half" layout (HF Llama) and the interleaved
+one (Llama 4), with llama3 scaling."""
 
 import math
 
@@ -76,3 +77,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class InterleavedRotaryEmbedding(nn.Module):
+    """RoPE on interleaved pairs (x[2i], x[2i+1]) as one complex number each, as Meta's and
+    transformers' Llama 4 apply it (not the rotate-half layout above). cos/sin are computed
+    per step from the positions: Llama 4's max_position_embeddings (10M) is too long for
+    tables. In float32, as transformers, then cast back."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hd/2,)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions is not self._positions:  # every layer of a step shares one computation
+            freqs = positions.float()[:, None] * self.inv_freq  # (T, hd/2)
+            self._positions = positions
+            self._cos_sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]  # (T, 1, hd/2)
+        cos, sin = self._cos_sin
+        return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, n, hd): each pair (a, b) -> (a cos - b sin, a sin + b cos)."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (T, n, hd/2, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)

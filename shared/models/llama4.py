@@ -1,0 +1,199 @@
+"""Llama 4 text models (Scout, Maverick), as transformers' modeling_llama4 computes them, served
+text-only from Llama4ForCausalLM and Llama4ForConditionalGeneration checkpoints (the latter's
+vision tower and projector are skipped, never loaded).
+
+What differs from Llama (llama.py, whose skeleton and forward passes these classes share):
+- RoPE layers rotate interleaved pairs (complex numbers), attend within their chunk
+  (`attention_chunk_size`) and, with `use_qk_norm`, L2-normalise q and k AFTER the rotation;
+- NoPE layers (`no_rope_layers`) attend globally and, with `attn_temperature_tuning`, scale q
+  by log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1 at position p;
+- the layers in `moe_layers` route each token to experts (sigmoid top-k weight on the expert's
+  input) beside a shared expert; the others are a dense MLP of `intermediate_size_mlp`.
+Per-layer masks come from layer_attention.py; the fused decoder (decode_layer.c) has none of
+this, so Llama 4 decodes layer by layer."""
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from shared.models.config import ModelConfig
+from shared.models.layer_attention import LayerAttention
+from shared.models.layers.attention import AttentionMetadata, PagedAttention
+from shared.models.layers.attention_backend import AttentionBackend, select_backend
+from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shared.models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from shared.models.layers.moe import DOWN_T, GATE_UP_T, SIGMOID, FusedMoE
+from shared.models.layers.norm import RMSNorm
+from shared.models.layers.rotary import InterleavedRotaryEmbedding
+from shared.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    PPMissingLayer,
+)
+from shared.parallel.group import SINGLE, TPGroup
+from shared.parallel.pipeline import WHOLE_MODEL, PPStage
+
+# checkpoint name prefixes of Llama4ForConditionalGeneration's non-text parts
+_NOT_TEXT = ("vision_model.", "multi_modal_projector.")
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, no weight; in float32 as transformers' Llama4TextL2Norm."""
+    f = x.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Llama4Attention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: LayerAttention,
+        rotary: InterleavedRotaryEmbedding,
+        dtype,
+        tp: TPGroup,
+        backend: AttentionBackend,
+    ):
+        super().__init__()
+        hd, l4 = cfg.head_dim, cfg.llama4
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, hd, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, dtype, tp
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * hd, cfg.hidden_size, cfg.qkv_bias, dtype, tp
+        )
+        self.rotary = rotary if layer.rope else None
+        # transformers gives only RoPE layers the L2 norm and only NoPE ones the temperature
+        self.qk_norm_eps = cfg.rms_norm_eps if l4.use_qk_norm and layer.rope else None
+        self.temperature_tuning = l4.attn_temperature_tuning and not layer.rope
+        self.floor_scale, self.attn_scale = l4.floor_scale, l4.attn_scale
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, backend)
+        self.split = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
+
+    def forward(self, positions, x, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, -1)  # (T, nh, hd)
+        k = k.view(T, self.num_kv_heads, -1)  # (T, nkv, hd)
+        v = v.view(T, self.num_kv_heads, -1)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        if self.qk_norm_eps is not None:
+            q, k = l2_norm(q, self.qk_norm_eps), l2_norm(k, self.qk_norm_eps)
+        if self.temperature_tuning:
+            q = (q * self.temperature(positions)).to(q.dtype)
+        out = self.attn(q, k, v, kv_layer, meta)  # (T, nh, hd)
+        return self.o_proj(out.reshape(T, -1))
+
+    def temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) absolute positions -> (T, 1, 1) float32 factors on q (1 for p + 1 < floor_scale)."""
+        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
+        return (torch.log1p(steps) * self.attn_scale + 1.0)[:, None, None]
+
+
+class Llama4MoE(nn.Module):
+    """Routed experts (sigmoid top-k, the weight on the expert's input) plus a shared expert
+    (a dense SwiGLU of intermediate_size), summed. (T, H) -> (T, H)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
+        super().__init__()
+        self.router = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype)
+        self.experts = FusedMoE(
+            cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+            dtype, tp, scoring=SIGMOID, renormalize=False, apply_weights_on_input=True,
+        )  # fmt: skip
+        self.shared_expert = LlamaMLP(  # a dense SwiGLU of shared_expert_intermediate_size
+            replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), dtype, tp
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared_expert(x) + self.experts(x, self.router(x))
+
+
+class Llama4DecoderLayer(LlamaDecoderLayer):
+    """LlamaDecoderLayer's forward over Llama 4's attention and feed-forward (`mlp` here is the
+    checkpoint's `feed_forward`: a dense MLP, or experts in the MoE layers)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, rotary, dtype, tp: TPGroup, backend):
+        nn.Module.__init__(self)  # Llama's parts are not these: only its forward is shared
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        layer = cfg.layer_attention[index]
+        self.self_attn = Llama4Attention(cfg, layer, rotary, dtype, tp, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.moe_layers and cfg.moe_layers[index]:
+            self.mlp = Llama4MoE(cfg, dtype, tp)
+        else:  # dense layers are wider than the shared expert
+            dense = replace(cfg, intermediate_size=cfg.llama4.intermediate_size_mlp)
+            self.mlp = LlamaMLP(dense, dtype, tp)
+
+    def decode_spec(self):
+        return None  # decode_layer.c rotates half-split and has no L2 norm, temperature or MoE
+
+
+class Llama4Model(LlamaModel):
+    """LlamaModel's forward (stages, per-mask metadata, after_layer) over Llama 4 layers."""
+
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage, backend):
+        nn.Module.__init__(self)  # Llama's layers are not these: only its forward is shared
+        self.stage = stage
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+            if stage.is_first
+            else None
+        )
+        rotary = InterleavedRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            Llama4DecoderLayer(cfg, i, rotary, dtype, tp, backend)
+            if stage.owns(i)
+            else PPMissingLayer()
+            for i in range(cfg.num_layers)
+        )
+        self.masks = [layer.mask for layer in cfg.layer_attention]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
+        self.start = stage.start_layer
+        self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
+        self.fused = None  # no fused decode (Llama4DecoderLayer.decode_spec)
+
+
+class Llama4ForCausalLM(LlamaForCausalLM):
+    """Llama4ForCausalLM and Llama4ForConditionalGeneration checkpoints (text only)."""
+
+    # Llama's, and the experts' stacked tensors as Llama 4 stores them (transposed: gate_up
+    # (E, H, 2I), down (E, I, H)), under the names checkpoint_name gives them
+    stacked_params = {
+        **LlamaForCausalLM.stacked_params,
+        "w13": ("w13", (None, GATE_UP_T)),
+        "w2": ("w2", (None, DOWN_T)),
+    }
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype=torch.float32,
+        tp: TPGroup = SINGLE,
+        stage: PPStage = WHOLE_MODEL,
+        attention: AttentionBackend | None = None,
+    ):
+        nn.Module.__init__(self)  # Llama's model is not this one: only its forward is shared
+        if cfg.llama4 is None:
+            raise ValueError(f"{cfg.architecture} needs a llama4 config (model_type llama4*)")
+        self.config = cfg
+        self.model = Llama4Model(cfg, dtype, tp, stage, attention or select_backend("cpu", dtype))
+        self.lm_head = None
+        if stage.is_last:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+            if cfg.tie_word_embeddings and stage.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this model; None for the vision tower's and projector's
+        (a Llama4ForConditionalGeneration nests the text model under `language_model.`)."""
+        if name.startswith(_NOT_TEXT):
+            return None
+        name = name.removeprefix("language_model.").replace(".feed_forward.", ".mlp.")
+        return name.replace(".experts.gate_up_proj", ".experts.w13").replace(
+            ".experts.down_proj", ".experts.w2"
+        )

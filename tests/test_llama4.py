@@ -1,0 +1,288 @@
+"""Llama 4 text models (shared/models/llama4.py) against transformers, float32 greedy token for
+token: tiny random models keeping every quirk at test lengths (tiny_models.LLAMA4: chunks of 8
+under prompts of up to 60 tokens, a NoPE layer with temperature tuning at floor_scale 4, L2
+qk-norm, llama3 RoPE scaling; "llama4_moe" routes layers 1 and 3 to experts), from a
+Llama4ForCausalLM and from a Llama4ForConditionalGeneration checkpoint (vision weights skipped),
+on both attention backends, at TP=2 and PP=2, in bf16; and Llama 4 Scout's shape (its real
+config, 4 of its 48 layers, on the meta device): parameters per rank and KV bytes per token."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.checkpoint import Checkpoint
+from shared.engine.llm import LLM
+from shared.engine.shard import model_kv_spec
+from shared.models.config import ModelConfig, generation_eos_ids
+from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
+from shared.models.layers import rotary
+from shared.models.layers.moe import FusedMoE
+from shared.models.llama4 import Llama4ForCausalLM
+from shared.parallel.group import TPGroup
+
+from compilers import needs_compiler
+from engine_helpers import (
+    GREEDY_32,
+    attention_backends,
+    bf16_logprobs_and_hf,
+    hf_greedy,
+    make_prompts,
+    new_engine,
+    run_all,
+)
+from tiny_models import build_tokenizer, hf_config, soften_attention
+
+SCOUT = Path(__file__).parent / "fixtures" / "configs" / "llama-4-scout.json"
+CHUNK8 = AttentionMask(CHUNKED, 8)
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_model_factory):
+    model_dir = tiny_model_factory("llama4_moe")
+    prompts = make_prompts()
+    return model_dir, prompts, hf_greedy(model_dir, prompts)
+
+
+def test_layers_as_transformers_builds_them(moe):
+    model_dir, _, _ = moe
+    engine = new_engine(model_dir)
+    layers = engine.model.model.layers
+    assert [a.mask for a in engine.model_config.layer_attention] == [CHUNK8] * 2 + [
+        GLOBAL_MASK,
+        CHUNK8,
+    ]
+    assert [layer.self_attn.rotary is not None for layer in layers] == [True, True, False, True]
+    assert [layer.self_attn.qk_norm_eps is not None for layer in layers] == [1, 1, 0, 1]
+    assert [layer.self_attn.temperature_tuning for layer in layers] == [0, 0, 1, 0]
+    assert [isinstance(getattr(layer.mlp, "experts", None), FusedMoE) for layer in layers] == [
+        False,
+        True,
+        False,
+        True,
+    ]
+    assert engine.model.model.fused is None
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu_kernels", marks=needs_compiler)])
+def test_greedy_matches_transformers(moe, backend):
+    """Requests join while others decode; prompts prefill in chunks of the 24-token budget."""
+    model_dir, prompts, refs = moe
+    engine = new_engine(model_dir, max_num_batched_tokens=24, attention_backend=backend)
+    assert attention_backends(engine) == {backend}
+    outputs: dict = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY_32)
+        for _ in range(3):
+            for s in engine.step():
+                outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
+    run_all(engine, outputs)
+    assert [outputs[str(i)] for i in range(len(prompts))] == refs
+    assert engine.num_pages_used == 0
+
+
+def _half_split(x, cos, sin):  # Llama's RoPE layout, on Llama 4's per-pair cos/sin
+    c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    half = x.shape[-1] // 2
+    return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+
+
+def _without(engine, quirk, monkeypatch):
+    model = engine.model.model
+    for layer in model.layers:
+        if quirk == "qk norm":
+            layer.self_attn.qk_norm_eps = None
+        if quirk == "temperature":
+            layer.self_attn.temperature_tuning = False
+    if quirk == "chunks":
+        model.masks = [GLOBAL_MASK] * len(model.masks)
+        engine.runner.masks = (GLOBAL_MASK,)
+    if quirk == "interleaved rope":
+        monkeypatch.setattr(rotary, "_rotate_pairs", _half_split)
+
+
+@pytest.mark.parametrize("quirk", ["chunks", "interleaved rope", "qk norm", "temperature"])
+def test_each_quirk_is_needed(moe, quirk, monkeypatch):
+    """Without any one of them the tokens differ: the parity above tests each."""
+    model_dir, prompts, refs = moe
+    engine = new_engine(model_dir)
+    _without(engine, quirk, monkeypatch)
+    for i, p in enumerate(prompts[-3:]):  # 30, 45, 60 tokens
+        engine.add_request(str(i), p, GREEDY_32)
+    outputs = run_all(engine)
+    assert [outputs[str(i)] for i in range(3)] != refs[-3:]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_parallel_greedy_matches_transformers(moe, tp, pp):
+    """TP splits heads, the dense and shared MLPs and each expert's intermediate dim; PP puts
+    layers 0-1 (chunked; dense, MoE) and 2-3 (global NoPE, chunked MoE) on two stages."""
+    model_dir, prompts, refs = moe
+    with LLM(
+        model_dir, dtype="float32", tp=tp, pp=pp, allow_oversubscribe=True, num_pages=256,
+        max_num_batched_tokens=24,
+    ) as llm:  # fmt: skip
+        outs = llm.generate(prompts[1::2], GREEDY_32)
+        assert [o.token_ids for o in outs] == refs[1::2]
+
+
+def test_bfloat16_logprobs_close_to_transformers(moe):
+    """bf16: the engine's logprobs (top 5 at each of 8 steps) within 0.25 nats of transformers'
+    bf16 log_softmax on the same tokens (0.15 measured, as Llama's 0.12-0.16 in
+    test_engine_parity: logits reach ~|16|, one bf16 step is 0.06-0.125), and on average as
+    close to the float32 one as transformers' bf16 is, +0.01 nats (measured: 0.098 against
+    0.105; the largest single gap is the noisier measure: 0.43 against transformers' 0.38)."""
+    model_dir, prompts, _ = moe
+    prompt = prompts[5]  # 30 tokens: four chunks and the NoPE layer's temperature
+    engine = new_engine(model_dir, dtype="bfloat16")
+    ours, ref = bf16_logprobs_and_hf(engine, model_dir, prompt)
+    seen = ~ours.isnan()
+
+    def gaps(a, b):
+        return (a - b)[seen].abs()
+
+    assert gaps(ours, ref[torch.bfloat16]).max() < 0.25
+    hf_mean = gaps(ref[torch.bfloat16], ref[torch.float32]).mean()
+    assert gaps(ours, ref[torch.float32]).mean() <= hf_mean + 0.01, "less exact than HF bf16"
+
+
+# --- a Llama4ForConditionalGeneration checkpoint, served text-only ---------------------------
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """transformers' Llama4ForConditionalGeneration: llama4_moe's text config and a one-layer
+    vision tower; its config.json nests the text model's fields (eos included) in text_config."""
+    import transformers
+
+    out = tmp_path_factory.mktemp("model-llama4-multimodal")
+    text = hf_config("llama4_moe")
+    for key in ("architectures", "model_type", "torch_dtype"):
+        text.pop(key)
+    vision = dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=64,
+    )  # fmt: skip
+    config = transformers.Llama4Config(text_config=text, vision_config=vision)
+    torch.manual_seed(7)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    soften_attention(model, text["hidden_size"])
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+    prompts = make_prompts([17, 45])
+    refs = []
+    for p in prompts:  # its text model (its own text-only forward fails in transformers 5.24)
+        seq = model.language_model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[
+            0
+        ]
+        new = seq[len(p) :].tolist()
+        refs.append(new[: new.index(2) + 1] if 2 in new else new)
+    return out, prompts, refs
+
+
+def test_multimodal_checkpoint_serves_its_text_model(multimodal, tmp_path):
+    model_dir, prompts, refs = multimodal
+    raw = json.loads((model_dir / "config.json").read_text())
+    assert raw["architectures"] == ["Llama4ForConditionalGeneration"]
+    assert "eos_token_id" not in raw and raw["text_config"]["eos_token_id"] == 2
+    (tmp_path / "config.json").write_text(json.dumps(raw))  # no generation_config.json
+    assert generation_eos_ids(tmp_path) == generation_eos_ids(model_dir) == {2}
+    checkpoint = Checkpoint.open(model_dir)
+    names = list(checkpoint.names())
+    checkpoint.close()
+    assert any(n.startswith("vision_model.") for n in names)
+    assert any(n.startswith("multi_modal_projector.") for n in names)
+    assert all(n.startswith(("language_model.", "vision_model.", "multi_modal_")) for n in names)
+    engine = new_engine(model_dir)
+    assert engine.model_config.hidden_size == 64 and engine.model_config.moe_layers == (
+        False,
+        True,
+        False,
+        True,
+    )
+    ours = [name for name, _ in engine.model.named_parameters()]
+    assert not any("vision" in n or "projector" in n for n in ours)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY_32)
+    outputs = run_all(engine)
+    assert [outputs[str(i)] for i in range(len(prompts))] == refs
+
+
+# --- Llama 4 Scout's shape, checkpoint-free --------------------------------------------------
+
+
+def scout_config(num_layers: int | None = None) -> ModelConfig:
+    raw = json.loads(SCOUT.read_text())
+    if num_layers is not None:
+        raw["text_config"]["num_hidden_layers"] = num_layers
+    return ModelConfig.from_dict(raw, source=str(SCOUT))
+
+
+def expected_parameters(cfg: ModelConfig, tp: int) -> int:
+    """Parameters one rank of tp holds, from the config: column/row-parallel linears, the
+    vocabulary and each expert's intermediate dim split; norms and the router replicated."""
+    H, hd, l4 = cfg.hidden_size, cfg.head_dim, cfg.llama4
+    attention = H * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) // tp
+    E = cfg.num_experts
+    moe = H * E + 3 * H * cfg.intermediate_size * (E + 1) // tp
+    dense = 3 * H * l4.intermediate_size_mlp // tp
+    layers = sum(
+        attention + 2 * H + (moe if cfg.moe_layers[i] else dense) for i in range(cfg.num_layers)
+    )
+    vocab = -(-cfg.vocab_size // tp) * H  # the last shard padded
+    return layers + 2 * vocab + H  # + embedding, LM head, final norm
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_scout_parameters_per_rank(tp):
+    """Scout (hidden 5120, 40/8 heads, 16 experts of 8192 + a shared one in every layer, vocab
+    202048) with 4 layers on the meta device: 10,877,383,680 parameters at TP=1 (transformers'
+    count), 5,438,878,720 on each rank at TP=2. All 48 layers: 107,769,861,120 (TP=1)."""
+    cfg = scout_config(4)
+    assert cfg.moe_layers == (True,) * 4
+    with torch.device("meta"):
+        model = Llama4ForCausalLM(cfg, dtype=torch.bfloat16, tp=TPGroup(rank=0, size=tp))
+    count = sum(p.numel() for p in model.parameters())
+    assert count == expected_parameters(cfg, tp)
+    assert count == {1: 10_877_383_680, 2: 5_438_878_720}[tp]
+    assert expected_parameters(scout_config(), 1) == 107_769_861_120
+
+
+def test_scout_parameters_match_transformers():
+    import transformers
+
+    raw = json.loads(SCOUT.read_text())["text_config"]
+    with torch.device("meta"):
+        hf = transformers.Llama4ForCausalLM(
+            transformers.Llama4TextConfig(**dict(raw, num_hidden_layers=4))
+        )
+    assert sum(p.numel() for p in hf.parameters()) == expected_parameters(scout_config(4), 1)
+
+
+def test_scout_rope_frequencies_match_transformers():
+    """llama3 scaling with low = high frequency factor (1.0): one threshold, no smoothing band."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = json.loads(SCOUT.read_text())["text_config"]
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.Llama4TextConfig(**raw))
+    cfg = scout_config()
+    ours = rotary.InterleavedRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    torch.testing.assert_close(ours.inv_freq, hf_inv_freq, rtol=0, atol=0)
+
+
+def test_scout_kv_bytes_per_token():
+    """bf16 K and V of 8 heads of 128 in each of 48 layers: 196,608 bytes (192 KiB) a token,
+    every layer keeping every token. Chunked layers (36 of 48) need only their chunk (8192):
+    capped, a 131,072-token sequence would hold 12 x 131,072 + 36 x 8,192 layer-tokens of
+    4,096 bytes, 7.125 GiB, not 24 GiB; that needs page tables per layer group (not built)."""
+    cfg = scout_config()
+    spec = model_kv_spec(cfg, page_size=16, dtype=torch.bfloat16)
+    assert spec.page_size_bytes // 16 == 196_608 == cfg.num_layers * 2 * 8 * 128 * 2
+    chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention)
+    assert chunked == 36
+    per_layer = spec.layer_token_bytes(0)
+    capped = ((cfg.num_layers - chunked) * 131_072 + chunked * 8192) * per_layer
+    assert capped == int(7.125 * 2**30) and 131_072 * spec.page_size_bytes // 16 == 24 * 2**30
