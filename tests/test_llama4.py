@@ -114,13 +114,14 @@ def test_each_quirk_is_needed(moe, quirk, monkeypatch):
     assert [outputs[str(i)] for i in range(3)] != refs[-3:]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_parallel_greedy_matches_transformers(moe, tp, pp):
-    """TP splits heads, the dense and shared MLPs and each expert's intermediate dim; PP puts
-    layers 0-1 (chunked; dense, MoE) and 2-3 (global NoPE, chunked MoE) on two stages."""
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_parallel_greedy_matches_transformers(moe, tp, pp, ep):
+    """TP splits heads, the dense and shared MLPs and each expert's intermediate dim (or with
+    --ep gives each rank 2 whole experts, the weight on their input); PP puts layers 0-1
+    (chunked; dense, MoE) and 2-3 (global NoPE, chunked MoE) on two stages."""
     model_dir, prompts, refs = moe
     with LLM(
-        model_dir, dtype="float32", tp=tp, pp=pp, allow_oversubscribe=True, num_pages=256,
+        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, allow_oversubscribe=True, num_pages=256,
         max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
         outs = llm.generate(prompts[1::2], GREEDY_32)

@@ -174,3 +174,22 @@ def test_bf16_c_linear_reads_only_active_experts(T, monkeypatch):
     )
     if T <= linear_max_rows():  # every expert's rows few enough for the C linear
         assert len(kernel_rows) == 2 * len(active)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_parallel_ranks_hold_whole_experts(rank):
+    """--ep: rank r holds experts [r * E/2, (r + 1) * E/2) whole, from any checkpoint layout;
+    the token exchange itself is tested on real ranks (test_moe_ep.py) and end to end
+    (test_moe_models.py, test_llama4.py)."""
+    whole, full13, full2 = random_moe()
+    tp = TPGroup(rank, 2, _Sum(), expert_parallel=True)
+    mine = slice(rank * E // 2, (rank + 1) * E // 2)
+    stacked = random_moe(tp=tp)[0]
+    per_expert = FusedMoE(E, 2, H, I, torch.float32, tp)
+    for e in range(E):
+        per_expert.weight_loader(per_expert.w13, full13[e, :I], (e, GATE))
+        per_expert.weight_loader(per_expert.w13, full13[e, I:], (e, UP))
+        per_expert.weight_loader(per_expert.w2, full2[e], (e, DOWN))
+    for layer in (stacked, per_expert):
+        assert layer.w13.shape == (E // 2, 2 * I, H) and layer.w2.shape == (E // 2, H, I)
+        assert torch.equal(layer.w13, whole.w13[mine]) and torch.equal(layer.w2, whole.w2[mine])

@@ -109,14 +109,15 @@ def test_bfloat16_logprobs_close_to_transformers(references, name):
     assert errors["ours-fp32"] <= errors["bf16-fp32"] + 0.12
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, False), (1, 2, False), (2, 1, True)])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_parallel_shapes_equal_transformers(references, name, tp, pp):
-    """Experts split by intermediate dimension across 2 TP ranks, or layers across 2 stages
-    (Qwen3-MoE: the MoE layer on one, the dense one on the other); chunked prefill."""
+def test_parallel_shapes_equal_transformers(references, name, tp, pp, ep):
+    """Experts split by intermediate dimension across 2 TP ranks, layers across 2 stages
+    (Qwen3-MoE: the MoE layer on one, the dense one on the other), or whole experts on 2 ranks,
+    tokens exchanged all-to-all (--ep); chunked prefill."""
     model_dir, prompts, refs, _ = references(name)
     with LLM(
-        model_dir, dtype="float32", tp=tp, pp=pp, allow_oversubscribe=True,
+        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, allow_oversubscribe=True,
         max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))

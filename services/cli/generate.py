@@ -16,11 +16,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_options(parser: argparse.ArgumentParser) -> None:
-    """--tp/--pp/--pp-layers/--allow-oversubscribe, shared by every command that runs a model."""
+    """--tp/--pp/--pp-layers/--ep/--allow-oversubscribe, shared by every command that runs a
+    model."""
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument(
         "--pp-layers", type=_counts, default=None, help="layers per stage, e.g. 3,1 (default: even)"
+    )
+    parser.add_argument(
+        "--ep",
+        action="store_true",
+        help="expert parallelism: MoE layers spread whole experts over the --tp ranks",
     )
     parser.add_argument(
         "--allow-oversubscribe", action="store_true", help="allow more ranks than CPU cores"
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             tp=args.tp,
             pp=args.pp,
             pp_layers=args.pp_layers,
+            ep=args.ep,
             allow_oversubscribe=args.allow_oversubscribe,
         )
         with LLM(resolve_model(args.model), dtype=args.dtype, **parallel) as llm:

@@ -55,6 +55,9 @@ def register(subparsers) -> None:
         p.add_argument(f"--{role}-tp", type=int, default=None, help=f"{role} workers' --tp")
         p.add_argument(f"--{role}-pp", type=int, default=None, help=f"{role} workers' --pp")
     p.add_argument(
+        "--ep", action="store_true", help="every worker: MoE experts spread whole over its --tp"
+    )
+    p.add_argument(
         "--allow-oversubscribe", action="store_true", help="workers may use more ranks than cores"
     )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -77,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
             threads=args.threads,
             **_shapes(args),
             allow_oversubscribe=args.allow_oversubscribe,
+            ep=args.ep,
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,
         )

@@ -82,6 +82,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         tp=args.tp,
         pp=args.pp,
         pp_layers=args.pp_layers,
+        ep=args.ep,
         allow_oversubscribe=args.allow_oversubscribe,
         cpus=args.cpus,
     )

@@ -44,6 +44,7 @@ class WorkerConfig:
     tp: int = 1  # tensor-parallel ranks per pipeline stage
     pp: int = 1  # pipeline stages
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
+    ep: bool = False  # MoE layers: whole experts spread over the TP ranks
     allow_oversubscribe: bool = False  # more ranks than CPU cores
     cpus: tuple[int, ...] = ()  # cores of this worker's ranks (`tison up` plans them); (): any
 

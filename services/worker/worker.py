@@ -42,6 +42,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None) -> LLMEngine:
         tp=config.tp,
         pp=config.pp,
         pp_layers=config.pp_layers,
+        ep=config.ep,
         allow_oversubscribe=config.allow_oversubscribe,
         cpus=config.cpus,
         kv_push=config.role != "decode",

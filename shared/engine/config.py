@@ -32,6 +32,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks per stage
     pp: int = 1  # pipeline stages
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
+    ep: bool = False  # MoE layers: whole experts spread over each stage's TP ranks
     allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
     kv_transport: str = "auto"  # kv_push: auto | shm | tcp (shared/transfer/handoff.py)
@@ -82,7 +83,7 @@ class EngineConfig:
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(self.tp, self.pp, self.pp_layers, self.allow_oversubscribe)
+        return ParallelConfig(self.tp, self.pp, self.pp_layers, self.allow_oversubscribe, self.ep)
 
     def to_json_dict(self) -> dict:
         """Plain values (paths as strings), for the other ranks' command line."""

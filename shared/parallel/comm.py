@@ -43,7 +43,7 @@ class RankComm:
         if shape.tp > 1:
             tp_store = dist.PrefixStore(f"tp{stage}", store)
             group = process_group(tp_store, tp_rank, shape.tp, device, IDLE_TIMEOUT)
-        self.tp = TPGroup(tp_rank, shape.tp, group)
+        self.tp = TPGroup(tp_rank, shape.tp, group, shape.ep)
         self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
         self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
 

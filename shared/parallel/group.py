@@ -18,6 +18,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object | None = None  # ProcessGroup when size > 1
+    expert_parallel: bool = False  # MoE layers spread whole experts over the group (--ep)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

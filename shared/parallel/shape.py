@@ -1,5 +1,7 @@
-"""A worker's shape `--tp T --pp P`: T x P ranks, checked against the model and the machine
-before any process starts. Rank r is TP rank r % T of pipeline stage r // T."""
+"""A worker's shape `--tp T --pp P [--ep]`: T x P ranks, checked against the model and the
+machine before any process starts. Rank r is TP rank r % T of pipeline stage r // T. With `--ep`
+a stage's T ranks hold whole experts of its MoE layers, E / T each, instead of 1/T of every
+expert (shared/models/layers/moe_ep.py); attention stays tensor-parallel."""
 
 import os
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size: stages of contiguous layers
     pp_layers: tuple[int, ...] | None = None  # layers per stage (--pp-layers 3,1); None: even
     allow_oversubscribe: bool = False  # more ranks than CPU cores (tests on small machines)
+    ep: bool = False  # expert parallelism over each stage's TP ranks
 
     def __post_init__(self) -> None:
         for flag, value in (("--tp", self.tp), ("--pp", self.pp)):

@@ -3,9 +3,10 @@
 `route` picks each token's experts and their weights (Mixtral, Qwen3-MoE: softmax top-k, with or
 without renormalisation; Llama 4: sigmoid top-1). `FusedMoE` holds every expert's SwiGLU
 weights stacked, w13 (E, 2 * I, H) (gate rows, then up rows) and w2 (E, H, I), each expert's
-intermediate dimension split across tensor-parallel ranks; a forward pass sorts the (token,
-slot) pairs by expert and runs one matmul per active expert, so a decode step reads only the
-active experts' weights."""
+intermediate dimension split across tensor-parallel ranks, or with expert parallelism (`--ep`,
+TPGroup.expert_parallel) whole experts spread over them (moe_ep.py); a forward pass sorts the
+(token, slot) pairs by expert and runs one matmul per active expert, so a decode step reads only
+the active experts' weights."""
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from shared.checkpoint import materialize
 from shared.models.layers.activation import SiluAndMul
 from shared.models.layers.cpu_linear import linear
 from shared.models.layers.linear import ReplicatedLinear, _copy
+from shared.models.layers.moe_ep import ExpertParallel
 from shared.parallel.group import SINGLE, TPGroup
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
@@ -45,10 +47,12 @@ def route(
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: x (T, H), router_logits (T, E) -> (T, H), all-reduced
-    across the tensor-parallel group (each rank holds I / tp of every expert's intermediate
-    dimension). With `apply_weights_on_input` (Llama 4, top-1) the expert sees x * weight and
-    its output is summed as is; otherwise each output is scaled by its weight."""
+    """The routed experts of one layer: x (T, H), router_logits (T, E) -> (T, H), the same on
+    every rank of the tensor-parallel group: each rank holds I / tp of every expert's
+    intermediate dimension and the outputs are all-reduced, or with tp.expert_parallel E / tp
+    whole experts and the tokens travel to them (moe_ep.py). With `apply_weights_on_input`
+    (Llama 4, top-1) the expert sees x * weight and its output is summed as is; otherwise each
+    output is scaled by its weight."""
 
     def __init__(
         self,
@@ -69,12 +73,16 @@ class FusedMoE(nn.Module):
         self.scoring, self.renormalize = scoring, renormalize
         self.apply_weights_on_input = apply_weights_on_input
         self.intermediate_size = intermediate_size  # whole, before the TP split
-        shard = tp.shard(intermediate_size, "expert intermediate size")
+        self.ep = ExpertParallel(tp, num_experts) if tp.expert_parallel and tp.size > 1 else None
+        local = num_experts if self.ep is None else self.ep.local  # experts this rank holds
+        self.first = 0 if self.ep is None else self.ep.first  # global id of its first
+        self.expert_tp = tp if self.ep is None else SINGLE  # who splits each expert's I
+        shard = self.expert_tp.shard(intermediate_size, "expert intermediate size")
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * shard, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(local, 2 * shard, hidden_size, dtype=dtype), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, shard, dtype=dtype), requires_grad=False
+            torch.empty(local, hidden_size, shard, dtype=dtype), requires_grad=False
         )
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
         self.act = SiluAndMul()
@@ -82,28 +90,46 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize)
+        if self.ep is not None:
+            return self.ep(x, ids, weights, self.run_experts, self.apply_weights_on_input)
         pair_ids = ids.flatten()  # (T * k,): pair p is token p // k's slot p % k
         order = pair_ids.argsort(stable=True)  # pairs grouped by expert
         tokens = order // self.top_k  # (T * k,) each sorted pair's token
-        pair_weights = weights.flatten()[order]  # (T * k,)
-        counts = torch.bincount(pair_ids, minlength=self.num_experts)  # (E,)
-        ends = counts.cumsum(0).tolist()
+        pair_weights = weights.flatten()[order, None]  # (T * k, 1)
+        rows = x[tokens]  # (T * k, H)
+        if self.apply_weights_on_input:
+            rows = rows * pair_weights.to(x.dtype)
+        h = self.run_experts(rows, pair_ids[order], grouped=True)  # (T * k, H)
+        h = h.float() if self.apply_weights_on_input else h * pair_weights
         out = torch.zeros(x.shape, dtype=torch.float32)  # (T, H), summed in float32
+        return self.tp.all_reduce(out.index_add_(0, tokens, h).to(x.dtype))
+
+    def run_experts(
+        self, rows: torch.Tensor, ids: torch.Tensor, grouped: bool = False
+    ) -> torch.Tensor:
+        """rows (N, H), each through expert ids[i] of this rank's (local ids) -> (N, H):
+        one matmul pair per active expert over its rows. grouped: ids are sorted already."""
+        order = None if grouped else ids.argsort(stable=True)
+        counts = torch.bincount(ids, minlength=self.w13.shape[0])  # (E_local,)
+        ends = counts.cumsum(0).tolist()
+        out = torch.empty_like(rows)
         for e in counts.nonzero().flatten().tolist():  # the active experts only
-            start, end = ends[e] - int(counts[e]), ends[e]
-            rows, w = tokens[start:end], pair_weights[start:end, None]  # (n,), (n, 1)
-            h = x[rows]  # (n, H)
-            if self.apply_weights_on_input:
-                h = h * w.to(x.dtype)
-            h = linear(self, self.act(linear(self, h, self.w13[e])), self.w2[e])  # (n, H)
-            out.index_add_(0, rows, h.float() if self.apply_weights_on_input else h * w)
-        return self.tp.all_reduce(out.to(x.dtype))
+            span = slice(ends[e] - int(counts[e]), ends[e])
+            sel = span if order is None else order[span]
+            h = linear(self, self.act(linear(self, rows[sel], self.w13[e])), self.w2[e])
+            out[sel] = h  # (n, H)
+        return out
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id) -> None:
         """shard_id (expert, kind), see GATE ... DOWN_T: cut this rank's part of I."""
         expert, kind = shard_id
-        dst = param.data if expert is None else param.data[expert]
-        shard, rank = self.w2.shape[-1], self.tp.rank
+        if expert is None:  # every expert's: this rank's experts of them
+            dst, loaded = param.data, loaded.narrow(0, self.first, param.shape[0])
+        elif not self.first <= expert < self.first + param.shape[0]:
+            return  # another rank's expert (expert parallelism)
+        else:
+            dst = param.data[expert - self.first]
+        shard, rank = self.w2.shape[-1], self.expert_tp.rank
         whole = self.intermediate_size
         rows = {GATE: [(0, 0)], UP: [(0, shard)], GATE_UP: [(0, 0), (whole, shard)]}
         if kind in rows:  # (..., I or 2I, H): (first row of gate or up there, its rows in ours)
