@@ -143,13 +143,23 @@ def test_fused_expert_tensors_load_as_per_expert_ones(references, name, tmp_path
         assert torch.equal(ours[0][key], ours[1][key]), key
 
 
-def test_up_serves_a_moe_model(references):
-    """`tison up` (a prefill and a decode worker) on the tiny Mixtral."""
-    model_dir = references("mixtral")[0]
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "llama4_moe"])
+def test_up_serves_each_moe_family_as_offline(references, tiny_model_factory, family):
+    """`tison up` (a prefill and a decode worker) completes greedily as the offline engine,
+    itself equal to transformers (above, and tests/test_llama4.py)."""
+    model_dir = references(family)[0] if family in MODELS else tiny_model_factory(family)
+    prompts = ["def fibonacci(n):", "The quick brown fox"]
+    with LLM(model_dir, dtype="float32") as llm:
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     up = Up(model_dir, free_port())
     try:
         up.wait_serving()
-        up.complete(model_dir.name)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="x")
+        for prompt, ref in zip(prompts, expected):
+            out = client.completions.create(
+                model=model_dir.name, prompt=prompt, max_tokens=12, temperature=0
+            )
+            assert out.choices[0].text == ref.text
     finally:
         assert up.stop() == 0
 
