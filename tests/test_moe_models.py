@@ -8,10 +8,11 @@ import shutil
 import openai
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_up import Up
 
 from shared.engine.llm import LLM
+from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
 from shared.models.layers.moe import MoEMLP
 from shared.models.llama import LlamaMLP
@@ -190,3 +191,16 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
                 assert out.usage.completion_tokens == len(ref.token_ids)
     finally:
         s.stop_all()
+
+
+def test_a_checkpoint_missing_an_expert_names_it(references, tmp_path):
+    model_dir = references("mixtral")[0]
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    state = load_file(broken / "model.safetensors")
+    dropped = [k for k in state if k.endswith("experts.2.w3.weight")]
+    assert dropped  # Mixtral's per-expert layout: w3 is the up projection
+    del state[dropped[0]]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFolderError, match=r"missing weights: .*experts expert 2 up"):
+        load_model(broken, ModelConfig.from_dir(broken), torch.float32)

@@ -79,6 +79,9 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
     if tied and "model.embed_tokens.weight" in loaded:
         loaded.add("lm_head.weight")  # the same tensor as the embedding
     missing = [n for n in params if n not in loaded]
+    for module_name, module in model.named_modules():  # a stacked parameter's missing parts
+        check = getattr(module, "missing_weights", None)
+        missing += [f"{module_name} {part}" for part in check()] if check else []
     if missing:
         raise ModelFolderError(source, f"missing weights: {', '.join(sorted(missing)[:8])}")
 

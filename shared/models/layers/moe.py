@@ -85,6 +85,7 @@ class FusedMoE(nn.Module):
             torch.empty(local, hidden_size, shard, dtype=dtype), requires_grad=False
         )
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self._loaded: set[tuple[int, str]] = set()  # (local expert, gate | up | down) read
         self.act = SiluAndMul()
         self.c_linear = False  # packing.py: whether each expert's matrices take our C linear
 
@@ -125,10 +126,26 @@ class FusedMoE(nn.Module):
         expert, kind = shard_id
         if expert is None:  # every expert's: this rank's experts of them
             dst, loaded = param.data, loaded.narrow(0, self.first, param.shape[0])
+            experts = range(param.shape[0])
         elif not self.first <= expert < self.first + param.shape[0]:
             return  # another rank's expert (expert parallelism)
         else:
             dst = param.data[expert - self.first]
+            experts = [expert - self.first]
+        self._copy_part(dst, loaded, kind)
+        parts = {GATE: (GATE,), UP: (UP,), GATE_UP: (GATE, UP), GATE_UP_T: (GATE, UP)}
+        self._loaded.update((e, part) for e in experts for part in parts.get(kind, (DOWN,)))
+
+    def missing_weights(self) -> list[str]:
+        """The expert matrices of this rank that no checkpoint tensor filled (loader.py)."""
+        return [
+            f"expert {self.first + e} {part}"
+            for e in range(self.w13.shape[0])
+            for part in (GATE, UP, DOWN)
+            if (e, part) not in self._loaded
+        ]
+
+    def _copy_part(self, dst: torch.Tensor, loaded, kind: str) -> None:
         shard, rank = self.w2.shape[-1], self.expert_tp.rank
         whole = self.intermediate_size
         rows = {GATE: [(0, 0)], UP: [(0, shard)], GATE_UP: [(0, 0), (whole, shard)]}
