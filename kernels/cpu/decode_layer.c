@@ -125,8 +125,11 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t F = 0, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
-    for (int64_t i = 0; i < count; i++) /* the widest intermediate: dense or an expert's */
+    int64_t k = 1; /* the most rows a linear takes: n, or n * top_k (moe.c's experts) */
+    for (int64_t i = 0; i < count; i++) { /* the widest intermediate: dense or an expert's */
         F = layers[i].intermediate > F ? layers[i].intermediate : F;
+        k = layers[i].router != NULL && layers[i].top_k > k ? layers[i].top_k : k;
+    }
     /* per row: xn, o, a spare output (H each); qkv; q, attn; k; gate_up (2F); act (F) */
     size_t per_row = (size_t)(3 * H + qkv_size + 2 * q_size + nkv * hd + 3 * F);
     bf16 *xn = grow_workspace(per_row * n);
@@ -135,7 +138,7 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                    .window = window, .heads_per_task = attention_heads_per_task(n, nkv, threads),
                    .positions = positions, .slots = slots, .block_table = block_table,
                    .context_lens = context_lens};
-    S.xp = linear_scratch(n, widest > F ? widest : F);
+    S.xp = linear_scratch(n * k, widest > F ? widest : F);
     S.scores = malloc(sizeof(float) * threads *
                       attention_scratch(S.heads_per_task * (nh / nkv),
                                         max_context(context_lens, n), hd));

@@ -55,7 +55,7 @@ static void group_pairs(const bf16 *logits, int64_t n, int64_t E, int64_t k, int
 }
 
 /* x (n, H) -> out (n, H): the experts w13 (E, 2I, H) (gate rows, then up rows) and w2 (E, H, I)
- * of the top k of router (E, H)'s softmax. xp: linear_scratch of (n, max(H, I)). */
+ * of the top k of router (E, H)'s softmax. xp: linear_scratch of (n * k, max(H, I)). */
 void moe_team_bf16(const bf16 *x, const bf16 *router, const bf16 *w13, const bf16 *w2,
                    int64_t n, int64_t H, int64_t I, int64_t E, int64_t k, int renormalize,
                    bf16 *out, const moe_scratch *M, void *xp) {
@@ -64,15 +64,9 @@ void moe_team_bf16(const bf16 *x, const bf16 *router, const bf16 *w13, const bf1
     group_pairs(M->logits, n, E, k, renormalize, M);
 #pragma omp for
     for (int64_t p = 0; p < n * k; p++) memcpy(M->rows + p * H, x + M->token[p] * H, H * 2);
-    for (int64_t e = 0; e < E; e++) { /* every thread walks the same active experts */
-        int64_t first = M->start[e], count = M->start[e + 1] - first;
-        if (count == 0) continue;
-        linear_team(M->rows + first * H, H, w13 + e * 2 * I * H, NULL, count, 2 * I, H,
-                    M->gate_up + first * 2 * I, xp);
-        silu_mul_team_bf16(M->gate_up + first * 2 * I, M->act + first * I, count, I);
-        linear_team(M->act + first * I, I, w2 + e * H * I, NULL, count, H, I,
-                    M->h + first * H, xp);
-    }
+    experts_linear_team(M->rows, M->start, E, w13, 2 * I * H, 2 * I, H, M->gate_up, xp);
+    silu_mul_team_bf16(M->gate_up, M->act, n * k, I);
+    experts_linear_team(M->act, M->start, E, w2, H * I, H, I, M->h, xp);
 #pragma omp for
     for (int64_t t = 0; t < n; t++) {
         int64_t order[k]; /* the row's slots by ascending expert id */
