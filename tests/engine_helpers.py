@@ -4,6 +4,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.models.layers.decode_layer import FusedDecoder
 from shared.sampling.params import SamplingParams
 
 from tiny_models import load_hf
@@ -134,3 +135,16 @@ def assert_logprobs_match(req, tokens: list[int], logits: torch.Tensor) -> None:
     torch.testing.assert_close(top, ref_at_ours, **close)
     ties = dict(atol=2 * LOGPROB_TOL, rtol=0)  # swapped ids: each logprob off by LOGPROB_TOL
     torch.testing.assert_close(ref_at_ours, ref.topk(5, dim=-1).values, **ties)
+
+
+def count_fused_calls(monkeypatch) -> list[int]:
+    """From now on in the test, each fused decode call appends its row count to the list."""
+    calls: list[int] = []
+    original = FusedDecoder.__call__
+
+    def counted(self, *args):
+        calls.append(args[1].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counted)
+    return calls

@@ -1,7 +1,7 @@
 """The fused decoder (kernels/cpu/decode_layer.c): a decode step's layers in one C call
-give the op-by-op layers' output bit for bit, for every family's variant, on one and two
-threads, with requests joining while others decode (mixed steps go op by op), at every tier
-this CPU runs."""
+give the op-by-op layers' output bit for bit, for every family's variant (MoE layers: the same
+tokens, logprobs within a tolerance), on one and two threads, with requests joining while
+others decode (mixed steps go op by op), at every tier this CPU runs."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from shared.models.layers.decode_layer import FusedDecoder
 from shared.sampling.params import SamplingParams
 
 from compilers import needs_compiler
-from engine_helpers import make_prompts, new_engine, run_all
+from engine_helpers import count_fused_calls, make_prompts, new_engine, run_all
 from tiers import tier_params, use_tier
 
 pytestmark = needs_compiler
@@ -23,6 +23,12 @@ VARIANTS = {  # family, overrides: each flag of the layer that the C code branch
     "sliding window": ("mistral", {"sliding_window": 8}),
     "tied embeddings": ("llama_tied", {}),
 }
+MOE_VARIANTS = {  # moe.c: softmax top-k, renormalised or not, beside dense layers or not
+    "mixtral": ("mixtral", {}),
+    "qwen3_moe": ("qwen3_moe", {}),  # not renormalised; layer 1 dense
+    "qwen3_moe renormalised": ("qwen3_moe", {"norm_topk_prob": True}),
+}
+MOE_LOGPROB_TOL = 0.1  # nats: its routing weights round at other places than torch's softmax
 
 
 def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
@@ -53,22 +59,42 @@ def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
 def test_fused_layer_gives_the_op_by_op_bits(
     tiny_model_factory, monkeypatch, variant, threads, tier
 ):
+    fused, op_by_op = both_ways(tiny_model_factory, monkeypatch, VARIANTS[variant], threads, tier)
+    assert op_by_op == fused
+
+
+def both_ways(tiny_model_factory, monkeypatch, model, threads, tier) -> tuple[list, list]:
+    """generate's outputs for model (family, overrides) at a tier, fused, then op by op."""
     use_tier(tier, monkeypatch)
-    family, overrides = VARIANTS[variant]
+    family, overrides = model
     model_dir = tiny_model_factory(family, **overrides)
-    calls = []
-    original = FusedDecoder.__call__
-
-    def counted(self, *args):
-        calls.append(args[1].shape[0])
-        return original(self, *args)
-
-    monkeypatch.setattr(FusedDecoder, "__call__", counted)
+    calls = count_fused_calls(monkeypatch)
     fused = generate(model_dir, True, threads, calls)
     assert calls and max(calls) == 8, "decode steps of all 8 requests ran fused"
     calls.clear()
-    assert generate(model_dir, False, threads, calls) == fused
+    op_by_op = generate(model_dir, False, threads, calls)
     assert not calls
+    return fused, op_by_op
+
+
+@pytest.mark.parametrize("tier", tier_params())
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_fused_experts_give_the_op_by_op_tokens(
+    tiny_model_factory, monkeypatch, variant, threads, tier
+):
+    """MoE layers in the fused call: the op-by-op tokens, their logprobs within
+    MOE_LOGPROB_TOL (expf against torch's vectorised exp in the softmax moves a routing weight
+    by an ulp, and a bf16 rounding downstream can flip)."""
+    model = MOE_VARIANTS[variant]
+    fused, op_by_op = both_ways(tiny_model_factory, monkeypatch, model, threads, tier)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, op_by_op):
+        assert tokens == ref_tokens
+        for ours, ref in zip(logprobs, ref_logprobs):
+            assert ours.top_ids == ref.top_ids
+            assert max(abs(a - b) for a, b in zip(ours.top_logprobs, ref.top_logprobs)) < (
+                MOE_LOGPROB_TOL
+            )
 
 
 def test_mixed_and_oversized_steps_go_op_by_op():

@@ -193,3 +193,12 @@ def test_expert_parallel_ranks_hold_whole_experts(rank):
     for layer in (stacked, per_expert):
         assert layer.w13.shape == (E // 2, 2 * I, H) and layer.w2.shape == (E // 2, H, I)
         assert torch.equal(layer.w13, whole.w13[mine]) and torch.equal(layer.w2, whole.w2[mine])
+
+
+def test_route_breaks_exact_ties_toward_the_lower_expert():
+    """bf16 router logits tie exactly now and then: the lower id wins, as in the fused
+    decoder's moe.c (topk's own choice follows its partial sort)."""
+    logits = torch.tensor([[3.0, 2.0, 2.0, 0.5, 0.0, 0.0, 0.0, 0.0]]).bfloat16()
+    weights, ids = route(logits, 2, SOFTMAX, False)
+    assert ids.tolist() == [[0, 1]]
+    assert weights[0, 1] == logits.float().softmax(-1)[0, 2]

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_up import Up
 
+from kernels.build import compiler
 from shared.engine.llm import LLM
 from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
@@ -22,6 +23,7 @@ from shared.sampling.params import SamplingParams
 from engine_helpers import (
     assert_logprobs_match,
     bf16_logprob_errors,
+    count_fused_calls,
     hf_greedy_logits,
     make_prompts,
     new_engine,
@@ -94,18 +96,21 @@ def test_staggered_greedy_and_logprobs_match_transformers(references, name):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_bfloat16_logprobs_close_to_transformers(references, name):
+def test_bfloat16_logprobs_close_to_transformers(references, name, monkeypatch):
     """bf16: the engine's logprobs (top 5 at each of 8 steps) vs transformers' bf16 on the same
     tokens within 0.3 nats, and no further from float32 than transformers' bf16 is, + 0.12.
     Measured at each tier here: 0.11-0.19 from HF bf16 (dense models: up to 0.16,
     test_engine_parity) and at most 0.073 further from float32 than HF bf16 (avx2): routing
     weights and expert sums round at other places than in transformers, and a near-tied
-    routing choice can flip. Layer by layer: a MoE layer does not run in the fused decode."""
+    routing choice can flip. The decode steps run fused (decode_layer.c with moe.c)."""
     model_dir = references(name)[0]
     prompt = make_prompts([12])[0]
     engine = new_engine(model_dir, dtype="bfloat16")
-    assert engine.model.model.fused is None
+    fusing = compiler() is not None  # the fused call is C: without a compiler, layer by layer
+    assert (engine.model.model.fused is not None) == fusing, "MoE layers run fused"
+    calls = count_fused_calls(monkeypatch)
     errors = bf16_logprob_errors(engine, model_dir, prompt)
+    assert bool(calls) == fusing, "the decode steps ran fused"
     assert errors["ours-bf16"] < 0.3
     assert errors["ours-fp32"] <= errors["bf16-fp32"] + 0.12
 

@@ -1,10 +1,11 @@
-/* The decoder layers of a decode step (one new token per sequence), Llama family, bfloat16, in
- * one call and one OpenMP parallel region: the team runs each layer's kernels one
- * after the other (see kernels.h), meeting at a barrier after each. Op by op, every op
- * pays a Python module call, a ctypes call, a tensor allocation and a thread-team wake-up, and
- * the Python between them runs on caches that the weights stream has just flushed: ~250 us a
- * layer here, a quarter of a batch-32 step. The kernels are the ones the op-by-op path runs,
- * in the same order, so the output is the same bit for bit. The linears are linear_bf16.c's:
+/* The decoder layers of a decode step (one new token per sequence), Llama family (MLPs dense
+ * or routed experts, moe.c), bfloat16, in one call and one OpenMP parallel region: the team
+ * runs each layer's kernels one after the other (see kernels.h), meeting at a barrier after
+ * each. Op by op, every op pays a Python module call, a ctypes call, a tensor allocation and
+ * a thread-team wake-up, and the Python between them runs on caches that the weights stream
+ * has just flushed: ~250 us a layer here, a quarter of a batch-32 step. The kernels are the
+ * ones the op-by-op path runs, in the same order, so the output is the same bit for bit (the
+ * routing weights of moe.c to an ulp). The linears are linear_bf16.c's:
  * AMX tiles or the vector units, whichever the build's tier has.
  */
 #include <stdint.h>
@@ -13,11 +14,14 @@
 #include "kernels.h"
 
 /* One layer's weights and shapes, filled once (decode_layer.py). Pointers to bf16 tensors;
- * qkv_bias, q_norm and k_norm may be NULL. */
+ * qkv_bias, q_norm and k_norm may be NULL. Its MLP: dense (gate_up, down), or with router set
+ * routed experts (moe.c; gate_up and down NULL), `intermediate` then each expert's. */
 typedef struct {
     const bf16 *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
     const bf16 *cos, *sin; /* rotary tables (max_positions, hd) */
+    const bf16 *router, *w13, *w2; /* (E, H), (E, 2I, H), (E, H, I), or NULL */
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t experts, top_k, renormalize; /* softmax top-k routing; renormalize: 0 or 1 */
     float eps, qk_eps, scale;
 } decode_layer;
 
@@ -41,6 +45,7 @@ typedef struct {
     bf16 *xn, *qkv, *q, *k, *attn, *o, *gate_up, *act;
     void *xp; /* linear_scratch */
     float *scores;
+    moe_scratch moe;
 } step_args;
 
 /* Inside the region: layer L on x (n, H) -> out (n, H); residual as the op-by-op layer keeps
@@ -66,12 +71,45 @@ static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x,
                                S->window, L->scale, S->attn, S->heads_per_task, S->scores);
     linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
     rms_norm_team_bf16(S->o, H, S->xn, H, residual, L->post_norm, n, 1, H, L->eps);
+    if (L->router != NULL) {
+        moe_team_bf16(S->xn, L->router, L->w13, L->w2, n, H, F, L->experts, L->top_k,
+                      (int)L->renormalize, out, &S->moe, S->xp);
+        return;
+    }
     linear_team(S->xn, H, L->gate_up, NULL, n, 2 * F, H, S->gate_up, S->xp);
     silu_mul_team_bf16(S->gate_up, S->act, n, F);
     linear_team(S->act, F, L->down, NULL, n, H, F, out, S->xp);
 }
 
-/* `count` layers (same shapes) of a decode step: x (n, hidden) -> out (n, hidden), which is
+/* The MoE layers' scratch for n rows (moe.c's layout, sized for the widest of them) in one
+ * block, into M; NULL when no layer routes, or when it cannot be allocated (*failed). */
+static void *moe_alloc(const decode_layer *layers, int64_t count, int64_t n, moe_scratch *M,
+                       int *failed) {
+    int64_t E = 0, k = 0, kI = 0, H = layers->hidden;
+    for (int64_t i = 0; i < count; i++) {
+        const decode_layer *L = &layers[i];
+        if (L->router == NULL) continue;
+        E = L->experts > E ? L->experts : E, k = L->top_k > k ? L->top_k : k;
+        kI = L->top_k * L->intermediate > kI ? L->top_k * L->intermediate : kI;
+    }
+    *failed = 0;
+    if (E == 0) return NULL;
+    size_t bf16s = (size_t)(n * E + n * k * 2 * H + n * 3 * kI);
+    size_t ints = (size_t)(3 * n * k + 2 * E + 1), bytes = bf16s * 2 + ints * 8 + n * k * 4;
+    char *block = malloc(bytes);
+    if (block == NULL) {
+        *failed = 1;
+        return NULL;
+    }
+    M->ids = (int64_t *)block, M->pos = M->ids + n * k, M->token = M->pos + n * k;
+    M->start = M->token + n * k, M->fill = M->start + E + 1;
+    M->weights = (float *)(M->fill + E);
+    M->logits = (bf16 *)(M->weights + n * k), M->rows = M->logits + n * E;
+    M->h = M->rows + n * k * H, M->gate_up = M->h + n * k * H, M->act = M->gate_up + 2 * n * kI;
+    return block;
+}
+
+/* `count` layers (same attention shapes) of a decode step: x (n, hidden) -> out (n, hidden), which is
  * the last layer's output; residual (n, hidden) updated as the op-by-op layers do (first !=
  * 0: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd) are at
  * pool + i * layer_stride and that + kv_stride elements; new K/V go to slots[t]; row t
@@ -86,7 +124,12 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                           int64_t window, int threads) {
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
-    int64_t F = L->intermediate, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
+    int64_t F = 0, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
+    int64_t k = 1; /* the most rows a linear takes: n, or n * top_k (moe.c's experts) */
+    for (int64_t i = 0; i < count; i++) { /* the widest intermediate: dense or an expert's */
+        F = layers[i].intermediate > F ? layers[i].intermediate : F;
+        k = layers[i].router != NULL && layers[i].top_k > k ? layers[i].top_k : k;
+    }
     /* per row: xn, o, a spare output (H each); qkv; q, attn; k; gate_up (2F); act (F) */
     size_t per_row = (size_t)(3 * H + qkv_size + 2 * q_size + nkv * hd + 3 * F);
     bf16 *xn = grow_workspace(per_row * n);
@@ -95,11 +138,13 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                    .window = window, .heads_per_task = attention_heads_per_task(n, nkv, threads),
                    .positions = positions, .slots = slots, .block_table = block_table,
                    .context_lens = context_lens};
-    S.xp = linear_scratch(n, widest > F ? widest : F);
+    S.xp = linear_scratch(n * k, widest > F ? widest : F);
     S.scores = malloc(sizeof(float) * threads *
                       attention_scratch(S.heads_per_task * (nh / nkv),
                                         max_context(context_lens, n), hd));
-    if (xn == NULL || S.xp == NULL || S.scores == NULL) {
+    int moe_failed;
+    void *moe_block = moe_alloc(layers, count, n, &S.moe, &moe_failed);
+    if (xn == NULL || S.xp == NULL || S.scores == NULL || moe_failed) {
         free(S.scores);
         return -1;
     }
@@ -121,5 +166,6 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
         linear_team_done();
     }
     free(S.scores);
+    free(moe_block);
     return 0;
 }

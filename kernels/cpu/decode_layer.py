@@ -14,14 +14,18 @@ from kernels.cpu import library
 
 _POINTERS = (
     "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down",
-    "cos", "sin",
+    "cos", "sin", "router", "w13", "w2",
 )  # fmt: skip
-_SIZES = ("hidden", "heads", "kv_heads", "head_dim", "intermediate")
+_SIZES = (
+    "hidden", "heads", "kv_heads", "head_dim", "intermediate", "experts", "top_k", "renormalize",
+)  # fmt: skip
 
 
 class DecodeLayerSpec(ctypes.Structure):
     """decode_layer.c's `decode_layer`: one layer's weight addresses (bf16 tensors, contiguous;
-    qkv_bias, q_norm and k_norm may be None) and shapes."""
+    qkv_bias, q_norm and k_norm may be None) and shapes. Its MLP is dense (gate_up, down) or,
+    with `router` set, routed experts (moe.c: w13 (E, 2I, H), w2 (E, H, I), softmax top_k,
+    renormalize 0 or 1; `intermediate` is then an expert's I)."""
 
     _fields_ = (
         [(name, ctypes.c_void_p) for name in _POINTERS]

@@ -1,6 +1,6 @@
 /* What the kernel files share: the bfloat16 type, decode attention's work split, and the
  * bfloat16 team kernels (rms_norm.c, rope.c, kv_write.c, attention.c, silu_mul.c,
- * linear_bf16.c) that decode_layer.c runs in one parallel region. A team kernel splits its
+ * linear_bf16.c, moe.c) that decode_layer.c runs in one parallel region. A team kernel splits its
  * loops over the enclosing region's threads (orphaned `omp for`s, each ending at a barrier),
  * or runs alone outside a region. */
 #ifndef TISON_KERNELS_H
@@ -58,6 +58,17 @@ void decode_attention_team_bf16(const bf16 *q, int64_t q_stride, const int64_t *
                                 const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
                                 int64_t hd, int64_t page_size, int64_t window, float scale,
                                 bf16 *out, int64_t heads_per_task, float *scratch);
+/* moe.c: a decode step's routed experts. Its scratch, for n rows, E experts, top k, hidden H,
+ * expert intermediate I: logits (n, E); ids, weights, pos (n * k); start (E + 1), fill (E);
+ * token (n * k); rows, h (n * k, H); gate_up (n * k, 2I); act (n * k, I). */
+typedef struct {
+    bf16 *logits, *rows, *gate_up, *act, *h;
+    int64_t *ids, *pos, *start, *fill, *token;
+    float *weights;
+} moe_scratch;
+void moe_team_bf16(const bf16 *x, const bf16 *router, const bf16 *w13, const bf16 *w2,
+                   int64_t n, int64_t H, int64_t I, int64_t E, int64_t k, int renormalize,
+                   bf16 *out, const moe_scratch *M, void *xp);
 /* linear_bf16.c: y (M, N) = x (M, K; row stride xs) w (N, K)^T + bias, on AMX tiles where
  * the build has them, else on the vector units; scratch: linear_scratch(M, K), the calling
  * thread's, shared by the team. linear_team_done: each team thread once its linears are done. */
@@ -65,6 +76,8 @@ void *linear_scratch(int64_t M, int64_t K);
 void linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                  int64_t N, int64_t K, bf16 *y, void *scratch);
 void linear_team_done(void);
+void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const bf16 *w,
+                         int64_t w_stride, int64_t N, int64_t K, bf16 *y, void *scratch);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define AMX_BUILD 1 /* the amx tier: amx_linear.c is compiled, linear_team runs on tiles */
 #else

@@ -209,6 +209,39 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
     }
 }
 
+/* The experts of a MoE layer as one team loop (moe.c): x (P, K) holds the rows of expert e at
+ * [start[e], start[e + 1]), y (P, N) gets them through w + e * w_stride (N, K); the team shares
+ * out every active expert's groups at once, so the weight stream does not stop between
+ * experts. scratch: linear_scratch(P, K). */
+void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const bf16 *w,
+                         int64_t w_stride, int64_t N, int64_t K, bf16 *y, void *scratch) {
+    int64_t active[E], count = 0; /* every thread lists the same experts */
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) active[count++] = e;
+#if AMX_BUILD
+    for (int64_t a = 0; a < count; a++) {
+        int64_t e = active[a], first = start[e];
+        amx_linear_team(x + first * K, K, w + e * w_stride, NULL, start[e + 1] - first, N, K,
+                        y + first * N, scratch);
+    }
+#else
+#if XF32
+    spread_x(x, K, start[E], K, (float *)scratch);
+    const float *xv = (const float *)scratch;
+#else
+    (void)scratch;
+    const bf16 *xv = x;
+#endif
+    int64_t groups = (N + R - 1) / R;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < count * groups; g++) {
+        int64_t e = active[g / groups], first = start[e];
+        group(w + e * w_stride, NULL, xv + first * K, K, start[e + 1] - first, N, K,
+              g % groups * R, y + first * N);
+    }
+#endif
+}
+
 static __thread void *scratch; /* a caller's linear scratch, grown as needed, kept */
 static __thread size_t scratch_bytes;
 

@@ -74,6 +74,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
+    def fused_parts(self) -> dict:
+        """What layer_spec takes of this MLP (the fused decoder's dense SwiGLU)."""
+        return dict(gate_up=self.gate_up_proj, down=self.down_proj)
+
 
 def dense_mlp(cfg: ModelConfig, index: int, dtype, tp: TPGroup) -> nn.Module:
     """Every layer's MLP in the dense families: make_mlp of LlamaModel by default."""
@@ -103,12 +107,13 @@ class LlamaDecoderLayer(nn.Module):
         a, mlp = self.self_attn, self.mlp
         if a.rotary is None:  # decode_layer.c rotates every layer
             return None
-        if not isinstance(mlp, LlamaMLP):  # decode_layer.c runs one dense SwiGLU (not MoE)
+        parts = getattr(mlp, "fused_parts", None)  # a dense SwiGLU or softmax-routed experts
+        if parts is None:
             return None
         return layer_spec(
             input_norm=self.input_layernorm, qkv=a.qkv_proj, q_norm=a.q_norm, k_norm=a.k_norm,
             rotary=a.rotary, attn=a.attn, o=a.o_proj, post_norm=self.post_attention_layernorm,
-            gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+            **parts(),
         )  # fmt: skip
 
     def forward(self, positions, x, residual, kv_layer, meta):

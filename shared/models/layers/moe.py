@@ -32,11 +32,14 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) -> (weights (T, k) float32, expert ids (T, k) int64).
 
-    softmax: the top k of softmax(logits), renormalised to sum 1 if `renormalize`;
+    softmax: the top k of softmax(logits), renormalised to sum 1 if `renormalize`, an exact
+    tie going to the lower expert id (bf16 logits tie often enough to matter: topk breaks
+    ties as its partial sort happens to, the fused decoder's moe.c by the id);
     sigmoid: the top k of the raw logits, each weighted sigmoid(logit) (Llama 4, k = 1)."""
     logits = logits.float()
     if scoring == SOFTMAX:
-        weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+        weights, ids = logits.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+        weights, ids = weights[:, :top_k], ids[:, :top_k]
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
@@ -180,3 +183,7 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
+
+    def fused_parts(self) -> dict:
+        """What layer_spec takes of this MLP (the fused decoder's routed experts, moe.c)."""
+        return dict(router=self.gate, experts=self.experts)
