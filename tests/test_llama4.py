@@ -19,7 +19,7 @@ from shared.models.config import ModelConfig, generation_eos_ids
 from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
 from shared.models.layers import rotary
 from shared.models.layers.moe import FusedMoE
-from shared.models.llama4 import Llama4ForCausalLM
+from shared.models.llama4 import Llama4ForCausalLM, Llama4MoE
 from shared.parallel.group import TPGroup
 
 from compilers import needs_compiler
@@ -287,3 +287,24 @@ def test_scout_kv_bytes_per_token():
     per_layer = spec.layer_token_bytes(0)
     capped = ((cfg.num_layers - chunked) * 131_072 + chunked * 8192) * per_layer
     assert capped == int(7.125 * 2**30) and 131_072 * spec.page_size_bytes // 16 == 24 * 2**30
+
+
+class _CountingGroup:
+    """A stand-in process group that counts all-reduces (each rank's partial sum stays)."""
+
+    calls = 0
+
+    def allreduce(self, tensors):
+        _CountingGroup.calls += 1
+        return self
+
+    def wait(self):
+        pass
+
+
+def test_a_moe_layer_all_reduces_once_under_tp(moe):
+    """The shared expert's and the routed experts' partial sums travel in one all-reduce."""
+    cfg = ModelConfig.from_dir(moe[0])
+    layer = Llama4MoE(cfg, torch.float32, TPGroup(0, 2, _CountingGroup()))
+    layer(torch.randn(3, cfg.hidden_size))
+    assert _CountingGroup.calls == 1

@@ -62,14 +62,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
+    """SwiGLU; reduce=False: each TP rank's partial sum (see RowParallelLinear)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, reduce: bool = True):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [size, size], False, dtype, tp
         )
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, tp)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

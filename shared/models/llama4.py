@@ -96,21 +96,26 @@ class Llama4Attention(nn.Module):
 
 class Llama4MoE(nn.Module):
     """Routed experts (sigmoid top-k, the weight on the expert's input) plus a shared expert
-    (a dense SwiGLU of intermediate_size), summed. (T, H) -> (T, H)."""
+    (a dense SwiGLU of intermediate_size), summed. (T, H) -> (T, H). Under TP both leave
+    partial sums and one all-reduce adds them (the routed experts' own under --ep)."""
 
     def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.router = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype)
         self.experts = FusedMoE(
             cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
             dtype, tp, scoring=SIGMOID, renormalize=False, apply_weights_on_input=True,
+            reduce=False,
         )  # fmt: skip
-        self.shared_expert = LlamaMLP(  # a dense SwiGLU of shared_expert_intermediate_size
-            replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), dtype, tp
-        )
+        shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+        self.shared_expert = LlamaMLP(shared, dtype, tp, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shared_expert(x) + self.experts(x, self.router(x))
+        shared, routed = self.shared_expert(x), self.experts(x, self.router(x))
+        if self.experts.ep is not None:  # the routed sum arrives whole from its ranks
+            return self.tp.all_reduce(shared) + routed
+        return self.tp.all_reduce(shared + routed)
 
 
 class Llama4DecoderLayer(LlamaDecoderLayer):

@@ -98,12 +98,19 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial sums all-reduced: (T, in / tp) -> (T, out)."""
+    """Input features split across ranks; partial sums all-reduced: (T, in / tp) -> (T, out).
+    reduce=False leaves the partial sum, for a caller that adds more before one all-reduce."""
 
     def __init__(
-        self, in_features, out_features, bias=False, dtype=torch.float32, tp: TPGroup = SINGLE
+        self,
+        in_features,
+        out_features,
+        bias=False,
+        dtype=torch.float32,
+        tp: TPGroup = SINGLE,
+        reduce: bool = True,
     ):
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
         super().__init__(tp.shard(in_features, "input features"), out_features, bias, dtype)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -115,7 +122,8 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded.narrow(1, self.tp.rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(self, x, self.weight, self.bias))
+        out = linear(self, x, self.weight, self.bias)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -68,6 +68,7 @@ class FusedMoE(nn.Module):
         scoring: str = SOFTMAX,
         renormalize: bool = True,
         apply_weights_on_input: bool = False,
+        reduce: bool = True,  # False: each TP rank's partial sum (not with expert parallelism)
     ):
         super().__init__()
         if apply_weights_on_input and top_k != 1:
@@ -75,6 +76,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.tp = num_experts, top_k, tp
         self.scoring, self.renormalize = scoring, renormalize
         self.apply_weights_on_input = apply_weights_on_input
+        self.reduce = reduce
         self.intermediate_size = intermediate_size  # whole, before the TP split
         self.ep = ExpertParallel(tp, num_experts) if tp.expert_parallel and tp.size > 1 else None
         local = num_experts if self.ep is None else self.ep.local  # experts this rank holds
@@ -106,7 +108,8 @@ class FusedMoE(nn.Module):
         h = self.run_experts(rows, pair_ids[order], grouped=True)  # (T * k, H)
         h = h.float() if self.apply_weights_on_input else h * pair_weights
         out = torch.zeros(x.shape, dtype=torch.float32)  # (T, H), summed in float32
-        return self.tp.all_reduce(out.index_add_(0, tokens, h).to(x.dtype))
+        out = out.index_add_(0, tokens, h).to(x.dtype)
+        return self.tp.all_reduce(out) if self.reduce else out
 
     def run_experts(
         self, rows: torch.Tensor, ids: torch.Tensor, grouped: bool = False
