@@ -173,3 +173,18 @@ def test_pages_freed_under_in_flight_micro_batches_wait_for_them():
     assert pages.num_free == 3
     pages.mark_collected()
     assert pages.num_free == 4 and pages.num_used == 0
+
+
+def test_a_reservation_never_takes_the_pages_a_preempted_request_waits_for():
+    s = scheduler(num_pages=5)
+    old, new = request("old", 7, 0, max_tokens=20), request("new", 6, 1, max_tokens=20)
+    s.add(old)
+    s.add(new)
+    for _ in range(3):
+        run_step(s)
+    out, _ = run_step(s)  # old takes its 3rd page, the last: new is preempted
+    assert out.preempted == [new] and s.allocator.num_free == 2
+    # new (8 tokens now) needs 3 pages to resume; a 2-token reservation would take 1 of the 2
+    assert not s.reserve(request("remote", 2, 2))
+    s.finish(old, FinishReason.STOP)  # 5 free: new's 3 and the reservation's 1 both fit
+    assert s.reserve(request("remote", 2, 2))

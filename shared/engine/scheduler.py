@@ -64,8 +64,9 @@ class Scheduler:
 
     def reserve(self, req: Request) -> bool:
         """Holds req's admission pages, its prompt's to be written by a prefill worker. All or
-        nothing."""
-        need = self._admission_pages(req)
+        nothing, and never pages that the waiting requests need to be admitted first (a
+        preempted one would otherwise starve while new reservations took its room)."""
+        need = self._admission_pages(req) + sum(map(self._admission_pages, self.waiting))
         if not self.allocator.can_allocate(need):
             return False
         req.page_ids = self.allocator.allocate(need)
