@@ -24,6 +24,17 @@ from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 
 
+def qkv_heads(attn: nn.Module, x: torch.Tensor):
+    """x (T, H) through attn.qkv_proj, split into q (T, nh, hd), k and v (T, nkv, hd)."""
+    T = x.shape[0]
+    q, k, v = attn.qkv_proj(x).split(attn.split, dim=-1)
+    return (
+        q.view(T, attn.num_heads, -1),
+        k.view(T, attn.num_kv_heads, -1),
+        v.view(T, attn.num_kv_heads, -1),
+    )
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -49,10 +60,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, x, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(T, self.num_heads, -1)  # (T, nh, hd)
-        k = k.view(T, self.num_kv_heads, -1)  # (T, nkv, hd)
-        v = v.view(T, self.num_kv_heads, -1)
+        q, k, v = qkv_heads(self, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:

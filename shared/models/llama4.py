@@ -32,6 +32,7 @@ from shared.models.llama import (
     LlamaMLP,
     LlamaModel,
     PPMissingLayer,
+    qkv_heads,
 )
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
@@ -75,10 +76,7 @@ class Llama4Attention(nn.Module):
 
     def forward(self, positions, x, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(T, self.num_heads, -1)  # (T, nh, hd)
-        k = k.view(T, self.num_kv_heads, -1)  # (T, nkv, hd)
-        v = v.view(T, self.num_kv_heads, -1)
+        q, k, v = qkv_heads(self, x)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         if self.qk_norm_eps is not None:
