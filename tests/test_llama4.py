@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from shared.checkpoint import Checkpoint
+from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.shard import model_kv_spec
+from shared.errors import InvalidRequestError
+from shared.kv.chunk_cache import chunk_pages_per_seq
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
 from shared.models.layers import rotary
@@ -67,9 +70,12 @@ def test_layers_as_transformers_builds_them(moe):
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("cpu_kernels", marks=needs_compiler)])
 def test_greedy_matches_transformers(moe, backend):
-    """Requests join while others decode; prompts prefill in chunks of the 24-token budget."""
+    """Requests join while others decode; prompts prefill in chunks of the 24-token budget;
+    every layer's KV in one pool (cap_chunked_kv off)."""
     model_dir, prompts, refs = moe
-    engine = new_engine(model_dir, max_num_batched_tokens=24, attention_backend=backend)
+    engine = new_engine(
+        model_dir, max_num_batched_tokens=24, attention_backend=backend, cap_chunked_kv=False
+    )
     assert attention_backends(engine) == {backend}
     outputs: dict = {}
     for i, p in enumerate(prompts):
@@ -80,6 +86,70 @@ def test_greedy_matches_transformers(moe, backend):
     run_all(engine, outputs)
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
     assert engine.num_pages_used == 0
+
+
+def _capped_engine(model_dir, **options):
+    return new_engine(model_dir, page_size=4, cap_chunked_kv=True, max_num_seqs=8, **options)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu_kernels", marks=needs_compiler)])
+def test_capped_chunked_kv_matches_transformers(moe, backend):
+    """cap_chunked_kv: chunked layers hold pages from their window on (chunks of 8, pages of 4:
+    at most 3 while decoding, the chunk and a 24-token step while prefilling), the global ones
+    every token; requests join mid-run and prefill in chunks of the 24-token budget."""
+    model_dir, prompts, refs = moe
+    engine = _capped_engine(model_dir, max_num_batched_tokens=24, attention_backend=backend)
+    assert attention_backends(engine) == {backend}
+    outputs: dict = {}
+    most_full = most_chunked_decoding = 0
+
+    def step():
+        nonlocal most_full, most_chunked_decoding
+        for s in engine.step():
+            outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
+        for req in engine.scheduler.running:
+            assert len(req.chunk_page_ids) <= 2 + 6 + 2
+            most_full = max(most_full, len(req.page_ids))
+            if req.num_computed_tokens > req.num_prompt_tokens:  # decoded a token at least
+                most_chunked_decoding = max(most_chunked_decoding, len(req.chunk_page_ids))
+
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY_32)
+        for _ in range(3):
+            step()
+    while engine.has_unfinished():
+        step()
+    assert [outputs[str(i)] for i in range(len(prompts))] == refs
+    assert most_chunked_decoding <= 3 < most_full
+    assert engine.num_pages_used == 0 == engine.num_chunk_pages_used
+
+
+def test_capped_chunked_kv_survives_preemption(moe):
+    """A pool of 128 token slots for prompts of up to 60 tokens and 32 more: the newest
+    requests are preempted, both page lists freed, and recomputed to the same tokens."""
+    model_dir, prompts, refs = moe
+    engine = _capped_engine(model_dir, num_pages=32, max_num_batched_tokens=16)
+    reqs = [engine.add_request(str(i), p, GREEDY_32) for i, p in enumerate(prompts)]
+    outputs = run_all(engine)
+    assert [outputs[str(i)] for i in range(len(prompts))] == refs
+    assert any(r.num_preemptions for r in reqs)
+    assert engine.num_pages_used == 0 == engine.num_chunk_pages_used
+
+
+def test_capped_pools_share_the_kv_budget(moe):
+    """The chunked pool takes every sequence's window (max_num_seqs of them) from the budget,
+    the main pool the rest; a capped layout refuses ranks and handoffs it does not serve."""
+    model_dir, _, _ = moe
+    engine = _capped_engine(
+        model_dir, num_pages=None, kv_cache_bytes=4 << 20, max_num_batched_tokens=24
+    )
+    kv, per_seq = engine.kv, chunk_pages_per_seq(8, 4, 24)
+    assert kv.num_chunk_pages == 8 * per_seq == engine.chunk_allocator.num_pages
+    assert kv.nbytes <= 4 << 20 < kv.nbytes + kv.full.nbytes // kv.num_pages
+    with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
+        EngineConfig(model_dir=model_dir, cap_chunked_kv=True, tp=2, allow_oversubscribe=True)
+    with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
+        EngineConfig(model_dir=model_dir, cap_chunked_kv=True, kv_push=True)
 
 
 def _half_split(x, cos, sin):  # Llama's RoPE layout, on Llama 4's per-pair cos/sin
@@ -278,7 +348,8 @@ def test_scout_kv_bytes_per_token():
     """bf16 K and V of 8 heads of 128 in each of 48 layers: 196,608 bytes (192 KiB) a token,
     every layer keeping every token. Chunked layers (36 of 48) need only their chunk (8192):
     capped, a 131,072-token sequence would hold 12 x 131,072 + 36 x 8,192 layer-tokens of
-    4,096 bytes, 7.125 GiB, not 24 GiB; that needs page tables per layer group (not built)."""
+    4,096 bytes, 7.125 GiB, not 24 GiB: with cap_chunked_kv (shared/kv/chunk_cache.py) the
+    chunked layers' pool holds a sequence's window only, 49,152 bytes a token at that length."""
     cfg = scout_config()
     spec = model_kv_spec(cfg, page_size=16, dtype=torch.bfloat16)
     assert spec.page_size_bytes // 16 == 196_608 == cfg.num_layers * 2 * 8 * 128 * 2
@@ -287,6 +358,12 @@ def test_scout_kv_bytes_per_token():
     per_layer = spec.layer_token_bytes(0)
     capped = ((cfg.num_layers - chunked) * 131_072 + chunked * 8192) * per_layer
     assert capped == int(7.125 * 2**30) and 131_072 * spec.page_size_bytes // 16 == 24 * 2**30
+    window = chunk_pages_per_seq(8192, 16, 2048) * 16  # the most a capped chunked layer holds
+    assert window == 8192 + 2048 + 32
+    growth = (cfg.num_layers - chunked) * per_layer  # bytes a token adds past the window
+    assert growth == 49_152 == spec.page_size_bytes // 16 // 4
+    held = ((cfg.num_layers - chunked) * 131_072 + chunked * window) * per_layer
+    assert held // 131_072 == 60_708  # 131,072 tokens of context, at most one step's more
 
 
 class _CountingGroup:

@@ -31,39 +31,28 @@ def build_batch(
     page_size: int,
     masks: Sequence[AttentionMask] = (GLOBAL_MASK,),
     device: torch.device = CPU,
+    capped: bool = False,
 ) -> ForwardBatch:
-    """masks: the distinct masks of the layers that run the step, one metadata each."""
+    """masks: the distinct masks of the layers that run the step, one metadata each.
+    capped: chunked layers keep their pages in a pool of their own (shared/kv/chunk_cache.py)."""
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     logits_rows: list[int] = []
     sample_index: list[int] = []
-    decode: list[tuple[int, int, list[int]]] = []  # single-token rows: (row, context, page ids)
-    prefills: list[tuple[int, int, int, list[int]]] = []  # (row, start, tokens, page ids)
     for i, s in enumerate(out.scheduled):
-        req, row = s.request, len(ids)
         end = s.start + s.num_tokens
-        ids += req.token_ids(s.start, end)
-        positions += range(s.start, end)
-        slots += [
-            req.page_ids[p // page_size] * page_size + p % page_size for p in range(s.start, end)
-        ]
         if s.samples:
-            logits_rows.append(row + s.num_tokens - 1)
+            logits_rows.append(len(ids) + s.num_tokens - 1)
             sample_index.append(i)
-        if s.num_tokens == 1:
-            decode.append((row, end, req.page_ids))
-        else:
-            prefills.append((row, s.start, s.num_tokens, req.page_ids))
-    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    by_mask = {
-        mask: AttentionMetadata(
-            slot_mapping=slot_mapping,
-            decode=_decode_rows(decode, len(ids), page_size, mask, device) if decode else None,
-            prefills=[_prefill_span(*p, page_size, mask, device) for p in prefills],
-        )
-        for mask in masks
-    }
+        ids += s.request.token_ids(s.start, end)
+        positions += range(s.start, end)
+    by_mask = {mask: _mask_metadata(out, page_size, mask, capped, device) for mask in masks}
+    slot_mapping = next(
+        (m.slot_mapping for mask, m in by_mask.items() if not _in_chunk_pool(mask, capped)),
+        None,
+    )
+    if slot_mapping is None:
+        slot_mapping = _mask_metadata(out, page_size, GLOBAL_MASK, capped, device).slot_mapping
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -73,15 +62,47 @@ def build_batch(
     )
 
 
+def _in_chunk_pool(mask: AttentionMask, capped: bool) -> bool:
+    return capped and mask.kind == CHUNKED
+
+
+def _mask_metadata(out, page_size, mask, capped, device) -> AttentionMetadata:
+    """One mask's metadata; its slots and tables index its layers' pool (the chunked pool,
+    logical pages req.chunk_first_page on, for capped chunked layers)."""
+    slots: list[int] = []
+    decode: list[tuple[int, int, list[int], int]] = []  # (row, context, pages, first page)
+    prefills: list[tuple[int, int, int, list[int], int]] = []  # (row, start, n, pages, first)
+    row = 0
+    for s in out.scheduled:
+        req = s.request
+        pages, offset = req.page_ids, 0
+        if _in_chunk_pool(mask, capped):
+            pages, offset = req.chunk_page_ids, req.chunk_first_page
+        end = s.start + s.num_tokens
+        slots += [
+            pages[p // page_size - offset] * page_size + p % page_size for p in range(s.start, end)
+        ]
+        if s.num_tokens == 1:
+            decode.append((row, end, pages, offset))
+        else:
+            prefills.append((row, s.start, s.num_tokens, pages, offset))
+        row += s.num_tokens
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        decode=_decode_rows(decode, row, page_size, mask, device) if decode else None,
+        prefills=[_prefill_span(*p, page_size, mask, device) for p in prefills],
+    )
+
+
 def _decode_rows(
-    decode: list[tuple[int, int, list[int]]],
+    decode: list[tuple[int, int, list[int], int]],
     num_tokens: int,
     page_size: int,
     mask: AttentionMask,
     device: torch.device,
 ) -> DecodeRows:
     long, i32 = torch.long, torch.int32
-    rows, contexts, tables = zip(*decode)
+    rows, contexts, tables, _ = zip(*decode)  # offsets are 0 but in the chunked pool
     first_key = None
     if mask.kind == CHUNKED:  # each row's table starts at its chunk's page
         rows, contexts, tables, first_key = _chunk_pages(decode, page_size, mask)
@@ -102,12 +123,12 @@ def _chunk_pages(decode, page_size: int, mask: AttentionMask):
     its chunk's start c = p // chunk * chunk on, so its table starts at page c // S and its
     context counts from there; first_key: c's offset in that page (None if all are 0)."""
     rows, contexts, tables, offsets = [], [], [], []
-    for row, ctx, pages in decode:
+    for row, ctx, pages, offset in decode:  # pages: logical pages offset on
         start = mask.first_key(ctx - 1)
         first_page = start // page_size
         rows.append(row)
         contexts.append(ctx - first_page * page_size)
-        tables.append(pages[first_page:])
+        tables.append(pages[first_page - offset :])
         offsets.append(start - first_page * page_size)
     return rows, contexts, tables, offsets if any(offsets) else None
 
@@ -117,6 +138,7 @@ def _prefill_span(
     start: int,
     n: int,
     page_ids: list[int],
+    offset: int,  # the logical page of page_ids[0]
     page_size: int,
     mask: AttentionMask,
     device: torch.device,
@@ -126,7 +148,7 @@ def _prefill_span(
     if mask.kind == CHUNKED:  # keys from the first query's chunk on: pages before are unseen
         first_page = mask.first_key(start) // page_size
     key_pos = torch.arange(first_page * page_size, ctx, device=device)  # (keys,)
-    pages = page_ids[first_page : -(-ctx // page_size)]  # (ceil(ctx / S) - first_page,)
+    pages = page_ids[first_page - offset : -(-ctx // page_size) - offset]  # (ceil(ctx/S) - first,)
     pages = torch.tensor(pages, dtype=torch.long, device=device)
     visible = None
     if start > 0 or mask.restricts(ctx):

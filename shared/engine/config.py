@@ -40,6 +40,10 @@ class EngineConfig:
     cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
     device: str = "cpu"  # the device of every rank's tensors (weights, KV pool, steps)
     attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | torch
+    # chunked layers (Llama 4) keep only their chunk's KV, in a pool of their own
+    # (shared/kv/chunk_cache.py): single-rank engines without a KV handoff only.
+    # None: wherever that holds; True: required; False: never
+    cap_chunked_kv: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -62,6 +66,12 @@ class EngineConfig:
             object.__setattr__(self, "kv_shm_path", Path(self.kv_shm_path))
         object.__setattr__(self, "pp_layers", self.parallel.pp_layers)  # validates the shape
         object.__setattr__(self, "cpus", tuple(self.cpus))
+        if self.cap_chunked_kv and not self._can_cap_chunked_kv:
+            raise InvalidRequestError(
+                "cap_chunked_kv",
+                "a capped chunked-layer pool is built for single-rank engines without a KV "
+                "handoff only (tp = pp = 1, no kv_push, no kv_shm_path)",
+            )
         if self.cpus and len(self.cpus) < self.parallel.world_size and not self.allow_oversubscribe:
             raise InvalidRequestError(
                 "cpus",
@@ -76,6 +86,15 @@ class EngineConfig:
             raise InvalidRequestError(
                 "device", f"must be one of {', '.join(DEVICES)}; got {self.device!r}"
             )
+
+    @property
+    def _can_cap_chunked_kv(self) -> bool:
+        return self.parallel.world_size == 1 and not self.kv_push and self.kv_shm_path is None
+
+    @property
+    def caps_chunked_kv(self) -> bool:
+        """Whether chunked layers get a capped pool of their own (if the model has them)."""
+        return self.cap_chunked_kv is not False and self._can_cap_chunked_kv
 
     @property
     def torch_device(self) -> torch.device:

@@ -12,7 +12,9 @@ from shared.engine.scheduler import Scheduler
 from shared.engine.shard import model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
+from shared.kv.chunk_cache import chunk_pages_per_seq, pool_sizes
 from shared.models.config import ModelConfig, generation_eos_ids
+from shared.models.layer_attention import CHUNKED
 from shared.sampling.batch import request_stop_token_ids
 from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
@@ -41,14 +43,21 @@ class LLMEngine:
         self.kv_spec = model_kv_spec(cfg, config.page_size, self.dtype)  # the whole model's
         # rank 0's pool sizes every rank's: page ids are the same everywhere
         rank0 = rank_kv_spec(self.kv_spec, shape, 0)
-        num_pages = config.num_pages or rank0.pages_for_budget(config.kv_cache_bytes)
-        self.executor = start_executor(config, cfg, self.kv_spec, num_pages)
+        self.chunk = _capped_chunk(config, cfg)
+        num_pages, num_chunk_pages = _pool_sizes(config, cfg, rank0, self.chunk)
+        self.executor = start_executor(config, cfg, self.kv_spec, num_pages, num_chunk_pages)
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
         self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
         self.allocator = PageAllocator(num_pages)
+        self.chunk_allocator = None if num_chunk_pages is None else PageAllocator(num_chunk_pages)
         self.scheduler = Scheduler(
-            self.allocator, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
+            self.allocator,
+            config.page_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.chunk_allocator,
+            self.chunk,
         )
         self._in_flight: set[Request] = set()  # requests whose sampled token is on its way
         self.max_model_len = min(
@@ -160,6 +169,11 @@ class LLMEngine:
     def num_pages_used(self) -> int:
         return self.allocator.num_used
 
+    @property
+    def num_chunk_pages_used(self) -> int:
+        """Pages of the capped chunked layers' pool in use (0 when nothing is capped)."""
+        return 0 if self.chunk_allocator is None else self.chunk_allocator.num_used
+
     def load(self) -> dict[str, int]:
         """What a worker's heartbeat reports (HeartbeatMsg's fields of the same names)."""
         sched = self.scheduler
@@ -226,6 +240,28 @@ class LLMEngine:
     def close(self) -> None:
         """Stops the other ranks and releases the KV pool (unlinks its shm file)."""
         self.executor.close()
+
+
+def _capped_chunk(config: EngineConfig, cfg: ModelConfig) -> int | None:
+    """The chunk size of the chunked layers whose KV is capped (None: nothing capped)."""
+    chunks = {a.mask.window for a in cfg.layer_attention if a.mask.kind == CHUNKED}
+    if not config.caps_chunked_kv or len(chunks) != 1:
+        return None
+    return chunks.pop()
+
+
+def _pool_sizes(config: EngineConfig, cfg: ModelConfig, spec, chunk: int | None):
+    """(pages of the main pool, of the capped chunked pool or None) from config's budget."""
+    if chunk is None:
+        return config.num_pages or spec.pages_for_budget(config.kv_cache_bytes), None
+    S = config.page_size
+    per_seq = chunk_pages_per_seq(chunk, S, config.max_num_batched_tokens)
+    chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention)
+    layer_page = spec.page_size_bytes // spec.num_layers  # every layer's KV is alike
+    if config.num_pages:
+        return config.num_pages, min(per_seq * config.max_num_seqs, config.num_pages)
+    full_bytes, chunk_bytes = (spec.num_layers - chunked) * layer_page, chunked * layer_page
+    return pool_sizes(full_bytes, chunk_bytes, config.kv_cache_bytes, per_seq, config.max_num_seqs)
 
 
 def _logprobs(samples, row: int, token_id: int, n: int) -> TokenLogprob:

@@ -127,14 +127,20 @@ def rank_handoff(config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int) -> 
     return KVHandoff.of_rank(kv, spec, config.parallel, rank, config.kv_transport, secret)
 
 
-def start_executor(config: EngineConfig, cfg: ModelConfig, spec: KVSpec, num_pages: int):
+def start_executor(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    spec: KVSpec,
+    num_pages: int,
+    num_chunk_pages: int | None = None,
+):
     """The executor for config's shape; with T x P > 1 this starts the other ranks.
-    spec: the whole model's KV layout."""
+    spec: the whole model's KV layout; num_chunk_pages: capped chunked layers' pool."""
     shape = config.parallel
     if config.cpus:
         pin(rank_cores(config.cpus, shape.world_size, 0))
     if shape.world_size == 1:
-        model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages)
+        model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages, 0, num_chunk_pages)
         handoff = rank_handoff(config, spec, kv, 0)
         hook = None if handoff is None else handoff.on_layer
         runner = ModelRunner(model, kv, cfg.vocab_size, on_layer_done=hook)

@@ -10,6 +10,7 @@ import torch
 from shared.engine.batch import build_batch
 from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
+from shared.kv.chunk_cache import SplitKVCache
 from shared.models.layer_attention import distinct_masks
 from shared.parallel.comm import HIDDEN, RankComm
 from shared.parallel.group import SINGLE, TPGroup
@@ -62,7 +63,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None):
-        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device)
+        capped = isinstance(self.kv, SplitKVCache)
+        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device, capped)
         hook = self.on_layer_done
         after_layer = None if hook is None else (lambda layer: hook(layer, out))
         hidden = residual = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.kv.allocator import PageAllocator
-from shared.kv.pages import pages_for, pages_to_admit, pages_to_grow
+from shared.kv.pages import chunk_window, pages_for, pages_to_admit, pages_to_grow
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,11 @@ class Scheduler:
         page_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        chunk_allocator: PageAllocator | None = None,  # capped chunked layers' pool
+        chunk: int | None = None,  # ... and their chunk size
     ):
         self.allocator = allocator
+        self.chunk_allocator, self.chunk = chunk_allocator, chunk
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -132,10 +135,12 @@ class Scheduler:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             extra = self._admission_pages(req)
-            if not self.allocator.can_allocate(extra):
+            extra_chunk = self._chunk_grow(req, n)
+            if not self._can_allocate(extra, extra_chunk):
                 break
             self.waiting.popleft()
             req.page_ids += self.allocator.allocate(extra)
+            self._allocate_chunk(req, extra_chunk)
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
@@ -145,7 +150,8 @@ class Scheduler:
         """Pages for req's next n tokens, preempting the newest running requests (never one in
         flight) if needed. False when req itself was preempted or nothing could be."""
         extra = pages_to_grow(len(req.page_ids), req.num_computed_tokens + n, self.page_size)
-        while not self.allocator.can_allocate(extra):
+        extra_chunk = self._chunk_grow(req, n)
+        while not self._can_allocate(extra, extra_chunk):
             victims = [r for r in self.running if r not in exclude]
             if not victims:
                 return False
@@ -154,13 +160,48 @@ class Scheduler:
             if victim is req:
                 return False
         req.page_ids += self.allocator.allocate(extra)
+        self._allocate_chunk(req, extra_chunk)
         return True
+
+    def _chunk_grow(self, req: Request, n: int) -> int:
+        """Frees req's chunked pages before the window of its next n tokens (no later step
+        reads them; a pipeline's earlier micro-batches are covered by the quarantine) and
+        returns how many it needs beyond those it holds."""
+        if self.chunk_allocator is None:
+            return 0
+        start = req.num_computed_tokens
+        first, end = chunk_window(start, start + n, self.chunk, self.page_size)
+        drop = max(0, min(first - req.chunk_first_page, len(req.chunk_page_ids)))
+        if drop:
+            self.chunk_allocator.free(req.chunk_page_ids[:drop])
+            del req.chunk_page_ids[:drop]
+        if not req.chunk_page_ids:
+            req.chunk_first_page = first
+        else:
+            req.chunk_first_page += drop
+        return max(0, end - req.chunk_first_page - len(req.chunk_page_ids))
+
+    def _can_allocate(self, extra: int, extra_chunk: int) -> bool:
+        chunk = self.chunk_allocator
+        return self.allocator.can_allocate(extra) and (
+            chunk is None or chunk.can_allocate(extra_chunk)
+        )
+
+    def _allocate_chunk(self, req: Request, n: int) -> None:
+        if n:
+            req.chunk_page_ids += self.chunk_allocator.allocate(n)
+
+    def _free_chunk(self, req: Request) -> None:
+        if req.chunk_page_ids:
+            self.chunk_allocator.free(req.chunk_page_ids)
+        req.chunk_page_ids, req.chunk_first_page = [], 0
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
         self.allocator.free(req.page_ids)
         req.page_ids = []
+        self._free_chunk(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -198,3 +239,4 @@ class Scheduler:
         if req.page_ids:
             self.allocator.free(req.page_ids)
             req.page_ids = []
+        self._free_chunk(req)

@@ -9,8 +9,10 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.kv.cache import KVCache
+from shared.kv.chunk_cache import SplitKVCache
 from shared.kv.spec import KVSpec, MHAKVSpec
 from shared.models.config import ModelConfig
+from shared.models.layer_attention import CHUNKED
 from shared.models.layers.attention_backend import select_backend
 from shared.models.loader import load_model
 from shared.parallel.group import TPGroup
@@ -64,7 +66,8 @@ def build_shard(
     stage: PPStage,
     num_pages: int,
     rank: int = 0,
-) -> tuple[torch.nn.Module, KVCache]:
+    num_chunk_pages: int | None = None,  # capped chunked layers' pool (single rank)
+) -> tuple[torch.nn.Module, KVCache | SplitKVCache]:
     """The model's part and the KV pool of rank `rank` (TP rank tp.rank of stage `stage`)."""
     dtype, device = config.torch_dtype(cfg.torch_dtype), config.torch_device
     attention = select_backend(device, dtype, config.attention_backend)  # once, for all layers
@@ -75,7 +78,11 @@ def build_shard(
         "rank %d: model loaded in %.2f s (attention: %s)", rank, loaded - start, attention.name
     )
     spec = rank_kv_spec(model_kv_spec(cfg, config.page_size, dtype), config.parallel, rank)
-    kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank), device)
+    if num_chunk_pages is None:
+        kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank), device)
+    else:
+        chunked = tuple(a.mask.kind == CHUNKED for a in cfg.layer_attention)
+        kv = SplitKVCache(spec, chunked, num_pages, num_chunk_pages, device)
     log.info(
         "rank %d: KV pool of %d pages (%.0f MiB) in %.2f s",
         rank,

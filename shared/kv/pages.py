@@ -42,3 +42,9 @@ def fits(free_pages: int, num_tokens: int, page_size: int) -> bool:
 def pages_to_grow(num_held: int, num_tokens: int, page_size: int) -> int:
     """Pages to add to the `num_held` a request holds before computing up to `num_tokens`."""
     return max(0, pages_for(num_tokens, page_size) - num_held)
+
+
+def chunk_window(start: int, end: int, chunk: int, page_size: int) -> tuple[int, int]:
+    """[first, end) logical pages that a chunked layer (chunks of `chunk` tokens) reads or
+    writes computing tokens [start, end): from the chunk of `start` on."""
+    return start // chunk * chunk // page_size, pages_for(end, page_size)
