@@ -222,4 +222,3 @@ def test_a_uniform_model_builds_one_metadata():
     out = step_case()[0]
     batch = build_batch(out, PAGE)
     assert list(batch.meta.by_mask) == [GLOBAL_MASK]
-    assert batch.meta.of(GLOBAL_MASK).slot_mapping is batch.meta.slot_mapping

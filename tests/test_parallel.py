@@ -131,7 +131,8 @@ def test_step_plan_rebuilds_the_same_batch(model4):
     mine, theirs = build_batch(out, 4), build_batch(plan.scheduler_output(), 4)
     assert plan.micro_batch == 7 and torch.equal(mine.input_ids, theirs.input_ids)
     assert torch.equal(mine.positions, theirs.positions)
-    assert torch.equal(mine.meta.slot_mapping, theirs.meta.slot_mapping)
+    for mask, meta in mine.meta.by_mask.items():
+        assert torch.equal(meta.slot_mapping, theirs.meta.of(mask).slot_mapping)
     assert mine.sample_index == theirs.sample_index
     sampled = [out.scheduled[i].request for i in mine.sample_index]
     assert [r.params for r in plan.rows] == [r.params for r in sampled]

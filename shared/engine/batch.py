@@ -47,16 +47,10 @@ def build_batch(
         ids += s.request.token_ids(s.start, end)
         positions += range(s.start, end)
     by_mask = {mask: _mask_metadata(out, page_size, mask, capped, device) for mask in masks}
-    slot_mapping = next(
-        (m.slot_mapping for mask, m in by_mask.items() if not _in_chunk_pool(mask, capped)),
-        None,
-    )
-    if slot_mapping is None:
-        slot_mapping = _mask_metadata(out, page_size, GLOBAL_MASK, capped, device).slot_mapping
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=StepMetadata(slot_mapping, by_mask),
+        meta=StepMetadata(by_mask),
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
         sample_index=sample_index,
     )

@@ -81,9 +81,9 @@ class AttentionMetadata:
 @dataclass
 class StepMetadata:
     """A step's attention metadata: one AttentionMetadata per distinct mask among the layers
-    that run it (one for a model whose layers all attend alike), sharing the slot mapping."""
+    that run it (one for a model whose layers all attend alike), each with the slot mapping of
+    its layers' pool."""
 
-    slot_mapping: torch.Tensor  # (T,) as in each AttentionMetadata
     by_mask: dict[AttentionMask, AttentionMetadata]
 
     def of(self, mask: AttentionMask) -> AttentionMetadata:
