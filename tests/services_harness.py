@@ -256,3 +256,29 @@ async def stream_until_error(client, model: str, started: asyncio.Event, **kw):
     except openai.APIError as e:
         return time.monotonic(), str(e)
     return time.monotonic(), None
+
+
+def start_prefill_tp2_decode_pp2(s: Services, model_dir: Path, kv_transport: str = "shm") -> None:
+    """A scheduler, a prefill worker of shape (2, 1), a decode worker of (1, 2) and a gateway,
+    float32 on one thread a rank, until healthy."""
+    common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2"]
+    common += ["--allow-oversubscribe", "--threads", "1"]
+    s.scheduler()
+    s.start("prefill", "prefill", *common, "--tp", "2", "--kv-transport", kv_transport)
+    s.start("decode", "decode", *common, "--pp", "2")
+    s.gateway()
+    s.wait_healthy(120)
+
+
+async def assert_completions_equal(
+    s: Services, model: str, prompts, expected, max_tokens: int
+) -> None:
+    """Greedy completions of max_tokens through the gateway equal the offline engine's
+    outputs `expected`, text and token count."""
+    async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
+        for prompt, ref in zip(prompts, expected):
+            out = await c.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0
+            )
+            assert out.choices[0].text == ref.text, s.logs()
+            assert out.usage.completion_tokens == len(ref.token_ids)

@@ -29,7 +29,12 @@ from engine_helpers import (
     new_engine,
     run_all,
 )
-from services_harness import Services, free_port
+from services_harness import (
+    Services,
+    assert_completions_equal,
+    free_port,
+    start_prefill_tp2_decode_pp2,
+)
 from tiny_models import load_hf
 
 # family, overrides: Mixtral (top 2 renormalised); Qwen3-MoE without and with renormalisation
@@ -179,21 +184,9 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
         expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     s = Services(tmp_path, model_dir)
     s.__enter__()
-    common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2"]
-    common += ["--allow-oversubscribe", "--threads", "1"]
     try:
-        s.scheduler()
-        s.start("prefill", "prefill", *common, "--tp", "2", "--kv-transport", "shm")
-        s.start("decode", "decode", *common, "--pp", "2")
-        s.gateway()
-        s.wait_healthy(120)
-        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
-            for prompt, ref in zip(prompts, expected):
-                out = await c.completions.create(
-                    model=model_dir.name, prompt=prompt, max_tokens=16, temperature=0
-                )
-                assert out.choices[0].text == ref.text, s.logs()
-                assert out.usage.completion_tokens == len(ref.token_ids)
+        start_prefill_tp2_decode_pp2(s, model_dir)
+        await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
     finally:
         s.stop_all()
 

@@ -5,13 +5,17 @@ shm, or each prefill rank to the decode worker's TCP server); completions equal 
 
 import os
 
-import openai
 import pytest
 
 from shared.engine.llm import LLM
 from shared.sampling.params import SamplingParams
 
-from services_harness import Services, wait_metric
+from services_harness import (
+    Services,
+    assert_completions_equal,
+    start_prefill_tp2_decode_pp2,
+    wait_metric,
+)
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"]
 
@@ -25,15 +29,9 @@ def model4(tiny_model_factory):
 def cluster(tmp_path_factory, model4, request):
     s = Services(tmp_path_factory.mktemp("cluster-shapes"), model4)
     s.__enter__()
-    common = ["--model", str(model4), "--dtype", "float32", "--heartbeat", "0.2"]
-    common += ["--allow-oversubscribe", "--threads", "1"]
     os.environ["TISON_KV_SECRET"] = "test-secret"  # the workers inherit it; TCP is on
     try:
-        s.scheduler()
-        s.start("prefill", "prefill", *common, "--tp", "2", "--kv-transport", request.param)
-        s.start("decode", "decode", *common, "--pp", "2")
-        s.gateway()
-        s.wait_healthy(120)
+        start_prefill_tp2_decode_pp2(s, model4, request.param)
     except Exception:
         print(s.logs())
         s.stop_all()
@@ -47,15 +45,7 @@ def cluster(tmp_path_factory, model4, request):
 async def test_prefill_tp2_to_decode_pp2_equals_offline(cluster, model4):
     with LLM(model4, dtype="float32") as llm:
         expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
-    async with openai.AsyncOpenAI(
-        base_url=cluster.base_url + "/v1", api_key="x", max_retries=0
-    ) as client:
-        for prompt, ref in zip(PROMPTS, expected):
-            out = await client.completions.create(
-                model=model4.name, prompt=prompt, max_tokens=16, temperature=0
-            )
-            assert out.choices[0].text == ref.text, cluster.logs()
-            assert out.usage.completion_tokens == len(ref.token_ids)
+    await assert_completions_equal(cluster, model4.name, PROMPTS, expected, 16)
     if cluster.kv_transport == "tcp":  # the decode worker's TCP server took the pages
         what = "KV bytes received over TCP"
         await wait_metric(cluster, "tison_kv_transfer_bytes", lambda n: n > 0, what, "decode")
@@ -88,11 +78,6 @@ async def test_colocated_worker_of_each_shape_equals_offline(tmp_path_factory, m
         )
         s.gateway()
         s.wait_healthy(120)
-        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
-            for prompt, ref in zip(PROMPTS, expected):
-                out = await c.completions.create(
-                    model=model4.name, prompt=prompt, max_tokens=16, temperature=0
-                )
-                assert out.choices[0].text == ref.text, s.logs()
+        await assert_completions_equal(s, model4.name, PROMPTS, expected, 16)
     finally:
         s.stop_all()
