@@ -74,6 +74,21 @@ def run_all(engine: LLMEngine, outputs: dict | None = None) -> dict[str, list[in
     return outputs
 
 
+def run_staggered(engine: LLMEngine, prompts, params, outputs: dict | None = None) -> list:
+    """Each prompt joins after the earlier ones ran 3 steps (so steps mix prefill chunks and
+    decode rows), then all run to the end. Returns the requests; `outputs` (request id ->
+    tokens) collects every step's new tokens."""
+    outputs = {} if outputs is None else outputs
+    requests = []
+    for i, p in enumerate(prompts):
+        requests.append(engine.add_request(str(i), p, params))
+        for _ in range(3):
+            for s in engine.step():
+                outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
+    run_all(engine, outputs)
+    return requests
+
+
 def attention_backends(engine: LLMEngine) -> set[str]:
     """The names of the attention backends rank 0's layers run on."""
     return {layer.self_attn.attn.backend.name for layer in engine.model.model.layers}

@@ -16,6 +16,7 @@ from engine_helpers import (
     make_prompts,
     new_engine,
     run_all,
+    run_staggered,
 )
 from tiny_models import build_model
 
@@ -45,12 +46,7 @@ def test_mixed_layers_match_transformers(mixed, backend):
     assert masks == [AttentionMask(SLIDING, 8), GLOBAL_MASK, AttentionMask(SLIDING, 8)]
     assert attention_backends(engine) == {backend}
     outputs: dict = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY_32)
-        for _ in range(3):  # the earlier requests decode while later ones prefill in chunks
-            for s in engine.step():
-                outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
-    run_all(engine, outputs)
+    run_staggered(engine, prompts, GREEDY_32, outputs)
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
     assert engine.num_pages_used == 0
 

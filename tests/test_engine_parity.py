@@ -16,6 +16,7 @@ from engine_helpers import (
     make_prompts,
     new_engine,
     run_all,
+    run_staggered,
 )
 from tiny_models import FAMILIES
 
@@ -56,12 +57,7 @@ def test_staggered_arrivals_match_transformers(references, family, kernels, monk
     model_dir, prompts, refs, _ = references(family)
     engine = new_engine(model_dir, max_num_batched_tokens=24)
     outputs: dict = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY_32)
-        for _ in range(3):  # let the earlier ones run a few steps first
-            for s in engine.step():
-                outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
-    run_all(engine, outputs)
+    run_staggered(engine, prompts, GREEDY_32, outputs)
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
     assert engine.num_pages_used == 0
 

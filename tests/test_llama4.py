@@ -34,6 +34,7 @@ from engine_helpers import (
     make_prompts,
     new_engine,
     run_all,
+    run_staggered,
 )
 from tiny_models import build_tokenizer, hf_config, soften_attention
 
@@ -78,12 +79,7 @@ def test_greedy_matches_transformers(moe, backend):
     )
     assert attention_backends(engine) == {backend}
     outputs: dict = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY_32)
-        for _ in range(3):
-            for s in engine.step():
-                outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
-    run_all(engine, outputs)
+    run_staggered(engine, prompts, GREEDY_32, outputs)
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
     assert engine.num_pages_used == 0
 

@@ -27,7 +27,7 @@ from engine_helpers import (
     hf_greedy_logits,
     make_prompts,
     new_engine,
-    run_all,
+    run_staggered,
 )
 from services_harness import (
     Services,
@@ -86,12 +86,7 @@ def test_staggered_greedy_and_logprobs_match_transformers(references, name):
     token equals transformers' greedy one, its logprobs (top 5 too) float32's within LOGPROB_TOL."""
     model_dir, prompts, refs, ref_logits = references(name)
     engine = new_engine(model_dir, max_num_batched_tokens=24, num_pages=64)
-    requests = []
-    for i, p in enumerate(prompts):
-        requests.append(engine.add_request(str(i), p, GREEDY_LOGPROBS))
-        for _ in range(3):  # let the earlier ones run a few steps first
-            engine.step()
-    run_all(engine)
+    requests = run_staggered(engine, prompts, GREEDY_LOGPROBS)
     for req, tokens, logits in zip(requests, refs, ref_logits):
         assert_logprobs_match(req, tokens, logits)
     assert engine.num_pages_used == 0
@@ -154,10 +149,10 @@ def test_fused_expert_tensors_load_as_per_expert_ones(references, name, tmp_path
         assert torch.equal(ours[0][key], ours[1][key]), key
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "llama4_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "llama4_moe", "deepseek_v3"])
 def test_up_serves_each_moe_family_as_offline(references, tiny_model_factory, family):
     """`tison up` (a prefill and a decode worker) completes greedily as the offline engine,
-    itself equal to transformers (above, and tests/test_llama4.py)."""
+    itself equal to transformers (above, tests/test_llama4.py, tests/test_deepseek_v3.py)."""
     model_dir = references(family)[0] if family in MODELS else tiny_model_factory(family)
     prompts = ["def fibonacci(n):", "The quick brown fox"]
     with LLM(model_dir, dtype="float32") as llm:

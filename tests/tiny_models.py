@@ -93,6 +93,46 @@ FAMILIES["llama4"] = LLAMA4
 FAMILIES["llama4_moe"] = dict(
     LLAMA4, moe_layers=None, interleave_moe_layer_step=2, num_local_experts=4, attn_scale=0.12
 )
+# --- DeepSeek-V3 (MLA + grouped routing): every quirk at test sizes --------------------------
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    num_hidden_layers=3,
+    num_key_value_heads=4,  # = num_attention_heads, as the real configs (MLA has no KV heads)
+    first_k_dense_replace=1,  # layer 0 dense, layers 1-2 routed
+    n_routed_experts=8,
+    n_group=4,  # 4 groups of 2 experts, the best 2 groups kept
+    topk_group=2,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=24,  # != qk_nope_head_dim: no shape may assume they agree
+    # YaRN over an original context of 64: prompts + outputs (up to ~90 positions) exceed it;
+    # mscale_all_dim != mscale: attention factor and softmax scale both != 1
+    rope_scaling=dict(
+        type="yarn",
+        factor=4.0,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+        original_max_position_embeddings=64,
+    ),
+    rope_theta=10000.0,
+    num_nextn_predict_layers=0,
+)
+FAMILIES["deepseek_v3"] = DEEPSEEK_V3
+# one q_proj; 2 groups of 4, the best kept, top 3 of its experts (at top 2 a prompt meets a
+# routing tie within float32 rounding)
+FAMILIES["deepseek_v3_no_q_lora"] = dict(
+    DEEPSEEK_V3, q_lora_rank=None, n_group=2, topk_group=1, num_experts_per_tok=3
+)
 # ------------------------------------------------------------------------------------------
 
 
@@ -156,6 +196,7 @@ def build_model(out: Path, family: str = "llama", **overrides) -> Path:
     torch.manual_seed(list(FAMILIES).index(family))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     soften_attention(model, config.hidden_size)
+    randomize_router_bias(model)
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
     build_tokenizer(out)
@@ -167,10 +208,29 @@ def soften_attention(model, hidden_size: int) -> None:
     of std ~1, as in trained models. At initializer_range=0.5 they have std ~16: attention
     close to an argmax whose near-tied scores amplify float32 rounding: transformers' own cached
     and uncached forwards then differ by 1.1e-4 in logprobs (llama), against 1.7e-5 at std ~1."""
+    config = model.config
+    fan_in = {  # MLA's q/k projections (DeepSeek-V3) and its router: std 1 / sqrt(inputs)
+        "q_b_proj.weight": getattr(config, "q_lora_rank", None),
+        "kv_b_proj.weight": getattr(config, "kv_lora_rank", None),
+        "kv_a_proj_with_mqa.weight": hidden_size,
+        "mlp.gate.weight": hidden_size,
+    }
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 weight.normal_(0.0, hidden_size**-0.5)
+            for suffix, inputs in fan_in.items():
+                if name.endswith(suffix) and inputs:
+                    weight.normal_(0.0, inputs**-0.5)
+
+
+def randomize_router_bias(model) -> None:
+    """DeepSeek-V3's e_score_correction_bias starts at zero in transformers; random here, so
+    that the bias changes which experts are chosen (but not their weights)."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
 
 
 def load_hf(model_dir: Path, dtype=torch.float32):

@@ -10,7 +10,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.kv.cache import KVCache
 from shared.kv.chunk_cache import SplitKVCache
-from shared.kv.spec import KVSpec, MHAKVSpec
+from shared.kv.spec import KVSpec, MHAKVSpec, MLAKVSpec
 from shared.models.config import ModelConfig
 from shared.models.layer_attention import CHUNKED
 from shared.models.layers.attention_backend import select_backend
@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def model_kv_spec(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> KVSpec:
-    """The whole model's KV layout (every layer, every head)."""
+    """The whole model's KV layout (every layer, every head): MLA's latent + RoPE part, or
+    MHA's K and V heads."""
+    if cfg.mla is not None:
+        m = cfg.mla
+        return MLAKVSpec(cfg.num_layers, page_size, m.kv_lora_rank, m.qk_rope_head_dim, dtype)
     return MHAKVSpec(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 

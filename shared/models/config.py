@@ -31,6 +31,7 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's stored dtype, e.g. "bfloat16"
     raw: dict  # the whole config.json, for family-specific fields
     llama4: "Llama4Fields | None" = None  # Llama 4 text models only (below)
+    mla: "MLAFields | None" = None  # multi-head latent attention (DeepSeek-V3, Kimi K2) only
 
     # --- Mixture of experts (Mixtral, Qwen3-MoE, Llama 4): _moe_fields; num_experts 0: dense ---
     num_experts: int = 0  # routed experts of a MoE layer (num_local_experts / num_experts)
@@ -39,6 +40,11 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum 1 (Mixtral)
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense MLP
     shared_expert_intermediate_size: int = 0  # an always-on shared expert's width; 0: none
+    # grouped routing (DeepSeek-V3): experts in n_group groups, each token's top k taken
+    # from its topk_group best groups; the routed weights times routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -96,6 +102,7 @@ class ModelConfig:
             raw=raw,
             **_moe_fields(raw, model_type, num_layers),
             llama4=Llama4Fields.from_raw(raw) if model_type.startswith("llama4") else None,
+            mla=MLAFields.from_raw(raw, source) if "kv_lora_rank" in raw else None,
         )
         cfg._validate(source)
         return cfg
@@ -119,11 +126,15 @@ def _moe_fields(raw: dict, model_type: str, num_layers: int) -> dict:
     to experts as wide as intermediate_size, the top k renormalised. Qwen3-MoE: experts of
     moe_intermediate_size, renormalised iff norm_topk_prob; layer i is dense where
     mlp_only_layers lists it or (i + 1) is not a multiple of decoder_sparse_step."""
-    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    num_experts = int(
+        raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0
+    )
     if not num_experts:
         return {}
     if model_type.startswith("llama4"):
         return _llama4_moe_fields(raw, num_experts, num_layers)
+    if "n_routed_experts" in raw:
+        return _deepseek_moe_fields(raw, num_experts, num_layers)
     mixtral = model_type == "mixtral"
     step = int(raw.get("decoder_sparse_step") or 1)
     dense = set(raw.get("mlp_only_layers") or [])
@@ -159,6 +170,71 @@ def _llama4_moe_fields(raw: dict, num_experts: int, num_layers: int) -> dict:
         moe_layers=tuple(i in moe for i in range(num_layers)),
         shared_expert_intermediate_size=width,
     )
+
+
+def _deepseek_moe_fields(raw: dict, num_experts: int, num_layers: int) -> dict:
+    """DeepSeek-V3 and Kimi K2: layers from first_k_dense_replace on (every moe_layer_freq-th)
+    route sigmoid scores, biased by e_score_correction_bias for the choice, in groups, beside
+    n_shared_experts shared experts (one SwiGLU of n_shared_experts x moe_intermediate_size)."""
+    first, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
+    width = int(raw.get("moe_intermediate_size") or 0)
+    n_group = int(raw.get("n_group") or 1)
+    if num_experts % n_group or not 0 < int(raw.get("topk_group") or 1) <= n_group:
+        raise ModelFolderError(
+            "config.json",
+            f"n_routed_experts {num_experts} in n_group {n_group} groups, topk_group "
+            f"{raw.get('topk_group')}: need equal groups and 1 <= topk_group <= n_group",
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=width,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        moe_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)),
+        shared_expert_intermediate_size=width * int(raw.get("n_shared_experts") or 0),
+        n_group=n_group,
+        topk_group=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+    )
+
+
+# --- Multi-head latent attention (DeepSeek-V3, Kimi K2) ------------------------------------
+
+
+@dataclass(frozen=True)
+class MLAFields:
+    """MLA's dimensions, as transformers' DeepseekV3Config reads them. Per head, q and k have
+    a no-RoPE part (qk_nope_head_dim) and a RoPE part (qk_rope_head_dim); k's no-RoPE part and v
+    (v_head_dim) come from one latent per token (kv_lora_rank) through kv_b_proj, and its RoPE
+    part is one vector shared by every head: the KV cache holds latent + RoPE part only."""
+
+    q_lora_rank: int | None  # q through q_a_proj -> norm -> q_b_proj; None: one q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # RoPE on interleaved pairs (DeepSeek's checkpoints), else half-split
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_raw(cls, raw: dict, source: str) -> "MLAFields":
+        try:
+            fields = cls(
+                q_lora_rank=int(raw["q_lora_rank"]) if raw.get("q_lora_rank") else None,
+                kv_lora_rank=int(raw["kv_lora_rank"]),
+                qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+                v_head_dim=int(raw["v_head_dim"]),
+                rope_interleave=bool(raw.get("rope_interleave", True)),
+            )
+        except KeyError as e:
+            raise ModelFolderError(source, f"missing field {e.args[0]!r} (MLA)") from e
+        if min(fields.kv_lora_rank, fields.qk_rope_head_dim, fields.v_head_dim) <= 0:
+            raise ModelFolderError(source, "kv_lora_rank, qk_rope_head_dim, v_head_dim: positive")
+        return fields
 
 
 # --- Llama 4 (text) ------------------------------------------------------------------------

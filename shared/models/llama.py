@@ -2,6 +2,8 @@
 qkv_bias (Qwen2), qk_norm (Qwen3), rope_scaling llama3, tied embeddings, and per layer its
 attention mask (global, sliding window, chunked) and whether it applies RoPE."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -90,7 +92,7 @@ class LlamaMLP(nn.Module):
 
 
 def dense_mlp(cfg: ModelConfig, index: int, dtype, tp: TPGroup) -> nn.Module:
-    """Every layer's MLP in the dense families: make_mlp of LlamaModel by default."""
+    """Every layer's MLP in the dense families: LlamaForCausalLM.make_mlp by default."""
     return LlamaMLP(cfg, dtype, tp)
 
 
@@ -141,10 +143,11 @@ class PPMissingLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage, backend, make_mlp=dense_mlp
-    ):
-        """make_mlp(cfg, index, dtype, tp): layer index's MLP (a family's own, MoE say)."""
+    """The decoder stack of a stage: embedding (first stage), its layers, the final norm (last
+    stage). make_layer(i) builds decoder layer i: each family its own (Llama 4, DeepSeek-V3
+    share this skeleton and its forward)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage, make_layer: Callable):
         super().__init__()
         self.stage = stage
         # only the first stage embeds and only the last one normalises: others hold neither
@@ -153,14 +156,8 @@ class LlamaModel(nn.Module):
             if stage.is_first
             else None
         )
-        rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
-        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, dtype, tp, backend, make_mlp(cfg, i, dtype, tp))
-            if stage.owns(i)
-            else PPMissingLayer()
-            for i in range(cfg.num_layers)
+            make_layer(i) if stage.owns(i) else PPMissingLayer() for i in range(cfg.num_layers)
         )
         self.masks = [layer.mask for layer in cfg.layer_attention]  # each layer's metadata key
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
@@ -232,12 +229,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         attention = attention or select_backend("cpu", dtype)
-        self.model = LlamaModel(cfg, dtype, tp, stage, attention, self.make_mlp)
+        self.model = LlamaModel(cfg, dtype, tp, stage, self.layer_maker(cfg, dtype, tp, attention))
         self.lm_head = None
         if stage.is_last:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
             if cfg.tie_word_embeddings and stage.is_first:
                 self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer_maker(self, cfg: ModelConfig, dtype, tp: TPGroup, attention) -> Callable:
+        """index -> this family's decoder layer `index` (all sharing one rotary embedding)."""
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
+        return lambda i: LlamaDecoderLayer(
+            cfg, i, rotary, dtype, tp, attention, self.make_mlp(cfg, i, dtype, tp)
+        )
 
     def forward(
         self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None

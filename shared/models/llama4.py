@@ -12,6 +12,7 @@ What differs from Llama (llama.py, whose skeleton and forward passes these class
 Per-layer masks come from layer_attention.py; the fused decoder (decode_layer.c) has none of
 this, so Llama 4 decodes layer by layer."""
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -20,22 +21,13 @@ from torch import nn
 from shared.models.config import ModelConfig
 from shared.models.layer_attention import LayerAttention
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
-from shared.models.layers.attention_backend import AttentionBackend, select_backend
-from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shared.models.layers.attention_backend import AttentionBackend
 from shared.models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from shared.models.layers.moe import DOWN_T, GATE_UP_T, SIGMOID, FusedMoE
 from shared.models.layers.norm import RMSNorm
 from shared.models.layers.rotary import InterleavedRotaryEmbedding
-from shared.models.llama import (
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaModel,
-    PPMissingLayer,
-    qkv_heads,
-)
-from shared.parallel.group import SINGLE, TPGroup
-from shared.parallel.pipeline import WHOLE_MODEL, PPStage
+from shared.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, qkv_heads
+from shared.parallel.group import TPGroup
 
 # checkpoint name prefixes of Llama4ForConditionalGeneration's non-text parts
 _NOT_TEXT = ("vision_model.", "multi_modal_projector.")
@@ -136,31 +128,6 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
         return None  # decode_layer.c rotates half-split and has no L2 norm, temperature or MoE
 
 
-class Llama4Model(LlamaModel):
-    """LlamaModel's forward (stages, per-mask metadata, after_layer) over Llama 4 layers."""
-
-    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, stage: PPStage, backend):
-        nn.Module.__init__(self)  # Llama's layers are not these: only its forward is shared
-        self.stage = stage
-        self.embed_tokens = (
-            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-            if stage.is_first
-            else None
-        )
-        rotary = InterleavedRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(cfg, i, rotary, dtype, tp, backend)
-            if stage.owns(i)
-            else PPMissingLayer()
-            for i in range(cfg.num_layers)
-        )
-        self.masks = [layer.mask for layer in cfg.layer_attention]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
-        self.start = stage.start_layer
-        self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
-        self.fused = None  # no fused decode (Llama4DecoderLayer.decode_spec)
-
-
 class Llama4ForCausalLM(LlamaForCausalLM):
     """Llama4ForCausalLM and Llama4ForConditionalGeneration checkpoints (text only)."""
 
@@ -172,24 +139,11 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         "w2": ("w2", (None, DOWN_T)),
     }
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        dtype=torch.float32,
-        tp: TPGroup = SINGLE,
-        stage: PPStage = WHOLE_MODEL,
-        attention: AttentionBackend | None = None,
-    ):
-        nn.Module.__init__(self)  # Llama's model is not this one: only its forward is shared
+    def layer_maker(self, cfg: ModelConfig, dtype, tp: TPGroup, attention) -> Callable:
         if cfg.llama4 is None:
             raise ValueError(f"{cfg.architecture} needs a llama4 config (model_type llama4*)")
-        self.config = cfg
-        self.model = Llama4Model(cfg, dtype, tp, stage, attention or select_backend("cpu", dtype))
-        self.lm_head = None
-        if stage.is_last:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-            if cfg.tie_word_embeddings and stage.is_first:
-                self.lm_head.weight = self.model.embed_tokens.weight
+        rotary = InterleavedRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return lambda i: Llama4DecoderLayer(cfg, i, rotary, dtype, tp, attention)
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name in this model; None for the vision tower's and projector's

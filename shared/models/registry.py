@@ -15,6 +15,9 @@ _MODELS = {
     # Llama 4: the multimodal checkpoints are served text-only (their text_config)
     "Llama4ForCausalLM": "shared.models.llama4:Llama4ForCausalLM",
     "Llama4ForConditionalGeneration": "shared.models.llama4:Llama4ForCausalLM",
+    # DeepSeek-V3 and Kimi K2 (MLA + grouped-routing MoE); Kimi K2.5 served text-only
+    "DeepseekV3ForCausalLM": "shared.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration": "shared.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 

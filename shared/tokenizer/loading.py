@@ -13,6 +13,7 @@ from shared.errors import ModelFolderError
 from shared.tokenizer.chat import ChatTemplate
 
 TOKENIZER_FILE = "tokenizer.json"
+TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 GENERATION_FILE = "generation_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -35,6 +36,14 @@ def load_backend(model_dir: Path) -> BackendTokenizer:
     switched off: an inference engine rejects long prompts, it never cuts them silently."""
     path = model_dir / TOKENIZER_FILE
     if not path.is_file():
+        tiktoken = model_dir / TIKTOKEN_FILE
+        if tiktoken.is_file():  # Kimi K2's folders: a tiktoken BPE read by the model's own code
+            raise ModelFolderError(
+                str(path),
+                f"missing; the folder has {tiktoken}, a tiktoken tokenizer, which Tison does not "
+                "read: save it as tokenizer.json (transformers: AutoTokenizer.from_pretrained("
+                "folder, trust_remote_code=True).save_pretrained(folder))",
+            )
         raise ModelFolderError(str(path), "missing")
     try:
         backend = BackendTokenizer.from_file(str(path))

@@ -1,7 +1,8 @@
 """Mixture of experts: the router policy and the experts of one layer, token-grouped.
 
 `route` picks each token's experts and their weights (Mixtral, Qwen3-MoE: softmax top-k, with or
-without renormalisation; Llama 4: sigmoid top-1). `FusedMoE` holds every expert's SwiGLU
+without renormalisation; Llama 4: sigmoid top-1), `grouped_topk` DeepSeek-V3's (sigmoid scores,
+a bias for the choice only, experts in groups). `FusedMoE` holds every expert's SwiGLU
 weights stacked, w13 (E, 2 * I, H) (gate rows, then up rows) and w2 (E, H, I), each expert's
 intermediate dimension split across tensor-parallel ranks, or with expert parallelism (`--ep`,
 TPGroup.expert_parallel) whole experts spread over them (moe_ep.py); a forward pass sorts the
@@ -47,6 +48,35 @@ def route(
         top, ids = logits.topk(top_k, dim=-1)
         return top.sigmoid(), ids
     raise ValueError(f"router scoring {scoring!r} (supported: {SOFTMAX}, {SIGMOID})")
+
+
+def grouped_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (`noaux_tc`), as transformers' DeepseekV3TopkRouter: logits (T, E)
+    -> (weights (T, k) float32, ids (T, k) int64). Scores are sigmoid(logits); the choice is
+    made on scores + bias (E,) (the load-balancing correction): each group of E / n_group
+    experts is ranked by the sum of its two best, the topk_group best groups kept, the top k
+    of their experts chosen. Weights are the unbiased scores, renormalised to sum 1 if
+    `renormalize`, times `scaling` (routed_scaling_factor)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()  # (T, E)
+    groups = choice.view(len(choice), n_group, -1)  # (T, G, E / G)
+    group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1)[0].sum(-1)  # (T, G)
+    kept = group_scores.topk(topk_group, dim=-1)[1]  # (T, topk_group)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    choice = choice.masked_fill(~keep[:, :, None].expand_as(groups).reshape_as(choice), -torch.inf)
+    ids = choice.topk(top_k, dim=-1)[1]  # (T, k)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 class FusedMoE(nn.Module):
@@ -96,6 +126,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize)
+        return self.forward_routed(x, weights, ids)
+
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """x (T, H) through the experts `ids` (T, k) chose for each token, weighted by
+        `weights` (T, k) float32 -> (T, H) (a router of the family's own: grouped_topk)."""
         if self.ep is not None:
             return self.ep(x, ids, weights, self.run_experts, self.apply_weights_on_input)
         pair_ids = ids.flatten()  # (T * k,): pair p is token p // k's slot p % k

@@ -1,5 +1,5 @@
 """Rotary position embedding: the GPT-NeoX "rotate half" layout (HF Llama) and the interleaved
-one (Llama 4), with llama3 scaling."""
+one (Llama 4, DeepSeek), with llama3, linear and YaRN scaling, as transformers computes them."""
 
 import math
 
@@ -19,7 +19,50 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         return _llama3(inv_freq, scaling)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
+    raise ValueError(
+        f"rope_scaling type {kind!r} is not supported (supported: llama3, linear, yarn)"
+    )
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by factor), those turning more than beta_fast times kept, a linear
+    ramp between (transformers' _compute_yarn_parameters)."""
+    factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction for a context `scale` times the original."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What transformers multiplies cos and sin by (YaRN's attention_factor; 1 otherwise)."""
+    s = scaling or {}
+    if s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(factor, s["mscale"]) / yarn_mscale(factor, s["mscale_all_dim"])
+    return yarn_mscale(factor)
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -81,14 +124,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class InterleavedRotaryEmbedding(nn.Module):
     """RoPE on interleaved pairs (x[2i], x[2i+1]) as one complex number each, as Meta's and
-    transformers' Llama 4 apply it (not the rotate-half layout above). cos/sin are computed
-    per step from the positions: Llama 4's max_position_embeddings (10M) is too long for
-    tables. In float32, as transformers, then cast back."""
+    transformers' Llama 4 and DeepSeek-V3 (rope_interleave) apply it; interleaved=False: the
+    rotate-half layout. cos/sin are computed per step from the positions: Llama 4's 10M and
+    DeepSeek's 163,840 positions are too many for tables. In float32, as transformers, then
+    cast back; cos and sin times attention_factor (YaRN)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict | None,
+        interleaved: bool = True,
+        attention_factor: float = 1.0,
+    ):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hd/2,)
+        self.interleaved, self.attention_factor = interleaved, attention_factor
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
@@ -96,8 +148,14 @@ class InterleavedRotaryEmbedding(nn.Module):
         if positions is not self._positions:  # every layer of a step shares one computation
             freqs = positions.float()[:, None] * self.inv_freq  # (T, hd/2)
             self._positions = positions
-            self._cos_sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]  # (T, 1, hd/2)
+            cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+            if not self.interleaved:
+                cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # (T, hd)
+            self._cos_sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2 or hd)
         cos, sin = self._cos_sin
+        if not self.interleaved:
+            q_out, k_out = _rotate(q.float(), cos, sin), _rotate(k.float(), cos, sin)
+            return q_out.to(q.dtype), k_out.to(k.dtype)
         return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
 
 
