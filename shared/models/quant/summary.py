@@ -1,0 +1,83 @@
+"""What a model folder's quantization stores, from tensor headers only (no data read): for
+`tison inspect` on plain, quantized and compressed folders."""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from shared.codec.folder import TensorRecord, itemsize, safetensors_files
+from shared.errors import ModelFolderError
+from shared.models.quant.checkpoint import PACKED, SCALE, SCALE_INV, SHAPE
+from shared.models.quant.scheme import FP8, QuantScheme, read_scheme
+
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class QuantSummary:
+    """Bytes of a folder's tensors, split into quantized linears (all their stored parts) and
+    everything else."""
+
+    scheme: QuantScheme | None  # None: config.json has no quantization_config
+    num_quantized: int  # linears stored quantized
+    quantized_bytes: int  # their stored bytes: weights + scales (+ int4 shapes)
+    dequantized_bytes: int  # the same linears dequantized to bf16 (what loading holds in RAM)
+    num_unquantized: int  # every other tensor
+    unquantized_bytes: int
+
+
+def summarize_folder(folder: Path, records: list[TensorRecord] | None = None) -> QuantSummary:
+    """records: a compressed folder's (inspect_dir); None reads the safetensors headers."""
+    folder = Path(folder)
+    config = folder / "config.json"
+    try:
+        raw = json.loads(config.read_text()) if config.is_file() else {}
+    except ValueError as e:
+        raise ModelFolderError(str(config), f"not valid JSON ({e})") from e
+    scheme = read_scheme(raw, str(config))
+    tensors = (
+        {r.name: (r.shape, r.original_bytes) for r in records}
+        if records is not None
+        else _header_tensors(folder)
+    )
+    return summarize(scheme, tensors)
+
+
+def summarize(scheme: QuantScheme | None, tensors: dict[str, tuple[tuple, int]]) -> QuantSummary:
+    """tensors: stored name -> (shape, bytes)."""
+    companions = (SCALE_INV,) if scheme is None or scheme.method == FP8 else (PACKED, SCALE, SHAPE)
+    modules = {n.removesuffix(s) for n in tensors for s in companions if n.endswith(s)}
+    parts = (".weight", *companions)
+    quantized = {
+        n for n in tensors for s in parts if n.endswith(s) and n.removesuffix(s) in modules
+    }
+    dequantized = 0
+    for module in modules:
+        if scheme is not None and scheme.method != FP8:  # int4: in rounded up to whole words
+            out, words = tensors[module + PACKED][0]
+            dequantized += out * words * 8 * BF16_BYTES
+        else:
+            out, cols = tensors[module + ".weight"][0]
+            dequantized += out * cols * BF16_BYTES
+    others = [nbytes for n, (_, nbytes) in tensors.items() if n not in quantized]
+    return QuantSummary(
+        scheme, len(modules), sum(tensors[n][1] for n in quantized), dequantized,
+        len(others), sum(others),
+    )  # fmt: skip
+
+
+def _header_tensors(folder: Path) -> dict[str, tuple[tuple, int]]:
+    tensors = {}
+    for rel in safetensors_files(folder):
+        try:
+            with safe_open(str(folder / rel), framework="pt") as f:
+                for name in f.keys():
+                    lazy = f.get_slice(name)
+                    shape = tuple(lazy.get_shape())
+                    tensors[name] = shape, math.prod(shape) * itemsize(lazy.get_dtype())
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelFolderError(str(folder / rel), f"unreadable safetensors header ({e})") from e
+    return tensors
