@@ -79,7 +79,9 @@ def test_tp_shards_equal_the_reference_dequantization(folders, name):
             assert torch.equal(got[key], want[key]), (rank, key)
 
 
-@pytest.mark.parametrize("name", ["llama-fp8-block16", "mixtral-fp8-block16", "qwen3_moe-int4"])
+@pytest.mark.parametrize(
+    "name", ["llama-fp8-block16", "mixtral-fp8-block16", "llama-int4", "qwen3_moe-int4"]
+)
 def test_narrow_at_any_offset_equals_the_reference(folders, name):
     """Rows and columns at starts inside a block / group / packed word, dims -2 and -1 too."""
     quantized, _, reference = folders(name)

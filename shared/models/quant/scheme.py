@@ -77,8 +77,8 @@ def _compressed_tensors(qc: dict, source: str) -> QuantScheme:
         if weights.get(key) != want:
             raise _unsupported(source, f"{field}.weights.{key}", weights.get(key), want)
     group_size = weights.get("group_size")
-    if not _positive(group_size):
-        raise _unsupported(source, f"{field}.weights.group_size", group_size, "a positive int")
+    if not _positive(group_size) or group_size % 8:  # a group is whole int32 words
+        raise _unsupported(source, f"{field}.weights.group_size", group_size, "a multiple of 8")
     ignore = tuple(qc.get("ignore") or ())
     return QuantScheme(COMPRESSED_TENSORS, fmt, 4, None, group_size, True, ignore)
 
