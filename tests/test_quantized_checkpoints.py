@@ -202,7 +202,7 @@ def test_kimi_and_deepseek_configs_read():
     assert (deepseek.method, deepseek.bits, deepseek.block) == ("fp8", 8, (128, 128))
 
 
-def test_inspect_shows_the_scheme_and_bytes(folders, capsys):
+def test_inspect_shows_the_scheme_and_bytes(folders, tmp_path, capsys):
     assert main(["inspect", str(folders("llama-int4")[0])]) == 0
     out = capsys.readouterr().out
     assert "quantization: compressed-tensors pack-quantized, int4, group 32, symmetric" in out
@@ -211,6 +211,8 @@ def test_inspect_shows_the_scheme_and_bytes(folders, capsys):
     assert "unquantized tensors: 7" in out
     assert main(["inspect", str(folders("llama-fp8")[0])]) == 0
     assert "quantization: fp8 e4m3, 8 bits, block 128x128, symmetric" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path)]) == 2  # no weights at all
+    assert "no *.safetensors weights" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["llama-fp8-block16", "qwen3_moe-int4"])
@@ -231,6 +233,8 @@ def test_codec_round_trip_loads_identically(folders, tmp_path, capsys, name):
     assert "tensor class" in out and "quantization: " in out and "quantized linears: " in out
 
 
-def test_a_plain_folder_passes_through(tiny_model_factory):
+def test_a_plain_folder_passes_through(tiny_model_factory, capsys):
     folder = tiny_model_factory("llama")
     assert isinstance(open_checkpoint(folder, {}), Checkpoint)
+    assert main(["inspect", str(folder)]) == 0
+    assert capsys.readouterr().out.startswith("quantization: none\nunquantized tensors: 21, ")

@@ -114,7 +114,7 @@ class Fp8Slice(_QuantizedSlice):
             )
 
     def _read(self, dim: int, start: int, length: int) -> torch.Tensor:
-        first, count = fp8.covering(start, length, self._block[dim])
+        first, count = _covering(start, length, self._block[dim])
         origin = (start, 0) if dim == 0 else (0, start)
         weight = materialize(self._weight.narrow(dim, start, length))
         scale_inv = materialize(self._scale_inv.narrow(dim, first, count))
@@ -150,13 +150,20 @@ class Int4Slice(_QuantizedSlice):
             scale = self._scale.narrow(0, start, length)
             return int4.dequantize(materialize(packed), materialize(scale), self._group_size, cols)
         # the groups covering the columns, then their words (a group is whole words)
-        first, count = fp8.covering(start, length, self._group_size)
+        first, count = _covering(start, length, self._group_size)
         begin, end = first * self._group_size, min((first + count) * self._group_size, cols)
-        words = fp8.covering(begin, end - begin, int4.VALUES_PER_WORD)
+        words = _covering(begin, end - begin, int4.VALUES_PER_WORD)
         packed = materialize(self._packed.narrow(1, *words))
         scale = materialize(self._scale.narrow(1, first, count))
-        whole = int4.dequantize(packed, scale, self._group_size, end - begin)  # (out, groups)
+        whole = int4.dequantize(packed, scale, self._group_size, end - begin)  # (out, end - begin)
         return whole[:, start - begin : start - begin + length]
+
+
+def _covering(start: int, length: int, size: int) -> tuple[int, int]:
+    """(first, count) of the size-long units (blocks, groups, words) covering elements
+    [start, start + length)."""
+    first = start // size
+    return first, -(-(start + length) // size) - first
 
 
 def _logical_names(stored: list[str], present: set[str], scheme: QuantScheme, error):

@@ -4,12 +4,6 @@
 import torch
 
 
-def covering(start: int, length: int, size: int) -> tuple[int, int]:
-    """(first, count) of the size-long units that cover elements [start, start + length)."""
-    first = start // size
-    return first, -(-(start + length) // size) - first
-
-
 def dequantize(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], origin: tuple[int, int]
 ) -> torch.Tensor:

@@ -43,6 +43,8 @@ def summarize_folder(folder: Path, records: list[TensorRecord] | None = None) ->
         if records is not None
         else _header_tensors(folder)
     )
+    if not tensors:
+        raise ModelFolderError(str(folder), "no *.safetensors weights")
     return summarize(scheme, tensors)
 
 
