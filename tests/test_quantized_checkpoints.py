@@ -23,7 +23,7 @@ from shared.engine.llm import LLM
 from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
 from shared.models.loader import load_model
-from shared.models.quant import QuantizedCheckpoint, open_checkpoint, read_scheme
+from shared.models.quant import QuantizedCheckpoint, fp8, open_checkpoint, read_scheme
 from shared.parallel.group import TPGroup
 from shared.sampling.params import SamplingParams
 
@@ -231,6 +231,11 @@ def test_codec_round_trip_loads_identically(folders, tmp_path, capsys, name):
     assert main(["inspect", str(tmp_path / "packed")]) == 0
     out = capsys.readouterr().out
     assert "tensor class" in out and "quantization: " in out and "quantized linears: " in out
+
+
+def test_fp8_table_conversion_is_torchs_bit_for_bit():
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    assert torch.equal(fp8.to_float32(every).view(torch.int32), every.float().view(torch.int32))
 
 
 def test_a_plain_folder_passes_through(tiny_model_factory, capsys):

@@ -6,10 +6,10 @@ Why dequantize once at load, on the CPU: the CPU linears (layers/cpu_linear.py) 
 bf16 or float32 weights; there is no FP8 or INT4 GEMM kernel for them yet, and dequantizing in
 every forward would redo per step what one pass at load does once. The cost is memory: a weight
 takes its bf16 size in RAM (2x FP8, 4x INT4) and load time. loadtest/bench_quant_load.py, a
-random 205M-parameter Llama loaded in bf16 on 2 cores of an AMD EPYC (best of 3 processes, page
-cache warm, two quiet runs): bf16 (414 MB on disk) 0.14 s, peak RSS 1072 MB; FP8 128x128
-(273 MB) 0.62-0.77 s, 1010-1016 MB; INT4 group 32 (211 MB) 0.39-0.56 s, 888-923 MB (peak RSS
-counts the memory-mapped file, smaller when quantized)."""
+random 205M-parameter Llama loaded in bf16 on an AMD EPYC (best of 5 processes, page cache
+warm), 2 threads / 1 thread: bf16 (414 MB on disk) 0.16 / 0.24 s, peak RSS 1072 MB; FP8
+128x128 (273 MB) 0.62 / 0.87 s, 1002 MB; INT4 group 32 (211 MB) 0.50 / 0.96 s, 916 MB (peak
+RSS counts the memory-mapped file, smaller when quantized)."""
 
 from pathlib import Path
 
