@@ -1,10 +1,11 @@
-"""Quantized copies of a model folder in the exact on-disk layout of real checkpoints:
-DeepSeek-V3's FP8 (float8_e4m3fn `weight` + float32 `weight_scale_inv` per block) and Kimi
-K2.5's compressed-tensors INT4 (int32 `weight_packed` + bf16 `weight_scale` per group of 32 +
-int32 `weight_shape`), unquantized tensors in bf16. Each returns the float32 weights a loader
-must produce: the reference dequantization (compressed-tensors' own for INT4), which
-save_plain writes as a plain folder for transformers. Weights are the folder's random ones:
-not trained weights (their quantized values spread differently)."""
+"""Quantized copies of a model folder (one safetensors file or shards; written as one file)
+in the exact on-disk layout of real checkpoints: DeepSeek-V3's FP8 (float8_e4m3fn `weight` +
+float32 `weight_scale_inv` per block) and Kimi K2.5's compressed-tensors INT4 (int32
+`weight_packed` + bf16 `weight_scale` per group of 32 + int32 `weight_shape`), unquantized
+tensors in bf16. Each returns the float32 weights a loader must produce: the reference
+dequantization (compressed-tensors' own for INT4), which save_plain writes as a plain folder
+for transformers. Weights are the folder's random ones: not trained weights (their quantized
+values spread differently)."""
 
 import json
 import math
@@ -17,8 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# the linears of every tiny family (attention, MLP, experts), not embeddings, norms, routers
-LINEARS = re.compile(r"(_proj|\.w[123])\.weight$")
+# the linears of every tiny family (attention, MLP, experts; DeepSeek-V3's kv_a_proj_with_mqa),
+# not embeddings, norms, routers
+LINEARS = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
+INDEX = "model.safetensors.index.json"
+DEFAULT_IGNORE = ["lm_head", r"re:.*embed_tokens.*", r"re:.*(norm|gate)$"]
 
 
 def is_linear(name: str) -> bool:
@@ -34,7 +38,7 @@ def fp8_config(block=(128, 128)) -> dict:
     }
 
 
-def int4_config(group_size: int = 32, **weights) -> dict:
+def int4_config(group_size: int = 32, ignore=DEFAULT_IGNORE, **weights) -> dict:
     args = dict(num_bits=4, group_size=group_size, strategy="group", symmetric=True, type="int")
     args.update(actorder=None, block_structure=None, dynamic=False, observer="minmax")
     args.update(weights)
@@ -43,7 +47,7 @@ def int4_config(group_size: int = 32, **weights) -> dict:
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "config_groups": {"group_0": group},
-        "ignore": ["lm_head", r"re:.*embed_tokens.*", r"re:.*(norm|gate)$"],
+        "ignore": list(ignore),  # what a real quantizer left out (Tison does not read it)
         "kv_cache_scheme": None,
         "quantization_status": "compressed",
     }
@@ -54,7 +58,7 @@ def quantize_fp8(
 ) -> dict[str, torch.Tensor]:
     """`which` tensors FP8 with one scale per block (amax / 448, as DeepSeek's quantizer)."""
     stored, reference = {}, {}
-    for name, weight in load_file(src / "model.safetensors").items():
+    for name, weight in _tensors(src).items():
         if not which(name):
             stored[name] = weight.to(torch.bfloat16)
             reference[name] = stored[name].float()
@@ -69,10 +73,14 @@ def quantize_fp8(
 
 
 def quantize_int4(
-    src: Path, dst: Path, group_size: int = 32, which: Callable[[str], bool] = is_linear
+    src: Path,
+    dst: Path,
+    group_size: int = 32,
+    which: Callable[[str], bool] = is_linear,
+    ignore=DEFAULT_IGNORE,
 ) -> dict[str, torch.Tensor]:
     """`which` tensors INT4 symmetric per group, quantized, packed and dequantized by
-    compressed-tensors itself (the reference of the format)."""
+    compressed-tensors itself (the reference of the format); `ignore` goes to the config."""
     from compressed_tensors.compressors.pack_quantized.helpers import (
         pack_to_int32,
         unpack_from_int32,
@@ -82,7 +90,7 @@ def quantize_int4(
 
     args = QuantizationArgs(num_bits=4, group_size=group_size, strategy="group", symmetric=True)
     stored, reference = {}, {}
-    for name, weight in load_file(src / "model.safetensors").items():
+    for name, weight in _tensors(src).items():
         if not which(name):
             stored[name] = weight.to(torch.bfloat16)
             reference[name] = stored[name].float()
@@ -97,7 +105,7 @@ def quantize_int4(
         stored[module + ".weight_shape"] = torch.tensor(weight.shape, dtype=torch.int32)
         unpacked = unpack_from_int32(packed, 4, weight.shape)
         reference[name] = dequantize(unpacked, scale.float(), None, args, dtype=torch.float32)
-    _write(src, dst, stored, int4_config(group_size))
+    _write(src, dst, stored, int4_config(group_size, ignore))
     return reference
 
 
@@ -109,6 +117,14 @@ def save_plain(reference: dict[str, torch.Tensor], quantized: Path, dst: Path) -
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     save_file({k: v.contiguous() for k, v in reference.items()}, str(dst / "model.safetensors"))
     return dst
+
+
+def _tensors(src: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (one file or shards)."""
+    tensors = {}
+    for path in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
 
 
 def _block_amax(weight: torch.Tensor, block) -> torch.Tensor:
@@ -137,5 +153,6 @@ def _write(src: Path, dst: Path, tensors: dict, quantization_config: dict) -> No
 def _copy_others(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+        skip = path.suffix == ".safetensors" or path.name in ("config.json", INDEX)
+        if path.is_file() and not skip:
             shutil.copy2(path, dst / path.name)

@@ -49,21 +49,19 @@ def summarize_folder(folder: Path, records: list[TensorRecord] | None = None) ->
 
 
 def summarize(scheme: QuantScheme | None, tensors: dict[str, tuple[tuple, int]]) -> QuantSummary:
-    """tensors: stored name -> (shape, bytes)."""
-    companions = (SCALE_INV,) if scheme is None or scheme.method == FP8 else (PACKED, SCALE, SHAPE)
-    modules = {n.removesuffix(s) for n in tensors for s in companions if n.endswith(s)}
-    parts = (".weight", *companions)
-    quantized = {
-        n for n in tensors for s in parts if n.endswith(s) and n.removesuffix(s) in modules
-    }
-    dequantized = 0
-    for module in modules:
-        if scheme is not None and scheme.method != FP8:  # int4: in rounded up to whole words
-            out, words = tensors[module + PACKED][0]
-            dequantized += out * words * 8 * BF16_BYTES
-        else:
-            out, cols = tensors[module + ".weight"][0]
-            dequantized += out * cols * BF16_BYTES
+    """tensors: stored name -> (shape, bytes). A quantized linear: a module with its fp8
+    weight and scale_inv, or its int4 packed words (+ scale and shape, counted where stored)."""
+    modules, quantized, dequantized = set(), set(), 0
+    if scheme is not None:
+        int4 = scheme.method != FP8
+        primary, companions = (PACKED, (SCALE, SHAPE)) if int4 else (".weight", (SCALE_INV,))
+        marker = PACKED if int4 else SCALE_INV
+        modules = {n.removesuffix(marker) for n in tensors if n.endswith(marker)}
+        modules = {m for m in modules if m + primary in tensors}
+        quantized = {m + s for m in modules for s in (primary, *companions) if m + s in tensors}
+        for module in modules:  # int4: the input features rounded up to whole words
+            values = math.prod(tensors[module + primary][0]) * (8 if int4 else 1)
+            dequantized += values * BF16_BYTES
     others = [nbytes for n, (_, nbytes) in tensors.items() if n not in quantized]
     return QuantSummary(
         scheme, len(modules), sum(tensors[n][1] for n in quantized), dequantized,
