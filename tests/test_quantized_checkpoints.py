@@ -60,9 +60,9 @@ def folders(tiny_model_factory, tmp_path_factory):
     return get
 
 
-def state(model_dir, rank: int, size: int) -> dict[str, torch.Tensor]:
+def state(model_dir, rank: int, size: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     cfg = ModelConfig.from_dir(model_dir)
-    model = load_model(model_dir, cfg, torch.float32, tp=TPGroup(rank, size))
+    model = load_model(model_dir, cfg, dtype, tp=TPGroup(rank, size))
     return dict(model.state_dict())
 
 
@@ -77,6 +77,15 @@ def test_tp_shards_equal_the_reference_dequantization(folders, name):
         assert got.keys() == want.keys()
         for key in want:
             assert torch.equal(got[key], want[key]), (rank, key)
+
+
+@pytest.mark.parametrize("name", ["llama-fp8", "qwen3_moe-int4"])
+def test_bf16_loads_round_the_dequantized_weights_once(folders, name):
+    """In bf16 the float32 dequantization is rounded once, as the plain float32 folder is."""
+    quantized, plain, _ = folders(name)
+    got, want = state(quantized, 0, 1, torch.bfloat16), state(plain, 0, 1, torch.bfloat16)
+    for key in want:
+        assert got[key].dtype == torch.bfloat16 and torch.equal(got[key], want[key]), key
 
 
 @pytest.mark.parametrize(
