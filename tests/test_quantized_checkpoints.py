@@ -218,8 +218,11 @@ def test_inspect_shows_the_scheme_and_bytes(folders, tmp_path, capsys):
     # 14 linears: 4 attention + 3 MLP in 2 layers; int4 + bf16 scales per 32: 3.56x smaller
     assert "quantized linears: 14, stored 41.58 KB, dequantized to bf16 147.46 KB (3.55x)" in out
     assert "unquantized tensors: 7" in out
-    assert main(["inspect", str(folders("llama-fp8")[0])]) == 0
-    assert "quantization: fp8 e4m3, 8 bits, block 128x128, symmetric" in capsys.readouterr().out
+    assert main(["inspect", str(folders("llama-fp8")[0]), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: fp8 e4m3, 8 bits, block 128x128, symmetric" in out
+    # 128 x 64 fp8 + one float32 scale; 2 bytes a weight in bf16
+    assert "model.layers.0.mlp.gate_proj  stored 8.20 KB  bf16 16.38 KB" in out
     assert main(["inspect", str(tmp_path)]) == 2  # no weights at all
     assert "no *.safetensors weights" in capsys.readouterr().err
 

@@ -37,7 +37,11 @@ def register(subparsers) -> None:
         "inspect", help="show what a model folder stores: its quantization, what the codec saved"
     )
     p.add_argument("dir", type=Path)
-    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument(
+        "--tensors",
+        action="store_true",
+        help="list every tensor (plain folders: every quantized linear)",
+    )
     p.set_defaults(func=run_inspect)
 
 
@@ -80,6 +84,9 @@ def run_inspect(args: argparse.Namespace) -> int:
                           f"{_size(r.stored_bytes)}  ({saved} saved)")  # fmt: skip
             print(format_savings(records))
         if records is None or summary.scheme is not None:
+            if records is None and args.tensors:
+                for module, stored, bf16 in summary.linears:
+                    print(f"{module}  stored {_size(stored)}  bf16 {_size(bf16)}")
             print(format_quantization(summary))
 
     return _run("inspect", work, report)

@@ -22,11 +22,24 @@ class QuantSummary:
     everything else."""
 
     scheme: QuantScheme | None  # None: config.json has no quantization_config
-    num_quantized: int  # linears stored quantized
-    quantized_bytes: int  # their stored bytes: weights + scales (+ int4 shapes)
-    dequantized_bytes: int  # the same linears dequantized to bf16 (what loading holds in RAM)
+    # (module, stored bytes: weight + scales (+ int4 shape), bytes in bf16) of each quantized
+    # linear, sorted by module
+    linears: tuple[tuple[str, int, int], ...]
     num_unquantized: int  # every other tensor
     unquantized_bytes: int
+
+    @property
+    def num_quantized(self) -> int:
+        return len(self.linears)
+
+    @property
+    def quantized_bytes(self) -> int:
+        return sum(stored for _, stored, _ in self.linears)
+
+    @property
+    def dequantized_bytes(self) -> int:
+        """The quantized linears in bf16: what loading holds of them in RAM."""
+        return sum(bf16 for _, _, bf16 in self.linears)
 
 
 def summarize_folder(folder: Path, records: list[TensorRecord] | None = None) -> QuantSummary:
@@ -51,22 +64,21 @@ def summarize_folder(folder: Path, records: list[TensorRecord] | None = None) ->
 def summarize(scheme: QuantScheme | None, tensors: dict[str, tuple[tuple, int]]) -> QuantSummary:
     """tensors: stored name -> (shape, bytes). A quantized linear: a module with its fp8
     weight and scale_inv, or its int4 packed words (+ scale and shape, counted where stored)."""
-    modules, quantized, dequantized = set(), set(), 0
+    quantized, linears = set(), []
     if scheme is not None:
         int4 = scheme.method != FP8
         primary, companions = (PACKED, (SCALE, SHAPE)) if int4 else (".weight", (SCALE_INV,))
         marker = PACKED if int4 else SCALE_INV
         modules = {n.removesuffix(marker) for n in tensors if n.endswith(marker)}
         modules = {m for m in modules if m + primary in tensors}
-        quantized = {m + s for m in modules for s in (primary, *companions) if m + s in tensors}
-        for module in modules:  # int4: the input features rounded up to whole words
+        for module in sorted(modules):
+            parts = [module + s for s in (primary, *companions) if module + s in tensors]
+            quantized.update(parts)
+            # int4: the input features rounded up to whole words
             values = math.prod(tensors[module + primary][0]) * (8 if int4 else 1)
-            dequantized += values * BF16_BYTES
+            linears.append((module, sum(tensors[p][1] for p in parts), values * BF16_BYTES))
     others = [nbytes for n, (_, nbytes) in tensors.items() if n not in quantized]
-    return QuantSummary(
-        scheme, len(modules), sum(tensors[n][1] for n in quantized), dequantized,
-        len(others), sum(others),
-    )  # fmt: skip
+    return QuantSummary(scheme, tuple(linears), len(others), sum(others))
 
 
 def _header_tensors(folder: Path) -> dict[str, tuple[tuple, int]]:
