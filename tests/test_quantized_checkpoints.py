@@ -174,6 +174,7 @@ def test_a_missing_scale_names_the_tensor(folders, tmp_path):
         (lambda qc: qc.update(quant_method="awq"), "quant_method = 'awq'"),
         (lambda qc: qc.update(fmt="e5m2"), "fmt = 'e5m2'"),
         (lambda qc: qc.update(weight_block_size=None), "weight_block_size = None"),
+        (lambda qc: qc.update(activation_scheme="static"), "activation_scheme = 'static'"),
     ],
 )
 def test_unsupported_fp8_configs_name_the_field(folders, tmp_path, change, field):

@@ -54,6 +54,9 @@ def _fp8(qc: dict, source: str) -> QuantScheme:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise _unsupported(source, "fmt", fmt, "e4m3")
+    activations = qc.get("activation_scheme", "dynamic")
+    if activations != "dynamic":  # static: per-tensor input scales we would ignore
+        raise _unsupported(source, "activation_scheme", activations, "dynamic")
     block = qc.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(_positive(b) for b in block)):
         raise _unsupported(source, "weight_block_size", block, "[rows, cols] of positive ints")
