@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_helpers import int4_config, is_linear, quantize_fp8, quantize_int4, save_plain
 from safetensors.torch import load_file, save_file
 
 from services.cli import main
@@ -28,6 +27,7 @@ from shared.parallel.group import TPGroup
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import hf_greedy, make_prompts
+from quant_helpers import int4_config, is_linear, quantize_fp8, quantize_int4, save_plain
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"  # the real models' config.json
 # name -> (family, overrides, quantizer, its options)
