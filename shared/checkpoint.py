@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from shared.codec.format import DTYPES_BY_NAME
 from shared.errors import ModelFolderError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +44,10 @@ class Checkpoint:
     def names(self) -> list[str]:
         return list(self._files)
 
+    def file_of(self, name: str) -> Path:
+        """The file holding the tensor, for errors."""
+        return self._files[name]
+
     def get(self, name: str) -> torch.Tensor:
         path = self._files[name]
         handle = self._handles.get(path) or self._handles.setdefault(path, _open(path))
@@ -68,6 +73,7 @@ class TensorSlice:
         self._lazy = lazy  # safetensors PySafeSlice
         self._what = what
         self.shape = tuple(lazy.get_shape())
+        self.dtype = DTYPES_BY_NAME.get(lazy.get_dtype())  # None: a dtype torch lacks
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)

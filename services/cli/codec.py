@@ -1,5 +1,5 @@
 """`tison compress IN OUT`, `tison decompress IN OUT`, `tison inspect DIR`: the lossless
-weight codec on folders of safetensors files."""
+weight codec on folders of safetensors files; inspect also shows a folder's quantization."""
 
 import argparse
 import sys
@@ -7,9 +7,17 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from shared.codec import TensorRecord, compress_dir, decompress_dir, inspect_dir, tensor_class
+from shared.codec import (
+    TensorRecord,
+    compress_dir,
+    decompress_dir,
+    inspect_dir,
+    is_compressed_dir,
+    tensor_class,
+)
 from shared.codec.folder import total_tensor_bytes
 from shared.errors import TisonError
+from shared.models.quant.summary import QuantSummary, summarize_folder
 
 
 def register(subparsers) -> None:
@@ -25,9 +33,15 @@ def register(subparsers) -> None:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--threads", type=int, default=None, help="decoder threads (default: all)")
     p.set_defaults(func=run_decompress)
-    p = subparsers.add_parser("inspect", help="show what a compressed folder stores")
+    p = subparsers.add_parser(
+        "inspect", help="show what a model folder stores: its quantization, what the codec saved"
+    )
     p.add_argument("dir", type=Path)
-    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument(
+        "--tensors",
+        action="store_true",
+        help="list every tensor (plain folders: every quantized linear)",
+    )
     p.set_defaults(func=run_inspect)
 
 
@@ -56,15 +70,39 @@ def run_decompress(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    def report(records):
-        if args.tensors:
-            for r in records:
-                saved = _percent(r.original_bytes, r.stored_bytes)
-                print(f"{r.name}  {r.dtype}  {r.encoding}  {_size(r.original_bytes)} -> "
-                      f"{_size(r.stored_bytes)}  ({saved} saved)")  # fmt: skip
-        print(format_savings(records))
+    def work():
+        records = inspect_dir(args.dir) if is_compressed_dir(args.dir) else None
+        return records, summarize_folder(args.dir, records)
 
-    return _run("inspect", lambda: inspect_dir(args.dir), report)
+    def report(result):
+        records, summary = result
+        if records is not None:  # a compressed folder: what the codec stores
+            if args.tensors:
+                for r in records:
+                    saved = _percent(r.original_bytes, r.stored_bytes)
+                    print(f"{r.name}  {r.dtype}  {r.encoding}  {_size(r.original_bytes)} -> "
+                          f"{_size(r.stored_bytes)}  ({saved} saved)")  # fmt: skip
+            print(format_savings(records))
+        if records is None or summary.scheme is not None:
+            if records is None and args.tensors:
+                for module, stored, bf16 in summary.linears:
+                    print(f"{module}  stored {_size(stored)}  bf16 {_size(bf16)}")
+            print(format_quantization(summary))
+
+    return _run("inspect", work, report)
+
+
+def format_quantization(s: QuantSummary) -> str:
+    """The scheme and bytes of the quantized linears against the same linears in bf16."""
+    lines = [f"quantization: {s.scheme.describe() if s.scheme else 'none'}"]
+    if s.num_quantized:
+        ratio = s.dequantized_bytes / max(s.quantized_bytes, 1)
+        lines.append(
+            f"quantized linears: {s.num_quantized}, stored {_size(s.quantized_bytes)}, "
+            f"dequantized to bf16 {_size(s.dequantized_bytes)} ({ratio:.2f}x)"
+        )
+    lines.append(f"unquantized tensors: {s.num_unquantized}, {_size(s.unquantized_bytes)}")
+    return "\n".join(lines)
 
 
 def format_savings(records: list[TensorRecord]) -> str:

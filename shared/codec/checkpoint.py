@@ -34,6 +34,10 @@ class CompressedCheckpoint:
     def names(self) -> list[str]:
         return list(self._shards)
 
+    def file_of(self, name: str) -> Path:
+        """The shard holding the tensor, for errors."""
+        return self._reader(name).path
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor, decoded on the CPU (checked against the CRC-32C of the original)."""
         encoded = self._reader(name).encoded(name)

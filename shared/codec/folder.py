@@ -36,6 +36,7 @@ class TensorRecord:
     encoding: str  # "huffman" or "raw"
     original_bytes: int
     stored_bytes: int
+    shape: tuple[int, ...] = ()
 
 
 OnTensor = Callable[[TensorRecord], None]
@@ -62,7 +63,7 @@ def total_tensor_bytes(folder: Path) -> int:
                 numel = 1
                 for d in t.get_shape():
                     numel *= d
-                total += numel * _itemsize(t.get_dtype())
+                total += numel * itemsize(t.get_dtype())
     return total
 
 
@@ -150,7 +151,7 @@ def _encode_file(path: Path, pool, records: list, on_tensor: OnTensor | None):
 def _record(enc: EncodedTensor) -> TensorRecord:
     return TensorRecord(
         enc.name, str(enc.dtype).removeprefix("torch."), enc.encoding, enc.original_nbytes(),
-        enc.stored_nbytes(),
+        enc.stored_nbytes(), tuple(enc.shape),
     )  # fmt: skip
 
 
@@ -173,5 +174,6 @@ _ITEMSIZES.update({"F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, 
 _ITEMSIZES["F64"] = 8
 
 
-def _itemsize(dtype_name: str) -> int:
+def itemsize(dtype_name: str) -> int:
+    """Bytes per element of a safetensors dtype name ("BF16" -> 2; 0 if unknown)."""
     return _ITEMSIZES.get(dtype_name, 0)

@@ -6,12 +6,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.checkpoint import Checkpoint
 from shared.errors import ModelFolderError
 from shared.models.config import ModelConfig
 from shared.models.layers.attention_backend import AttentionBackend
 from shared.models.layers.linear import default_weight_loader
 from shared.models.packing import prepare_cpu_linears
+from shared.models.quant import open_checkpoint
 from shared.models.registry import model_class
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
@@ -36,7 +36,7 @@ def load_model(
     device = torch.device(device)
     with device:  # the default device of every tensor the layers make
         model = cls(cfg, dtype=dtype, tp=tp, stage=stage, attention=attention)
-    checkpoint = Checkpoint.open(model_dir)
+    checkpoint = open_checkpoint(model_dir, cfg.raw)  # dequantizes quantized linears
     try:
         load_weights(model, checkpoint, stage, str(model_dir))
     finally:
