@@ -30,6 +30,7 @@ from engine_helpers import hf_greedy, make_prompts
 from quant_helpers import int4_config, is_linear, quantize_fp8, quantize_int4, save_plain
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"  # the real models' config.json
+KIMI_IGNORE = json.loads((CONFIGS / "kimi-k2.5.json").read_text())["quantization_config"]["ignore"]
 # name -> (family, overrides, quantizer, its options)
 CASES = {
     "llama-fp8": ("llama", {}, quantize_fp8, {}),
@@ -37,6 +38,15 @@ CASES = {
     "mixtral-fp8-block16": ("mixtral", {}, quantize_fp8, dict(block=(16, 24))),
     "llama-int4": ("llama", {}, quantize_int4, {}),
     "qwen3_moe-int4": ("qwen3_moe", {}, quantize_int4, {}),
+    # DeepSeek-V3 as its checkpoints are: every linear FP8 (MLA's kv_b_proj, 160 x 16, in
+    # partial blocks); Kimi K2.5's: only the routed experts INT4, with its ignore list
+    "deepseek_v3-fp8": ("deepseek_v3", {}, quantize_fp8, dict(block=(16, 16))),
+    "deepseek_v3-int4": (
+        "deepseek_v3",
+        {},
+        quantize_int4,
+        dict(which=lambda n: ".mlp.experts." in n, ignore=KIMI_IGNORE),
+    ),
 }
 
 
@@ -111,7 +121,9 @@ def test_narrow_at_any_offset_equals_the_reference(folders, name):
     checkpoint.close()
 
 
-@pytest.mark.parametrize("name", ["llama-fp8-block16", "qwen3_moe-int4"])
+@pytest.mark.parametrize(
+    "name", ["llama-fp8-block16", "qwen3_moe-int4", "deepseek_v3-fp8", "deepseek_v3-int4"]
+)
 def test_greedy_equals_transformers_on_the_dequantized_weights(folders, name):
     quantized, plain, _ = folders(name)
     prompts = make_prompts([1, 7, 17, 30])
