@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "compress": "codec",
     "decompress": "codec",
     "inspect": "codec",
+    "plan": "plan",
     "gateway": "gateway",
     "scheduler": "scheduler",
     "fake-worker": "fake_worker",

@@ -31,6 +31,11 @@ def register(subparsers) -> None:
         p.add_argument("--worker-id", default="")
         p.add_argument("--served-model-name", default="")
         p.add_argument("--kv-cache-bytes", type=int, default=D.kv_cache_bytes)
+        p.add_argument(
+            "--memory-bytes", type=int, default=None,
+            help="each rank's memory: the KV pool takes what its weights and a 1 GiB reserve "
+            "leave (as `tison plan --gpu cpu --memory` predicts); overrides --kv-cache-bytes",
+        )  # fmt: skip
         p.add_argument("--num-pages", type=int, default=None, help="exact KV pool size (pages)")
         p.add_argument("--page-size", type=int, default=D.page_size)
         p.add_argument(
@@ -70,6 +75,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         served_model_name=args.served_model_name,
         kv_cache_bytes=args.kv_cache_bytes,
+        memory_bytes=args.memory_bytes,
         num_pages=args.num_pages,
         page_size=args.page_size,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -31,6 +31,7 @@ class WorkerConfig:
     worker_id: str = ""  # "" -> default_worker_id(role)
     served_model_name: str = ""  # "" -> the model folder's name
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    memory_bytes: int | None = None  # per rank: weights + KV pool + reserve (EngineConfig)
     num_pages: int | None = None
     page_size: int = 16
     max_num_batched_tokens: int = 0  # 0: the role's STEP_TOKENS

@@ -34,6 +34,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None) -> LLMEngine:
         dtype=config.dtype,
         page_size=config.page_size,
         kv_cache_bytes=config.kv_cache_bytes,
+        memory_bytes=config.memory_bytes,
         num_pages=config.num_pages,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,

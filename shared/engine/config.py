@@ -12,6 +12,7 @@ from shared.parallel.shape import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MEMORY_RESERVE_BYTES = 1 << 30  # a CPU rank's activations and workspaces
 DEVICES = ("cpu",)  # where a shard's weights, KV pool and step tensors live
 
 
@@ -24,6 +25,11 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # memory budget of the KV pool
     num_pages: int | None = None  # exact pool size; overrides kv_cache_bytes (tests, transfers)
+    # each rank's memory for weights + KV pool + memory_reserve_bytes: the pool takes what the
+    # weights leave (shared/engine/footprint.py, tison plan's calculator); overrides
+    # kv_cache_bytes, not num_pages
+    memory_bytes: int | None = None
+    memory_reserve_bytes: int = DEFAULT_MEMORY_RESERVE_BYTES  # activations, workspaces
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill cap)
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int | None = None  # prompt + output cap; default: max_position_embeddings
@@ -62,6 +68,10 @@ class EngineConfig:
                 raise InvalidRequestError(name, "must be >= 1")
         if self.num_pages is not None and self.num_pages < 1:
             raise InvalidRequestError("num_pages", "must be >= 1")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise InvalidRequestError("memory_bytes", "must be >= 1")
+        if self.memory_reserve_bytes < 0:
+            raise InvalidRequestError("memory_reserve_bytes", "must be >= 0")
         if self.kv_shm_path is not None:
             object.__setattr__(self, "kv_shm_path", Path(self.kv_shm_path))
         object.__setattr__(self, "pp_layers", self.parallel.pp_layers)  # validates the shape

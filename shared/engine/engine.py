@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
 from shared.engine.executor import StepResult, start_executor
+from shared.engine.footprint import pages_for_memory, stage_footprints
 from shared.engine.micro_batch import schedule_micro_batch, split_launched
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.engine.scheduler import Scheduler
@@ -251,17 +252,37 @@ def _capped_chunk(config: EngineConfig, cfg: ModelConfig) -> int | None:
 
 
 def _pool_sizes(config: EngineConfig, cfg: ModelConfig, spec, chunk: int | None):
-    """(pages of the main pool, of the capped chunked pool or None) from config's budget."""
+    """(pages of the main pool, of the capped chunked pool or None) from config's budget:
+    num_pages, else what memory_bytes leaves each rank (footprint.py), else kv_cache_bytes."""
+    num_pages = config.num_pages or _pages_for_memory(config, cfg, spec.dtype)
     if chunk is None:
-        return config.num_pages or spec.pages_for_budget(config.kv_cache_bytes), None
+        return num_pages or spec.pages_for_budget(config.kv_cache_bytes), None
     S = config.page_size
     per_seq = chunk_pages_per_seq(chunk, S, config.max_num_batched_tokens)
     chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention)
     layer_page = spec.page_size_bytes // spec.num_layers  # every layer's KV is alike
-    if config.num_pages:
-        return config.num_pages, min(per_seq * config.max_num_seqs, config.num_pages)
+    if num_pages:
+        return num_pages, min(per_seq * config.max_num_seqs, num_pages)
     full_bytes, chunk_bytes = (spec.num_layers - chunked) * layer_page, chunked * layer_page
     return pool_sizes(full_bytes, chunk_bytes, config.kv_cache_bytes, per_seq, config.max_num_seqs)
+
+
+def _pages_for_memory(config: EngineConfig, cfg: ModelConfig, dtype) -> int | None:
+    """The pool's pages when config.memory_bytes bounds each rank (None: unbounded), as
+    `tison plan` computes them; InvalidRequestError when the weights leave no page."""
+    if config.memory_bytes is None:
+        return None
+    footprints = stage_footprints(cfg, config.parallel, dtype, config.page_size)
+    reserve = config.memory_reserve_bytes
+    pages = pages_for_memory(footprints, config.memory_bytes, reserve, config.page_size)
+    if pages < 1:
+        heaviest = max(fp.weight_bytes for fp in footprints)
+        raise InvalidRequestError(
+            "memory_bytes",
+            f"{config.memory_bytes} leaves no KV page: a rank's weights take {heaviest} "
+            f"bytes and the reserve {reserve}",
+        )
+    return pages
 
 
 def _logprobs(samples, row: int, token_id: int, n: int) -> TokenLogprob:

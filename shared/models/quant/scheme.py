@@ -3,6 +3,8 @@
 FP8 e4m3 with 2-D block scales (DeepSeek-V3) and compressed-tensors pack-quantized INT4 with
 symmetric per-group scales (Kimi K2.5). Anything else is refused up front, naming the field."""
 
+import math
+import re
 from dataclasses import dataclass
 
 from shared.errors import ModelFolderError
@@ -23,6 +25,31 @@ class QuantScheme:
     group_size: int | None  # int4: consecutive input features sharing one scale
     symmetric: bool  # no zero point: weight = q * scale
     ignore: tuple[str, ...] = ()  # modules left unquantized (names or `re:` patterns)
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear `module` (a checkpoint name, e.g. model.layers.3.mlp.experts.0.
+        gate_proj) is stored quantized: fp8 checkpoints quantize every linear of the decoder
+        layers; compressed-tensors every one its `ignore` does not name (a name, matched at
+        the end, or `re:` a pattern matched from the start, as compressed-tensors does)."""
+        for rule in self.ignore:
+            if rule.startswith("re:"):
+                if re.match(rule[3:], module):
+                    return False
+            elif module == rule or module.endswith("." + rule):
+                return False
+        return ".layers." in module
+
+    def stored_bytes(self, out_features: int, in_features: int) -> dict[str, int]:
+        """Bytes of one quantized (out, in) linear as stored and as kernels keep it, by stored
+        format: its values (float8_e4m3fn, or int4 packed in int32 words), its scales
+        (float32 per block, bfloat16 per group) and int4's int32 [2] weight_shape."""
+        if self.method == FP8:
+            rows, cols = self.block
+            blocks = math.ceil(out_features / rows) * math.ceil(in_features / cols)
+            return {"float8_e4m3fn": out_features * in_features, "float32": 4 * blocks}
+        groups = out_features * math.ceil(in_features / self.group_size)
+        values = out_features * in_features * self.bits // 8
+        return {"int4": values, "bfloat16": 2 * groups, "int32": 8}
 
     def describe(self) -> str:
         """One line for `tison inspect`."""
