@@ -79,6 +79,8 @@ def _common(body: Any) -> dict:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
     if (ids := _field(body, "stop_token_ids", lambda v: isinstance(v, list), "a list")) is not None:
         sampling["stop_token_ids"] = ids
+    if (salt := _field(body, "cache_salt", lambda v: isinstance(v, str), "a string")) is not None:
+        sampling["cache_salt"] = salt
     n = _field(body, "n", _is_int, "an integer")
     if n is not None and n != 1:
         raise InvalidRequestError("n", "only n=1 is supported")

@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: int | None = None  # None: none; n >= 0: chosen token's logprob + top-n
     skip_special_tokens: bool = True
+    # prefix cache namespace (vLLM's cache_salt): requests share cached KV pages only with
+    # requests of the same salt, so tenants never read each other's prompts' KV
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         # Accept lists from callers; keep tuples so the object stays hashable/frozen.
@@ -68,6 +71,7 @@ class SamplingParams:
             f"must be an integer in [0, {MAX_LOGPROBS}]",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(isinstance(self.cache_salt, str), "cache_salt", "must be a string")
 
     @property
     def greedy(self) -> bool:
