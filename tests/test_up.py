@@ -227,6 +227,9 @@ def test_plan_and_restart_policy(tiny_llama):
     ep = plan(UpConfig(tiny_llama, prefill_tp=2, decode_tp=2, ep=True, cores=eight))
     workers = [c.args for c in ep if c.name.startswith(("prefill", "decode"))]
     assert all("--ep" in args and args[args.index("--tp") + 1] == "2" for args in workers)
+    off = plan(UpConfig(tiny_llama, prefix_caching=False, cores=eight))
+    workers = [c.args for c in off if c.name.startswith(("prefill", "decode"))]
+    assert workers and all("--no-prefix-caching" in args for args in workers)
     with pytest.raises(ValueError, match="decode-workers"):
         UpConfig(tiny_llama, decode_workers=0)
     policy = RestartPolicy(base_s=1, max_s=8, healthy_after_s=60)

@@ -58,6 +58,10 @@ def register(subparsers) -> None:
         "--ep", action="store_true", help="every worker: MoE experts spread whole over its --tp"
     )
     p.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false",
+        help="every worker recomputes every prompt (full pages are cached by default)",
+    )  # fmt: skip
+    p.add_argument(
         "--allow-oversubscribe", action="store_true", help="workers may use more ranks than cores"
     )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -81,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
             **_shapes(args),
             allow_oversubscribe=args.allow_oversubscribe,
             ep=args.ep,
+            prefix_caching=args.prefix_caching,
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,
         )

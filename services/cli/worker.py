@@ -37,6 +37,10 @@ def register(subparsers) -> None:
             "leave (as `tison plan --gpu cpu --memory` predicts); overrides --kv-cache-bytes",
         )  # fmt: skip
         p.add_argument("--num-pages", type=int, default=None, help="exact KV pool size (pages)")
+        p.add_argument(
+            "--no-prefix-caching", dest="prefix_caching", action="store_false",
+            help="recompute every prompt (computed full pages are cached by default)",
+        )  # fmt: skip
         p.add_argument("--page-size", type=int, default=D.page_size)
         p.add_argument(
             "--max-num-batched-tokens",
@@ -76,6 +80,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         kv_cache_bytes=args.kv_cache_bytes,
         memory_bytes=args.memory_bytes,
+        enable_prefix_caching=args.prefix_caching,
         num_pages=args.num_pages,
         page_size=args.page_size,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -27,6 +27,7 @@ class UpConfig:
     decode_tp: int = 1  # shape of each decode worker
     decode_pp: int = 1
     ep: bool = False  # every worker: MoE experts spread whole over its TP ranks
+    prefix_caching: bool = True  # every worker: computed full pages stay cached
     allow_oversubscribe: bool = False  # workers may run more ranks than CPU cores
     cores: tuple[int, ...] = field(default_factory=available_cores)  # the CPUs tison up may use
     cores_prefill: tuple[int, ...] = ()  # explicit cores of the prefill (or colocated) workers
@@ -82,6 +83,8 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
         worker.append("--allow-oversubscribe")
     if cfg.ep:
         worker.append("--ep")
+    if not cfg.prefix_caching:
+        worker.append("--no-prefix-caching")
     prefill = [*worker, "--tp", str(cfg.prefill_tp), "--pp", str(cfg.prefill_pp)]
     decode = [*worker, "--tp", str(cfg.decode_tp), "--pp", str(cfg.decode_pp)]
     children = [ChildSpec("scheduler", ("scheduler",), where.services)]

@@ -32,6 +32,7 @@ class WorkerConfig:
     served_model_name: str = ""  # "" -> the model folder's name
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     memory_bytes: int | None = None  # per rank: weights + KV pool + reserve (EngineConfig)
+    enable_prefix_caching: bool = True  # EngineConfig's: computed full pages stay cached
     num_pages: int | None = None
     page_size: int = 16
     max_num_batched_tokens: int = 0  # 0: the role's STEP_TOKENS

@@ -35,6 +35,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None) -> LLMEngine:
         page_size=config.page_size,
         kv_cache_bytes=config.kv_cache_bytes,
         memory_bytes=config.memory_bytes,
+        enable_prefix_caching=config.enable_prefix_caching,
         num_pages=config.num_pages,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,

@@ -50,6 +50,10 @@ class EngineConfig:
     # (shared/kv/chunk_cache.py): single-rank engines without a KV handoff only.
     # None: wherever that holds; True: required; False: never
     cap_chunked_kv: bool | None = None
+    # full pages of computed KV stay cached after their requests (shared/kv/prefix_cache.py):
+    # a request computes only its uncached suffix. Not with capped chunked layers (their
+    # early chunks' KV is gone)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -1,5 +1,6 @@
 """LLMEngine: requests in, tokens out, one step at a time (continuous batching)."""
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from shared.engine.shard import model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
 from shared.kv.chunk_cache import chunk_pages_per_seq, pool_sizes
+from shared.kv.prefix_cache import PrefixCache, PrefixStats
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.models.layer_attention import CHUNKED
 from shared.sampling.batch import request_stop_token_ids
@@ -50,7 +52,10 @@ class LLMEngine:
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
         self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
-        self.allocator = PageAllocator(num_pages)
+        pages = PageAllocator(num_pages)
+        caching = config.enable_prefix_caching and self.chunk is None
+        self.prefix_cache = PrefixCache(pages, config.page_size) if caching else None
+        self.allocator = self.prefix_cache or pages  # the cache hands out the pages itself
         self.chunk_allocator = None if num_chunk_pages is None else PageAllocator(num_chunk_pages)
         self.scheduler = Scheduler(
             self.allocator,
@@ -189,6 +194,18 @@ class LLMEngine:
             free_pages=self.allocator.num_free,
             total_pages=self.allocator.num_pages,
         )
+
+    def kv_events(self) -> tuple[list[int], list[int]]:
+        """(hashes of the pages cached, of those evicted) since the previous call: what a
+        worker tells the router (shared/kv/block_hash.py names them); empty without a cache."""
+        if self.prefix_cache is None:
+            return [], []
+        return self.prefix_cache.drain_events()
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's counters (PrefixStats; all 0 without a cache)."""
+        stats = self.prefix_cache.stats if self.prefix_cache is not None else PrefixStats()
+        return dataclasses.asdict(stats)
 
     def step(self) -> list[StepOutput]:
         """Launches micro-batches until `depth` are in flight, then applies the oldest one's

@@ -35,6 +35,10 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    # prefix cache: hashes of the full pages of its tokens so far (shared/kv/block_hash.py),
+    # and how many of its pages, from the first, are named in the cache
+    page_hashes: list[int] = field(default_factory=list)
+    num_cached_pages: int = 0
     prefill_only: bool = False  # a prefill worker's request: done after its first token
 
     @property

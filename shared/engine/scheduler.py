@@ -6,14 +6,18 @@ not computed yet, capped by what is left of the budget (chunked prefill); when p
 the newest running request is preempted (pages freed, recomputed later). Then waiting
 requests are admitted while the budget, the sequence limit and the free pages allow. Pages
 follow the rule of shared/kv/pages.py: a request gets its admission pages at once, then one
-page at a time as it decodes."""
+page at a time as it decodes. With a prefix cache (shared/kv/prefix_cache.py) a request starts
+on the cached pages of its longest cached prefix and computes the rest; its pages are named
+as their KV is computed."""
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.kv.allocator import PageAllocator
+from shared.kv.block_hash import page_hashes
 from shared.kv.pages import chunk_window, pages_for, pages_to_admit, pages_to_grow
+from shared.kv.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def _decodes_first(req: Request) -> tuple[bool, float]:
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
+        allocator: PageAllocator | PrefixCache,  # a prefix cache hands out the pages itself
         page_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
@@ -57,6 +61,7 @@ class Scheduler:
         chunk: int | None = None,  # ... and their chunk size
     ):
         self.allocator = allocator
+        self.cache = allocator if isinstance(allocator, PrefixCache) else None
         self.chunk_allocator, self.chunk = chunk_allocator, chunk
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,18 +138,53 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            extra = self._admission_pages(req)
+            cached = self._cached_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.page_size, budget)
+            extra = max(0, self._admission_pages(req) - len(cached))
             extra_chunk = self._chunk_grow(req, n)
-            if not self._can_allocate(extra, extra_chunk):
+            taken = self.cache.num_free_among(cached) if cached else 0
+            if not self._can_allocate(extra + taken, extra_chunk):
                 break
             self.waiting.popleft()
+            if self.cache is not None and not req.page_ids:
+                self.cache.count(req.num_tokens, len(cached))
+            if cached:
+                self.cache.acquire(cached)
+                req.page_ids = list(cached)
+                req.num_cached_pages = len(cached)
+                req.num_computed_tokens = len(cached) * self.page_size
             req.page_ids += self.allocator.allocate(extra)
             self._allocate_chunk(req, extra_chunk)
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         return out
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached pages a waiting request without pages (new, or preempted) starts on."""
+        if self.cache is None or req.page_ids:
+            return []
+        return self.cache.match(self._hashes(req, req.num_tokens), req.num_tokens)
+
+    def _hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """req.page_hashes extended to the full pages of its first `num_tokens` tokens."""
+        known, S = len(req.page_hashes), self.page_size
+        if num_tokens // S > known:
+            parent = req.page_hashes[-1] if known else None
+            tokens = req.token_ids(0, num_tokens)
+            salt = req.params.cache_salt
+            req.page_hashes += page_hashes(tokens, S, salt, parent, first_page=known)
+        return req.page_hashes
+
+    def _name_computed_pages(self, req: Request) -> None:
+        """Names req's pages whose every token's KV is computed (the cache's `register`)."""
+        full = min(req.num_computed_tokens // self.page_size, len(req.page_ids))
+        if self.cache is None or full <= req.num_cached_pages:
+            return
+        hashes = self._hashes(req, full * self.page_size)
+        for i in range(req.num_cached_pages, full):
+            self.cache.register(req.page_ids[i], hashes[i])
+        req.num_cached_pages = full
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput, exclude) -> bool:
         """Pages for req's next n tokens, preempting the newest running requests (never one in
@@ -202,7 +242,7 @@ class Scheduler:
         self.allocator.free(req.page_ids)
         req.page_ids = []
         self._free_chunk(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_pages = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
@@ -215,6 +255,7 @@ class Scheduler:
             if req.finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_tokens
+            self._name_computed_pages(req)
             if req in sampled:
                 req.output_token_ids.append(sampled[req])
                 reason = check_stop(req)

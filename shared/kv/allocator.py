@@ -1,7 +1,7 @@
 """Page allocator: which KV pages are free. Pure bookkeeping, single owner (the scheduler); how
 many pages a request needs is shared/kv/pages.py's rule."""
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class PageAllocator:
@@ -15,7 +15,7 @@ class PageAllocator:
         if num_pages < 1:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._used: set[int] = set()
         self._launched = 0  # micro-batches launched so far
         self._collected = 0  # ... and collected (in launch order)
@@ -43,9 +43,21 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"asked for {n} KV pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
+        pages = [self._free.popitem(last=False)[0] for _ in range(n)]
         self._used.update(pages)
         return pages
+
+    def take(self, page: int) -> bool:
+        """Allocates this free page (a cached one found again); False if it is not free (in
+        use, or in quarantine)."""
+        if page not in self._free:
+            return False
+        del self._free[page]
+        self._used.add(page)
+        return True
+
+    def is_free(self, page: int) -> bool:
+        return page in self._free
 
     def free(self, pages: list[int]) -> None:
         for page in pages:
@@ -59,4 +71,4 @@ class PageAllocator:
     def _release(self, pages: list[int]) -> None:
         for page in pages:
             self._used.remove(page)
-            self._free.append(page)
+            self._free[page] = None

@@ -61,6 +61,7 @@ class KVHandoff:
         self._new: dict[str, list] = {}  # rank 0: targets the other ranks have not seen yet
         self._gone: list[str] = []  # rank 0: targets dropped since the last plan
         self._step: dict[str, tuple] = {}  # this step: request id -> (target, src, dst, last)
+        self._sent: dict[str, int] = {}  # request id -> tokens of its KV sent (or planned)
 
     @classmethod
     def of_rank(
@@ -110,6 +111,7 @@ class KVHandoff:
         """Ranks > 0: the targets rank 0 added and dropped since its previous plan."""
         for rid in push.get("gone", ()):
             self.targets.pop(rid, None)
+            self._sent.pop(rid, None)
         for rid, (pages, plain) in push.get("new", {}).items():
             pool = protocol.from_plain(KVPool, plain)
             try:
@@ -152,6 +154,7 @@ class KVHandoff:
             except Exception as e:
                 self.errors[rid] = f"KV transfer failed: {e}"
         self.targets.pop(rid, None)
+        self._sent.pop(rid, None)
         error = self.errors.pop(rid, None)
         if self.reports:
             self.results[rid] = error
@@ -159,15 +162,19 @@ class KVHandoff:
             log.warning("request %s: %s", rid, error)
 
     def _step_slots(self, out) -> dict:
-        """Source and destination slots of this step's tokens of every pushed request."""
+        """Source and destination slots of every pushed request's tokens not sent yet, up to
+        this step's end: this step's, and with its first chunk the prefix it found cached
+        (computed by earlier requests, already in this rank's pages)."""
         step = {}
         for s in out.scheduled:
             target = self.targets.get(s.request.request_id)
             if target is not None:
-                end = s.start + s.num_tokens
-                src = self.spec.slots(s.request.page_ids, s.start, end)
-                dst = self.spec.slots(target.page_ids, s.start, end)
-                step[target.request_id] = (target, src, dst, s.samples)
+                rid, end = target.request_id, s.start + s.num_tokens
+                start = min(self._sent.get(rid, 0), s.start)
+                src = self.spec.slots(s.request.page_ids, start, end)
+                dst = self.spec.slots(target.page_ids, start, end)
+                step[rid] = (target, src, dst, s.samples)
+                self._sent[rid] = end
         return step
 
     def finish(self, request_id: str) -> str | None:
@@ -182,6 +189,7 @@ class KVHandoff:
         """Rank 0: forgets a request (cancelled, failed); the other ranks with the next plan."""
         self.results.pop(request_id, None)
         self.errors.pop(request_id, None)
+        self._sent.pop(request_id, None)
         if self.targets.pop(request_id, None) is not None and self.announces:
             if self._new.pop(request_id, None) is None:
                 self._gone.append(request_id)
