@@ -1,15 +1,11 @@
 """The agent workload: multi-turn sessions whose every turn resends the history, against a real
-aiohttp server (in a thread of its own, so the CLI's event loop can load it too) that records
-each prompt and answers with text made from it."""
+aiohttp server (tests/fake_openai.py) that records each prompt and answers with text made
+from it."""
 
-import asyncio
 import json
-import threading
-import time
 
 import numpy as np
 import pytest
-from aiohttp import web
 
 from loadtest.bench import WorkloadConfig, make_requests, run_sync
 from loadtest.metrics import ttft_by_turn
@@ -20,91 +16,20 @@ from services.cli import main as tison
 from shared.errors import InvalidRequestError
 from shared.tokenizer.tokenizer import Tokenizer
 
+from fake_openai import FIRST_S, fake_server, output_words
 from services_harness import free_port
 from tiny_models import build_tokenizer
-
-FIRST_S = 0.02  # the fake server's delay before its first token
-
-
-def sse(payload) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
-def output_words(prompt, max_tokens: int) -> list[str]:
-    """The fake server's answer: a function of the prompt, so a test can predict it."""
-    return [f" fox{(len(prompt) + i) % 7}" for i in range(max_tokens)]
-
-
-class FakeServer:
-    """/v1/completions (token-id prompts) and /v1/chat/completions, streamed with a running
-    usage. Records (arrived, finished, prompt) per request on time.perf_counter; the prompt is
-    the token-id tuple or the ((role, content), ...) messages."""
-
-    def __init__(self):
-        self.seen: list[tuple[float, float, tuple]] = []
-        self.in_flight = self.max_in_flight = 0
-
-    async def answer(self, request: web.Request) -> web.StreamResponse:
-        arrived = time.perf_counter()
-        body = await request.json()
-        if "messages" in body:
-            prompt = tuple((m["role"], m["content"]) for m in body["messages"])
-            key = "delta"
-        else:
-            prompt, key = tuple(body["prompt"]), "text"
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            await asyncio.sleep(FIRST_S)  # simulated prefill, the timing under test
-            words = output_words(prompt, body["max_tokens"])
-            for i, word in enumerate(words):
-                text = {"content": word} if key == "delta" else word
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": i + 1}
-                await resp.write(sse({"choices": [{key: text, "finish_reason": None}], **usage}))
-            closing = {"choices": [{key: {} if key == "delta" else "", "finish_reason": "length"}]}
-            # recorded before the client can see the end: it may finish its run at [DONE]
-            self.seen.append((arrived, time.perf_counter(), prompt))
-            await resp.write(sse(closing) + b"data: [DONE]\n\n")
-            return resp
-        finally:
-            self.in_flight -= 1
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake"}]})
 
 
 @pytest.fixture(scope="module")
 def server():
-    fake, loop, ready = FakeServer(), asyncio.new_event_loop(), threading.Event()
-
-    def serve() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", fake.answer)
-        app.router.add_post("/v1/chat/completions", fake.answer)
-        app.router.add_get("/v1/models", fake.models)
-        runner = web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        fake.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield fake
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with fake_server() as fake:
+        yield fake
 
 
 @pytest.fixture
 def fake(server):
-    server.seen.clear()
-    server.max_in_flight = 0
+    server.reset()
     return server
 
 

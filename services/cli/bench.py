@@ -43,7 +43,12 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model folder whose tokenizer builds prompts (default: the bundled model)",
     )
-    p.add_argument("--num-prompts", type=int, default=100, help="requests per load point")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=100,
+        help="requests per load point (agent: --num-sessions x --turns)",
+    )
     p.add_argument("--input-len", default="256", help="N, uniform:LO:HI, normal:MEAN:STD, exp:MEAN")
     p.add_argument(
         "--output-len",
