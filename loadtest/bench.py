@@ -71,7 +71,7 @@ class WorkloadConfig:
             think = f", think time {self.think_time_s:g} s" if self.think_time_s else ""
             return (
                 f"agent: {self.num_sessions} sessions x {self.num_turns} turns, "
-                f"{self.num_prefixes} shared system prompts of {self.prefix_len} tokens, "
+                f"{self.num_prefixes} shared system prompt(s) of {self.prefix_len} tokens, "
                 f"each turn + {self.input_len} user tokens, output {self.output_len} tokens"
                 f"{think}, seed {self.seed}"
             )
