@@ -22,12 +22,12 @@ from loadtest.metrics import Cost, Slo, summarize
 from loadtest.plots import report_plots
 from loadtest.progress import Progress
 from loadtest.report import BenchReport, RunRecord, markdown
-from loadtest.runner import Load, run_load
+from loadtest.runner import Load, run_workload
 from loadtest.target import Target
 from shared.errors import InvalidRequestError
 from shared.tokenizer.tokenizer import Tokenizer
 
-WORKLOADS = ("random", "shared-prefix", "sharegpt")
+WORKLOADS = ("random", "shared-prefix", "sharegpt", "agent")
 MAX_REQUESTS = 100_000  # per load point, whatever is asked
 
 
@@ -36,13 +36,16 @@ class WorkloadConfig:
     """Which requests to send (the same list at every load point)."""
 
     kind: str = "random"  # one of WORKLOADS
-    num_prompts: int = 100
-    input_len: str = "256"  # LengthDist text; shared-prefix: the tail after the prefix
+    num_prompts: int = 100  # agent: unused (num_sessions x num_turns requests)
+    input_len: str = "256"  # LengthDist text; shared-prefix: the tail; agent: each user turn
     output_len: str = "128"  # LengthDist text; sharegpt: "" keeps each reply's length
-    prefix_len: int = 1024  # shared-prefix: tokens of each common prompt
-    num_prefixes: int = 1  # shared-prefix: how many common prompts
+    prefix_len: int = 1024  # shared-prefix, agent: tokens of each common prompt
+    num_prefixes: int = 1  # shared-prefix, agent: how many common prompts
     dataset: Path | None = None  # sharegpt: the JSON file
     seed: int = 0
+    num_sessions: int = 8  # agent: sessions
+    num_turns: int = 4  # agent: turns per session
+    think_time_s: float = 0.0  # agent: a turn's completion to the next turn's send
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -53,11 +56,25 @@ class WorkloadConfig:
             raise InvalidRequestError("dataset", "the sharegpt workload needs --dataset FILE")
         if self.prefix_len < 1 or self.num_prefixes < 1:
             raise InvalidRequestError("prefix_len", "prefix_len and num_prefixes must be >= 1")
+        if self.num_sessions < 1 or self.num_turns < 1:
+            raise InvalidRequestError("num_sessions", "num_sessions and turns must be >= 1")
+        if self.num_sessions * self.num_turns > MAX_REQUESTS:
+            raise InvalidRequestError("num_sessions", f"sessions x turns must be <= {MAX_REQUESTS}")
+        if not 0 <= self.think_time_s < math.inf:
+            raise InvalidRequestError("think_time", "must be a finite number >= 0")
 
     def describe(self) -> str:
         if self.kind == "sharegpt":
             out = f", output {self.output_len}" if self.output_len else ""
             return f"sharegpt {Path(self.dataset).name}{out}, {self.num_prompts} requests"
+        if self.kind == "agent":
+            think = f", think time {self.think_time_s:g} s" if self.think_time_s else ""
+            return (
+                f"agent: {self.num_sessions} sessions x {self.num_turns} turns, "
+                f"{self.num_prefixes} shared system prompt(s) of {self.prefix_len} tokens, "
+                f"each turn + {self.input_len} user tokens, output {self.output_len} tokens"
+                f"{think}, seed {self.seed}"
+            )
         prefix = (
             f"{self.num_prefixes} shared prefixes of {self.prefix_len} tokens + "
             if self.kind == "shared-prefix"
@@ -69,13 +86,26 @@ class WorkloadConfig:
         )
 
 
-def make_requests(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[workloads.RequestSpec]:
+def make_requests(
+    cfg: WorkloadConfig, tokenizer: Tokenizer
+) -> list[workloads.RequestSpec] | workloads.AgentWorkload:
     maker = workloads.PromptMaker(tokenizer, np.random.default_rng(cfg.seed))
     if cfg.kind == "sharegpt":
         fixed = int(cfg.output_len) if cfg.output_len else None
         return workloads.sharegpt_requests(maker, cfg.dataset, cfg.num_prompts, fixed)
     ins = workloads.LengthDist.parse(cfg.input_len)
     outs = workloads.LengthDist.parse(cfg.output_len)
+    if cfg.kind == "agent":
+        return workloads.agent_sessions(
+            maker,
+            cfg.num_sessions,
+            cfg.num_turns,
+            cfg.prefix_len,
+            cfg.num_prefixes,
+            ins,
+            outs,
+            cfg.think_time_s,
+        )
     if cfg.kind == "shared-prefix":
         return workloads.shared_prefix_requests(
             maker, cfg.num_prompts, cfg.prefix_len, cfg.num_prefixes, ins, outs
@@ -124,19 +154,21 @@ async def served_model(base_url: str) -> str:
 
 
 async def run_bench(
-    cfg: BenchConfig, specs: list[workloads.RequestSpec], show_progress: bool = True
+    cfg: BenchConfig,
+    specs: list[workloads.RequestSpec] | workloads.AgentWorkload,
+    show_progress: bool = True,
 ) -> BenchReport:
-    """Run every load point in turn and gather the report."""
+    """Run every load point in turn and gather the report (an agent workload: sessions)."""
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     loadavg = round(os.getloadavg()[0], 2)  # other work on this host skews CPU-bound runs
     runs = []
     for i, load in enumerate(cfg.loads):
         bar = Progress(
-            len(specs),
+            specs.num_requests if isinstance(specs, workloads.AgentWorkload) else len(specs),
             f"[{i + 1}/{len(cfg.loads)}] {load.label}",
             sys.stderr if show_progress else None,
         )
-        out = await run_load(cfg.target, specs, load, cfg.max_duration_s, cfg.seed, bar)
+        out = await run_workload(cfg.target, specs, load, cfg.max_duration_s, cfg.seed, bar)
         bar.close()
         summary = summarize(out.results, out.duration_s, cfg.slo, cfg.cost)
         runs.append(RunRecord(load, summary, tuple(out.results)))

@@ -24,11 +24,19 @@ async def send(
     session: aiohttp.ClientSession, target: Target, spec: RequestSpec, run_start: float
 ) -> RequestResult:
     """Send `spec`, read the whole response; never raises except on cancellation."""
+    return (await exchange(session, target, spec, run_start))[0]
+
+
+async def exchange(
+    session: aiohttp.ClientSession, target: Target, spec: RequestSpec, run_start: float
+) -> tuple[RequestResult, str]:
+    """Send `spec`, read the whole response -> its timings and the output text (the first
+    choice's; "" on failure). Never raises except on cancellation."""
     sent = time.perf_counter()
 
-    def failed(kind: str, detail: str) -> RequestResult:
+    def failed(kind: str, detail: str) -> tuple[RequestResult, str]:
         latency = time.perf_counter() - sent
-        return RequestResult(
+        result = RequestResult(
             False,
             spec.prompt_len,
             0,
@@ -37,6 +45,7 @@ async def send(
             error=kind,
             detail=detail[:MAX_DETAIL],
         )
+        return result, ""
 
     try:
         async with session.post(
@@ -48,9 +57,10 @@ async def send(
             if resp.status != 200:
                 return failed(f"http_{resp.status}", await resp.text())
             if target.stream:
-                events, usage = await _read_sse(resp)
+                events, usage, text = await _read_sse(resp)
             else:
-                events, usage = [], (await resp.json()).get("usage") or {}
+                answer = await resp.json()
+                events, usage, text = [], answer.get("usage") or {}, _answer_text(answer)
     except TimeoutError:
         return failed("timeout", f"no complete response within {target.timeout_s} s")
     except _StreamError as e:
@@ -65,7 +75,7 @@ async def send(
     if target.stream and not events:
         return failed("no_output", "the stream ended without a choice")
     exact = counted == num_output
-    return RequestResult(
+    result = RequestResult(
         True,
         usage.get("prompt_tokens") or spec.prompt_len,
         num_output,
@@ -75,6 +85,7 @@ async def send(
         itl_s=token_gaps(events if exact else [(t, 1) for t, _ in events]),
         itl_per_token=exact or not events,
     )
+    return result, text
 
 
 def token_gaps(events: list[tuple[float, int]]) -> tuple[float, ...]:
@@ -88,19 +99,31 @@ def token_gaps(events: list[tuple[float, int]]) -> tuple[float, ...]:
     return tuple(gaps)
 
 
+def _choice_text(chunk: dict) -> str:
+    """The output text a streamed chunk's first choice carries (completions or chat)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return ""
+    choice = choices[0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def _answer_text(answer: dict) -> str:
+    """The first choice's text of a whole (not streamed) response."""
+    choices = answer.get("choices") or [{}]
+    return choices[0].get("text") or (choices[0].get("message") or {}).get("content") or ""
+
+
 def _carries_output(chunk: dict) -> bool:
     """A chunk whose first choice has text: a role-only first chunk or an empty closing one is
     not a token (vLLM's bench counts any chunk with a choice, so a server that sends the role
     first would get the time of that chunk as its TTFT)."""
-    choices = chunk.get("choices")
-    if not choices:
-        return False
-    choice = choices[0]
-    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+    return bool(_choice_text(chunk))
 
 
-async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int]], dict]:
-    """(arrival time, output tokens) of the events that carry output, and the usage if one came.
+async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int]], dict, str]:
+    """(arrival time, output tokens) of the events that carry output, the usage if one came,
+    and the output text (the first choice's chunks joined).
     Events that arrive in one read share its time: that is when the client could first see them.
     Where the chunks carry a running usage, each carries the tokens it adds to it (one with no
     text may carry a token whose character is not complete yet); else each with text carries
@@ -111,6 +134,7 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int
     on a stream cut before either."""
     events: list[tuple[float, int]] = []
     usage: dict = {}
+    texts: list[str] = []
     running = None  # whether the chunks carry a running usage
     counted = 0  # tokens it has reported
     finished = False
@@ -123,7 +147,7 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int
                 continue  # blank separators, comments, event names
             payload = line[5:].strip()
             if payload == b"[DONE]":
-                return events, usage
+                return events, usage, "".join(texts)
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise _StreamError(str(chunk["error"].get("message", chunk["error"])))
@@ -137,9 +161,10 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[tuple[float, int
                 tokens = 1 if _carries_output(chunk) else 0
             if tokens > 0:
                 events.append((now, tokens))
+            texts.append(_choice_text(chunk))
             finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or ())
             if chunk.get("usage"):
                 usage = chunk["usage"]
     if not finished:
         raise ValueError("the stream ended before [DONE] or a finish reason")
-    return events, usage
+    return events, usage, "".join(texts)

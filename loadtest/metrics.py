@@ -34,6 +34,8 @@ class RequestResult:
     detail: str = ""  # the error message, shortened
     itl_per_token: bool = True  # False: the server sent tokens several an event uncounted,
     # so itl_s has a gap per event
+    session: int | None = None  # agent workload: the session's index, from 0
+    turn: int | None = None  # agent workload: the turn's index within its session, from 0
 
     @property
     def tpot_s(self) -> float | None:
@@ -187,3 +189,13 @@ def summarize(
         cost_per_m_output=cost.per_million(duration_s, num_out) if cost else None,
         cost_per_m_total=cost.per_million(duration_s, num_in + num_out) if cost else None,
     )
+
+
+def ttft_by_turn(results: list[RequestResult]) -> dict[int, Dist]:
+    """TTFT of the completed requests of each agent turn (turn index from 0 -> its Dist);
+    empty when no request has a turn."""
+    by_turn: dict[int, list[float]] = {}
+    for r in results:
+        if r.ok and r.turn is not None:
+            by_turn.setdefault(r.turn, []).append(r.ttft_s)
+    return {t: Dist.of_seconds(v) for t, v in sorted(by_turn.items())}

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.metrics import Dist, RequestResult, Summary
+from loadtest.metrics import Dist, RequestResult, Summary, ttft_by_turn
 from loadtest.runner import Load
 from shared.errors import InvalidRequestError
 
@@ -111,6 +111,18 @@ def detail_table(summary: Summary) -> str:
     return "\n".join(lines)
 
 
+def turn_table(requests: tuple[RequestResult, ...]) -> str:
+    """TTFT (ms) of the completed requests of each agent turn; "" when none has a turn."""
+    by_turn = ttft_by_turn(list(requests))
+    if not by_turn:
+        return ""
+    lines = ["| turn | TTFT mean | p50 | p90 | p99 | n |", "|---|---|---|---|---|---|"]
+    for turn, d in by_turn.items():
+        cells = [fmt(d.mean, 2), fmt(d.p50, 2), fmt(d.p90, 2), fmt(d.p99, 2), str(d.count)]
+        lines.append(f"| {turn + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def describe(meta: dict) -> list[str]:
     """Bullet lines of what was measured and how."""
     slo = meta.get("slo") or {}
@@ -151,5 +163,7 @@ def markdown(report: BenchReport, plots: list[str] = ()) -> str:
         ]
     for run in report.runs:
         parts += [f"## {run.load.label}", "", detail_table(run.summary), ""]
+        if turns := turn_table(run.requests):
+            parts += [turns, ""]
     parts += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(parts).rstrip() + "\n"

@@ -1,18 +1,19 @@
-"""Running one load point: requests arrive (Poisson or closed loop), bounded in count and time."""
+"""Running one load point: requests arrive (Poisson or closed loop), bounded in count and time;
+agent sessions start so (each session's turns one after another)."""
 
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 import numpy as np
 
-from loadtest.client import send
+from loadtest.client import exchange, send
 from loadtest.metrics import RequestResult
 from loadtest.progress import Progress
 from loadtest.target import Target
-from loadtest.workloads import RequestSpec
+from loadtest.workloads import AgentWorkload, Conversation, RequestSpec
 from shared.errors import InvalidRequestError
 
 
@@ -125,3 +126,76 @@ def _cut(spec: RequestSpec, sent_at_s: float, end_s: float) -> RequestResult:
         error="time_limit",
         detail="cut by the run's time limit",
     )
+
+
+async def run_workload(
+    target: Target,
+    work: list[RequestSpec] | AgentWorkload,
+    load: Load,
+    max_duration_s: float,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> RunOutput:
+    """run_sessions for an agent workload, else run_load."""
+    if isinstance(work, AgentWorkload):
+        return await run_sessions(target, work, load, max_duration_s, seed, progress)
+    return await run_load(target, work, load, max_duration_s, seed, progress)
+
+
+async def run_sessions(
+    target: Target,
+    work: AgentWorkload,
+    load: Load,
+    max_duration_s: float,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> RunOutput:
+    """Run every session of `work`: sessions start at `load`'s arrival times (the rate is
+    session starts/s; the concurrency caps sessions in flight); within a session, turn k + 1 is
+    sent `think_time_s` after turn k completed, with its output in the prompt. A failed turn
+    ends its session (there is no output to extend). At `max_duration_s` nothing more is sent
+    and requests in flight are cut ("time_limit"). Results in (session, turn) order."""
+    offsets = load.arrival_offsets(len(work.sessions), np.random.default_rng(seed))
+    cap = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+    results: dict[tuple[int, int], RequestResult] = {}
+    in_flight: dict[tuple[int, int], tuple[RequestSpec, float]] = {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        start = time.perf_counter()
+
+        async def session(i: int) -> None:
+            conversation = Conversation(work.sessions[i], work.encode)
+            while not conversation.finished:
+                if conversation.num_done and work.think_time_s > 0:
+                    await asyncio.sleep(work.think_time_s)
+                key, spec = (i, conversation.num_done), conversation.next_request()
+                in_flight[key] = (spec, time.perf_counter() - start)
+                result, text = await exchange(http, target, spec, start)
+                del in_flight[key]
+                results[key] = replace(result, session=i, turn=key[1])
+                if progress is not None:
+                    progress.update(results[key])
+                if not result.ok:
+                    return
+                conversation.record_output(text)
+
+        async def capped(i: int) -> None:
+            if cap is None:
+                return await session(i)
+            async with cap:
+                await session(i)
+
+        try:
+            async with asyncio.timeout(max_duration_s), asyncio.TaskGroup() as tasks:
+                for i, offset in enumerate(offsets):
+                    if (delay := start + offset - time.perf_counter()) > 0:
+                        await asyncio.sleep(delay)
+                    tasks.create_task(capped(i))
+        except TimeoutError:
+            pass
+        end = time.perf_counter() - start
+    for (i, turn), (spec, sent_at) in in_flight.items():
+        results[(i, turn)] = replace(_cut(spec, sent_at, end), session=i, turn=turn)
+    ordered = [results[k] for k in sorted(results)]
+    last_end = max((r.start_s + r.latency_s for r in ordered), default=end)
+    return RunOutput(ordered, min(end, last_end))

@@ -45,9 +45,13 @@ class Target:
     def body(self, spec: RequestSpec) -> dict:
         """The JSON body of one request."""
         body: dict = {"model": self.model, "max_tokens": spec.max_tokens, "temperature": 0.0}
-        if self.api == "chat":
+        if self.api == "chat" and spec.messages:
+            body["messages"] = [{"role": role, "content": text} for role, text in spec.messages]
+        elif self.api == "chat":
             system = [{"role": "system", "content": spec.prefix}] if spec.prefix else []
             body["messages"] = [*system, {"role": "user", "content": spec.text}]
+        elif spec.prompt_ids:  # token ids: the prompt is exactly these, no re-tokenization
+            body["prompt"] = list(spec.prompt_ids)
         else:
             body["prompt"] = spec.prefix + spec.text
         if self.stream:

@@ -5,10 +5,15 @@
   (like coding-agent traces hitting a prefix cache);
 - sharegpt: the first human turn of each conversation in a ShareGPT-format JSON file, the
   output length taken from the reply that followed it (vLLM's rules);
-- mixed: several workloads interleaved at random.
+- mixed: several workloads interleaved at random;
+- agent: multi-turn sessions as a coding agent sends them: a shared system prompt, then turns
+  that each resend the whole history (the previous prompt, the output the server returned for
+  it, a new user message). Only the user messages are made up front; a turn's prompt is built
+  when the previous turn has completed (Conversation).
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +34,10 @@ class RequestSpec:
     max_tokens: int
     prompt_len: int  # tokens of prefix + text, as the tokenizer counts them (no template)
     prefix: str = ""
+    # agent turns, set by Conversation: the whole prompt as token ids (completions) and as
+    # (role, content) messages (chat); they replace prefix + text when given
+    prompt_ids: tuple[int, ...] = ()
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,3 +176,93 @@ def mixed(rng: np.random.Generator, *parts: list[RequestSpec]) -> list[RequestSp
     """All requests of `parts`, in random order."""
     pool = [spec for part in parts for spec in part]
     return [pool[i] for i in rng.permutation(len(pool)).tolist()]
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    """One user message of an agent session, made up front."""
+
+    text: str
+    token_ids: tuple[int, ...]  # its tokens (PromptMaker.encode of text)
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """One agent session: its system prompt (shared with other sessions) and its user turns."""
+
+    prefix: str
+    prefix_ids: tuple[int, ...]
+    turns: tuple[TurnSpec, ...]
+
+
+@dataclass(frozen=True)
+class AgentWorkload:
+    """Sessions whose turns are sent one after another, each after the previous completed (and
+    `think_time_s` more). `encode` turns a server's output text into the token ids appended to
+    the next prompt."""
+
+    sessions: tuple[SessionSpec, ...]
+    encode: Callable[[str], list[int]]
+    think_time_s: float = 0.0
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+def agent_sessions(
+    maker: PromptMaker,
+    num_sessions: int,
+    num_turns: int,
+    prefix_len: int,
+    num_prefixes: int,
+    input_len: LengthDist,
+    output_len: LengthDist,
+    think_time_s: float = 0.0,
+) -> AgentWorkload:
+    """`num_sessions` sessions of `num_turns` turns; each session's system prompt is one of
+    `num_prefixes` shared prompts of `prefix_len` tokens, each turn a user message of
+    `input_len` tokens asking for `output_len` tokens."""
+    prefixes = [maker.text(prefix_len) for _ in range(num_prefixes)]
+    prefix_ids = [tuple(maker.encode(p)) for p in prefixes]
+    which = maker.rng.integers(0, num_prefixes, num_sessions).tolist()
+    sessions = []
+    for k in which:
+        users = random_requests(maker, num_turns, input_len, output_len)
+        turns = tuple(TurnSpec(u.text, tuple(maker.encode(u.text)), u.max_tokens) for u in users)
+        sessions.append(SessionSpec(prefixes[k], prefix_ids[k], turns))
+    return AgentWorkload(tuple(sessions), maker.encode, think_time_s)
+
+
+class Conversation:
+    """One session's history, owned by the task that runs the session. Turn k + 1's prompt is
+    turn k's prompt + the output text turn k got + the next user message: as token ids, the
+    previous prompt's ids exactly, then the output's (re-encoded) ids, then the user message's
+    ids, so a prefix cache keyed on token ids sees the previous prompt again; as chat messages,
+    the previous messages + an assistant message + a user message (whether the rendered prompt
+    extends the previous one is the chat template's business)."""
+
+    def __init__(self, spec: SessionSpec, encode: Callable[[str], list[int]]):
+        self.spec, self.encode = spec, encode
+        self.num_done = 0  # turns whose output was recorded
+        self._ids = list(spec.prefix_ids)
+        self._messages = [("system", spec.prefix)] if spec.prefix else []
+
+    @property
+    def finished(self) -> bool:
+        return self.num_done == len(self.spec.turns)
+
+    def next_request(self) -> RequestSpec:
+        """The request of turn `num_done`."""
+        turn = self.spec.turns[self.num_done]
+        ids = (*self._ids, *turn.token_ids)
+        messages = (*self._messages, ("user", turn.text))
+        return RequestSpec(turn.text, turn.max_tokens, len(ids), self.spec.prefix, ids, messages)
+
+    def record_output(self, text: str) -> None:
+        """Turn `num_done` completed with output `text`: the history grows by it."""
+        turn = self.spec.turns[self.num_done]
+        self._ids += [*turn.token_ids, *self.encode(text)]
+        self._messages += [("user", turn.text), ("assistant", text)]
+        self.num_done += 1

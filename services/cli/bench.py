@@ -34,22 +34,43 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_workload_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=["random", "shared-prefix", "sharegpt"], default="random")
+    p.add_argument(
+        "--workload", choices=["random", "shared-prefix", "sharegpt", "agent"], default="random"
+    )
     p.add_argument(
         "--tokenizer",
         type=Path,
         default=None,
         help="model folder whose tokenizer builds prompts (default: the bundled model)",
     )
-    p.add_argument("--num-prompts", type=int, default=100, help="requests per load point")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=100,
+        help="requests per load point (agent: --num-sessions x --turns)",
+    )
     p.add_argument("--input-len", default="256", help="N, uniform:LO:HI, normal:MEAN:STD, exp:MEAN")
     p.add_argument(
         "--output-len",
         default=None,
         help="same forms as --input-len (default 128; sharegpt: each reply's length)",
     )
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: prefix tokens")
-    p.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
+    p.add_argument(
+        "--prefix-len", type=int, default=1024, help="shared-prefix, agent: prefix tokens"
+    )
+    p.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix, agent: distinct prefixes"
+    )
+    p.add_argument(
+        "--num-sessions",
+        type=int,
+        default=8,
+        help="agent: sessions (--request-rate: session starts/s, --concurrency: sessions at once)",
+    )
+    p.add_argument("--turns", type=int, default=4, help="agent: turns per session")
+    p.add_argument(
+        "--think-time", type=float, default=0.0, help="agent: seconds from a turn's end to the next"
+    )
     p.add_argument("--dataset", type=Path, default=None, help="sharegpt: ShareGPT JSON file")
     p.add_argument("--seed", type=int, default=0)
 
@@ -136,6 +157,9 @@ def _bench_config(args: argparse.Namespace):
         num_prefixes=args.num_prefixes,
         dataset=args.dataset,
         seed=args.seed,
+        num_sessions=args.num_sessions,
+        num_turns=args.turns,
+        think_time_s=args.think_time,
     )
     tokenizer = Tokenizer.from_dir(resolve_model(args.tokenizer and str(args.tokenizer)))
     target = Target(
