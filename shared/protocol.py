@@ -159,6 +159,8 @@ class DecodeAssignReplyMsg:
     page_ids: tuple[int, ...] = ()  # decode sets: reserved pages; prefill writes KV there
     kv: KVPool | None = None  # decode sets when accepting: where to write
     reason: str = ""  # decode sets when refusing; scheduler logs it
+    cached_tokens: int = 0  # decode sets: prompt tokens whose KV the pages hold already (its
+    # prefix cache, whole pages); prefill writes only the tokens after them
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ class PrefillAssignMsg:
     decode_worker: str  # scheduler sets; prefill sends KvReadyMsg to decode_kv(decode_worker)
     decode_kv: KVPool | None  # scheduler copies from DecodeAssignReplyMsg.kv
     page_ids: tuple[int, ...]  # scheduler copies from DecodeAssignReplyMsg.page_ids
+    decode_cached_tokens: int = 0  # scheduler copies from DecodeAssignReplyMsg.cached_tokens
 
 
 @dataclass(frozen=True)

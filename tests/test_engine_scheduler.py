@@ -126,7 +126,7 @@ def test_reserve_then_activate_with_remote_kv():
     assert not s.reserve(request("x", 5, 1))  # all or nothing: 2 pages needed, 0 free
     r.num_computed_tokens = 9
     r.output_token_ids.append(5)  # the prefill worker's first token
-    s.activate(r)
+    s.activate(r, computed=True)
     out, _ = run_step(s)
     assert [(x.start, x.num_tokens) for x in out.scheduled] == [(9, 1)]
 
@@ -187,4 +187,6 @@ def test_a_reservation_never_takes_the_pages_a_preempted_request_waits_for():
     # new (8 tokens now) needs 3 pages to resume; a 2-token reservation would take 1 of the 2
     assert not s.reserve(request("remote", 2, 2))
     s.finish(old, FinishReason.STOP)  # 5 free: new's 3 and the reservation's 1 both fit
-    assert s.reserve(request("remote", 2, 2))
+    remote = request("remote", 2, 2)
+    assert s.reserve(remote) and len(remote.page_ids) == 1  # its own page only
+    assert s.allocator.num_free == 4

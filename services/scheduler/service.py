@@ -223,6 +223,7 @@ class Scheduler:
             decode_worker=choice.decode.worker_id,
             decode_kv=reservation.kv,
             page_ids=reservation.page_ids,
+            decode_cached_tokens=reservation.cached_tokens,
         )
         subject = subjects.assign("prefill", choice.prefill.worker_id)
         await self._nc.publish(subject, protocol.encode(assignment))

@@ -59,21 +59,22 @@ class DecodeRole:
     async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:
         rid = assign.request_id
         try:
-            pages = await self.loop.call(
+            reserved = await self.loop.call(
                 self.engine.reserve, rid, list(assign.prompt_token_ids), assign.sampling
             )
         except TisonError as e:
-            pages, reason = None, str(e)
+            reserved, reason = None, str(e)
         else:
             reason = "KV pool full"
-        if pages is None:
+        if reserved is None:
             reply = DecodeAssignReplyMsg(rid, False, reason=reason)
         else:
             self.gateways[rid] = assign.gateway_id
-            reply = DecodeAssignReplyMsg(rid, True, tuple(pages), self.pool)
+            pages, cached = reserved
+            reply = DecodeAssignReplyMsg(rid, True, tuple(pages), self.pool, cached_tokens=cached)
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
-        if pages is not None and assign.prefill_here:  # its first token leaves with our steps
+        if reserved is not None and assign.prefill_here:  # its first token leaves with our steps
             await self.loop.call(self.engine.start_local, rid)
 
     @protocol.on_message(KvReadyMsg)
@@ -104,7 +105,9 @@ class DecodeRole:
         got = self.tcp_server.take_received(request_id)
         req = self.engine.requests.get(request_id)
         spec = self.engine.kv_spec
-        want = 0 if req is None else req.num_prompt_tokens * spec.page_size_bytes // spec.page_size
+        # the prompt's tokens after those its pages held from the cache (still its computed ones)
+        new = 0 if req is None else req.num_prompt_tokens - req.num_computed_tokens
+        want = new * spec.page_size_bytes // spec.page_size
         return f"KV incomplete: {got} of {want} bytes arrived" if got and got != want else ""
 
     @protocol.on_message(CancelMsg)

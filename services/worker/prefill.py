@@ -48,7 +48,7 @@ class PrefillRole:
             await self.loop.call(self.engine.start_local, rid)  # pages are ours already
             return
         try:
-            self.handoff.add(rid, assign.page_ids, assign.decode_kv)
+            self.handoff.add(rid, assign.page_ids, assign.decode_kv, assign.decode_cached_tokens)
             prompt = list(assign.prompt_token_ids)
             await self.loop.call(self.engine.add_request, rid, prompt, assign.sampling, True)
         except Exception as e:  # bad layout, unreachable peer, invalid prompt: fail it alone

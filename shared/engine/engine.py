@@ -91,14 +91,18 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], int] | None:
         """Decode side of a handoff: holds pages for the prompt's KV, which a prefill worker
-        writes. Returns the page ids, or None when the pool cannot hold it now."""
+        writes. Returns (the page ids, how many of the prompt's tokens they hold already: its
+        cached prefix, which the prefill worker must not write), or None when the pool cannot
+        hold it now."""
         req = self._new_request(request_id, prompt_token_ids, params)
         if not self.scheduler.reserve(req):
             return None
         self.requests[request_id] = req
-        return list(req.page_ids)
+        return list(req.page_ids), req.num_computed_tokens
 
     def reserved_pages(self, request_id: str) -> list[int] | None:
         """Pages held for a reserved request whose KV has not arrived yet; None otherwise."""
@@ -115,7 +119,7 @@ class LLMEngine:
         req.output_token_ids.append(first_token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
-        self.scheduler.activate(req)
+        self.scheduler.activate(req, computed=True)
         reason = check_stop(req)
         if reason is not None:
             self.finish(request_id, reason)
@@ -125,7 +129,7 @@ class LLMEngine:
         """Colocated: compute a reserved request's prompt here (its pages are already held)."""
         req = self.requests.get(request_id)
         if req is not None:
-            self.scheduler.activate(req)
+            self.scheduler.activate(req, computed=False)
         return req is not None
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):

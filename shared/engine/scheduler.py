@@ -71,13 +71,19 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # pages held for a prefill done elsewhere
 
     def reserve(self, req: Request) -> bool:
-        """Holds req's admission pages, its prompt's to be written by a prefill worker. All or
-        nothing, and never pages that the waiting requests need to be admitted first (a
-        preempted one would otherwise starve while new reservations took its room)."""
-        need = self._admission_pages(req) + sum(map(self._admission_pages, self.waiting))
-        if not self.allocator.can_allocate(need):
+        """Holds req's admission pages, its prompt's to be written by a prefill worker (or by
+        this engine, start_local). All or nothing, and never pages that the waiting requests
+        need to be admitted first (a preempted one would otherwise starve while new
+        reservations took its room). With a prefix cache, the pages of the prompt's cached
+        prefix are held as they are, counted computed: only the rest is to be written."""
+        cached = self._cached_prefix(req)
+        own = max(0, self._admission_pages(req) - len(cached))
+        taken = self.cache.num_free_among(cached) if cached else 0
+        waiting = sum(map(self._admission_pages, self.waiting))
+        if not self.allocator.can_allocate(own + taken + waiting):
             return False
-        req.page_ids = self.allocator.allocate(need)
+        self._start_on(req, cached)
+        req.page_ids += self.allocator.allocate(own)
         self.reserved[req.request_id] = req
         return True
 
@@ -87,11 +93,11 @@ class Scheduler:
         admit = pages_for if req.prefill_only else pages_to_admit
         return max(0, admit(req.num_tokens, self.page_size) - len(req.page_ids))
 
-    def activate(self, req: Request) -> None:
-        """A reserved request joins the batch: decoding if its prompt KV arrived
-        (num_computed_tokens was set), else to compute its prompt here."""
+    def activate(self, req: Request, computed: bool) -> None:
+        """A reserved request joins the batch: decoding if its prompt KV arrived (`computed`:
+        num_computed_tokens was set), else to compute the rest of its prompt here."""
         del self.reserved[req.request_id]
-        (self.running if req.num_computed_tokens else self.waiting).append(req)
+        (self.running if computed else self.waiting).append(req)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -146,13 +152,8 @@ class Scheduler:
             if not self._can_allocate(extra + taken, extra_chunk):
                 break
             self.waiting.popleft()
-            if self.cache is not None and not req.page_ids:
-                self.cache.count(req.num_tokens, len(cached))
-            if cached:
-                self.cache.acquire(cached)
-                req.page_ids = list(cached)
-                req.num_cached_pages = len(cached)
-                req.num_computed_tokens = len(cached) * self.page_size
+            if not req.page_ids:  # not a reserved request computing its prompt here
+                self._start_on(req, cached)
             req.page_ids += self.allocator.allocate(extra)
             self._allocate_chunk(req, extra_chunk)
             self.running.append(req)
@@ -165,6 +166,17 @@ class Scheduler:
         if self.cache is None or req.page_ids:
             return []
         return self.cache.match(self._hashes(req, req.num_tokens), req.num_tokens)
+
+    def _start_on(self, req: Request, cached: list[int]) -> None:
+        """A request without pages starts on `cached`, its prefix's cached pages (counted)."""
+        if self.cache is None:
+            return
+        self.cache.count(req.num_tokens, len(cached))
+        if cached:
+            self.cache.acquire(cached)
+            req.page_ids = list(cached)
+            req.num_cached_pages = len(cached)
+            req.num_computed_tokens = len(cached) * self.page_size
 
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
         """req.page_hashes extended to the full pages of its first `num_tokens` tokens."""

@@ -61,7 +61,8 @@ class KVHandoff:
         self._new: dict[str, list] = {}  # rank 0: targets the other ranks have not seen yet
         self._gone: list[str] = []  # rank 0: targets dropped since the last plan
         self._step: dict[str, tuple] = {}  # this step: request id -> (target, src, dst, last)
-        self._sent: dict[str, int] = {}  # request id -> tokens of its KV sent (or planned)
+        # request id -> (tokens its decode worker holds already, tokens of its KV sent so far)
+        self._sent: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def of_rank(
@@ -92,14 +93,17 @@ class KVHandoff:
             f"(same host: {same_host}, its TCP server: {pool.tcp or 'none'}; is a KV secret set?)"
         )
 
-    def add(self, request_id: str, page_ids, pool: KVPool | None) -> None:
-        """Rank 0: registers a request's destination; ValueError if no transport reaches it."""
+    def add(self, request_id: str, page_ids, pool: KVPool | None, held: int = 0) -> None:
+        """Rank 0: registers a request's destination, whose pages hold the KV of its first
+        `held` tokens already (the decode worker's cached prefix: never sent); ValueError if no
+        transport reaches it."""
         if pool is None:
             raise ValueError("the decode worker sent no KV pool")
         target = KVTarget(request_id, tuple(page_ids), pool, self.transport_to(pool))
         self.targets[request_id] = target
+        self._sent[request_id] = (held, held)
         if self.announces:
-            self._new[request_id] = [list(page_ids), protocol.to_plain(pool)]
+            self._new[request_id] = [list(page_ids), protocol.to_plain(pool), held]
 
     def plan_extras(self, out) -> dict:
         """Rank 0: what the other ranks learn with this step's plan."""
@@ -112,8 +116,9 @@ class KVHandoff:
         for rid in push.get("gone", ()):
             self.targets.pop(rid, None)
             self._sent.pop(rid, None)
-        for rid, (pages, plain) in push.get("new", {}).items():
+        for rid, (pages, plain, held) in push.get("new", {}).items():
             pool = protocol.from_plain(KVPool, plain)
+            self._sent[rid] = (held, held)
             try:
                 self.targets[rid] = KVTarget(rid, tuple(pages), pool, self.transport_to(pool))
             except ValueError as e:  # rank 0 reached it: the decode worker's byte count tells
@@ -164,17 +169,21 @@ class KVHandoff:
     def _step_slots(self, out) -> dict:
         """Source and destination slots of every pushed request's tokens not sent yet, up to
         this step's end: this step's, and with its first chunk the prefix it found cached
-        (computed by earlier requests, already in this rank's pages)."""
+        (computed by earlier requests, already in this rank's pages); never those the decode
+        worker's pages hold already (its own cached prefix, shared with other requests)."""
         step = {}
         for s in out.scheduled:
             target = self.targets.get(s.request.request_id)
             if target is not None:
                 rid, end = target.request_id, s.start + s.num_tokens
-                start = min(self._sent.get(rid, 0), s.start)
+                held, sent = self._sent.get(rid, (0, 0))
+                start = max(held, min(sent, s.start))  # min: recomputed after a preemption
+                if start >= end:  # this chunk's tokens are all there already
+                    continue
                 src = self.spec.slots(s.request.page_ids, start, end)
                 dst = self.spec.slots(target.page_ids, start, end)
                 step[rid] = (target, src, dst, s.samples)
-                self._sent[rid] = end
+                self._sent[rid] = (held, end)
         return step
 
     def finish(self, request_id: str) -> str | None:
