@@ -3,6 +3,7 @@ leaving no process behind, and starts again on the same port."""
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -235,3 +236,17 @@ def test_plan_and_restart_policy(tiny_llama):
     policy = RestartPolicy(base_s=1, max_s=8, healthy_after_s=60)
     assert [policy.delay("d", 1) for _ in range(5)] == [1, 2, 4, 8, 8]
     assert policy.delay("d", 120) == 1  # ran long enough: a fresh failure
+
+
+def test_up_on_a_folder_that_cannot_serve_stops_with_one_line(tmp_path, tiny_llama, capsys):
+    """Not a child restarting on it for minutes: one error line, exit 2, before any child."""
+    from services.cli import main
+
+    assert main(["up", "--model", str(tmp_path / "nonexistent")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nonexistent/config.json" in err
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "tokenizer.json").unlink()
+    assert main(["up", "--model", str(folder)]) == 2
+    assert "tokenizer.json: missing" in capsys.readouterr().err

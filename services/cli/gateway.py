@@ -2,6 +2,7 @@
 
 import argparse
 import functools
+import os
 from pathlib import Path
 
 from services.gateway.app import run_gateway
@@ -22,6 +23,14 @@ def register(subparsers) -> None:
     p.add_argument("--request-timeout", type=float, default=D.request_timeout_s)
     p.add_argument("--miss-limit", type=int, default=D.miss_limit)
     p.add_argument("--max-model-len", type=int, default=D.max_model_len)
+    p.add_argument(
+        "--api-key", default=os.environ.get("TISON_API_KEY", ""),
+        help="require `Authorization: Bearer KEY` on /v1 (default: $TISON_API_KEY; none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-body-bytes", type=int, default=D.max_body_bytes,
+        help="larger request bodies get a 413 (default: 64 bytes a token of the context)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=main)
 
@@ -37,5 +46,7 @@ def main(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         miss_limit=args.miss_limit,
         max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
     )
     return run_service(functools.partial(run_gateway, config), args.log_level)

@@ -1,6 +1,7 @@
 """`tison up`: NATS, a scheduler, prefill and decode workers and a gateway on one machine."""
 
 import argparse
+import json
 import logging
 import secrets
 import signal
@@ -16,8 +17,10 @@ from services.cli.generate import add_model_options, cpulist_arg, resolve_model
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
 from services.up.supervisor import Supervisor, child_env
-from shared.errors import TisonError
+from shared.errors import ModelFolderError, TisonError, UnsupportedArchitectureError
+from shared.models.registry import supported_architectures
 from shared.nats_server import NatsServer
+from shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("tison.up")
 
@@ -89,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,
         )
+        check_model_folder(cfg.model_dir)
         where = placement(cfg)
         _check_port_free(cfg.host, cfg.port)
     except (TisonError, ValueError, OSError) as e:
@@ -113,6 +117,21 @@ def main(args: argparse.Namespace) -> int:
             if nats is not None:
                 nats.stop()
             log.info("stopped")
+
+
+def check_model_folder(model_dir: Path) -> None:
+    """What every child reads first, read once here: a folder that cannot serve stops `tison
+    up` with one error line, instead of children restarting on it. Torch-free: config.json's
+    architecture against the registry, and the tokenizer."""
+    path = model_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+        arch = (raw.get("architectures") or [None])[0]
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelFolderError(str(path), f"unreadable ({e})") from None
+    if arch not in supported_architectures():
+        raise UnsupportedArchitectureError(str(arch), supported_architectures())
+    Tokenizer.from_dir(model_dir)
 
 
 def _shapes(args: argparse.Namespace) -> dict:

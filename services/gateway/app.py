@@ -1,6 +1,7 @@
 """The gateway's aiohttp application: routes, OpenAI-shaped errors, startup and shutdown."""
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -17,7 +18,6 @@ from shared.errors import InvalidRequestError
 from shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 64 << 20  # larger bodies get a 413
 SERVICE = web.AppKey("service", CompletionService)
 HEALTH_PATH = "/health"
 
@@ -44,11 +44,38 @@ async def openai_errors(request: web.Request, handler):
         return json_error(e.status, e.reason, "invalid_request_error")
 
 
+@web.middleware
+async def api_key(request: web.Request, handler):
+    """With an API key set, the /v1 routes need OpenAI's `Authorization: Bearer KEY` (401
+    otherwise); /health and /metrics stay open to probes."""
+    key = request.app[SERVICE].config.api_key
+    if key and request.path.startswith("/v1/"):
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), key.encode()
+        ):
+            message = "Incorrect API key provided (Authorization: Bearer <key>)."
+            return json_error(401, message, "invalid_request_error", code="invalid_api_key")
+    return await handler(request)
+
+
 async def _body(request: web.Request):
+    """The JSON body; 400 naming `body` for what no field check can see: invalid JSON,
+    nesting deeper than the parser recurses, strings that are not Unicode (a lone surrogate,
+    which JSON's \\u escapes can write and no tokenizer takes)."""
     try:
-        return await request.json()
+        body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequestError("body", f"invalid JSON ({e})") from None
+    except RecursionError:
+        raise InvalidRequestError("body", "nested too deeply") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError("body", f"not valid Unicode ({e.reason})") from None
+    except RecursionError:
+        raise InvalidRequestError("body", "nested too deeply") from None
+    return body
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -87,7 +114,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(service: CompletionService) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    limit = service.config.body_limit(service.max_model_len())
+    app = web.Application(middlewares=[openai_errors, api_key], client_max_size=limit)
     app[SERVICE] = service
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

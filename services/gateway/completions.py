@@ -84,7 +84,8 @@ class CompletionService:
             message = f"The model `{parsed.model}` does not exist."
             return json_error(404, message, "invalid_request_error", "model", "model_not_found")
         arrived = time.monotonic()
-        prompt_ids = self.tokenize(parsed)
+        # chat templates and tokenizers take their time on long inputs: not on the event loop
+        prompt_ids = await asyncio.to_thread(self.tokenize, parsed)
         sampling = build_sampling(parsed, len(prompt_ids), self.max_model_len())
         request_id = f"{'chatcmpl' if parsed.kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         stream = RequestStream(self.tokenizer, prompt_ids, sampling)

@@ -1,7 +1,7 @@
 """Settings of a gateway process."""
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.registry import DEFAULT_MISS_LIMIT
@@ -22,6 +22,8 @@ class GatewayConfig:
     miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
     dead_grace_s: float = 1.5  # an assigned worker never heard of this long is dead too
     max_model_len: int = 0  # used while no worker reports one; 0 → the tokenizer's limit
+    api_key: str = field(default="", repr=False)  # "" → no key; else `Authorization: Bearer`
+    max_body_bytes: int = 0  # larger bodies get a 413 unread; 0 → sized from the context
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -30,5 +32,10 @@ class GatewayConfig:
             object.__setattr__(self, "gateway_id", f"gw-{uuid.uuid4().hex[:12]}")
         if self.queue_timeout_s <= 0 or self.request_timeout_s <= 0 or self.dead_grace_s < 0:
             raise ValueError("timeouts must be > 0")
-        if self.miss_limit < 1 or self.max_model_len < 0:
-            raise ValueError("miss_limit must be >= 1 and max_model_len >= 0")
+        if self.miss_limit < 1 or self.max_model_len < 0 or self.max_body_bytes < 0:
+            raise ValueError("miss_limit must be >= 1, max_model_len and max_body_bytes >= 0")
+
+    def body_limit(self, context_tokens: int) -> int:
+        """max_body_bytes, or 64 bytes a token of the context (a prompt of token ids as JSON,
+        or text with every character escaped, fits), 1 MiB at least."""
+        return self.max_body_bytes or max(1 << 20, 64 * context_tokens)

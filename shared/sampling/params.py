@@ -63,7 +63,14 @@ class SamplingParams:
             "repetition_penalty",
             "must be > 0",
         )
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(self.seed is None or _int64(self.seed), "seed", "must be a 64-bit integer")
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            _check(_int64(getattr(self, name)), name, "must fit in 64 bits")
+        _check(
+            all(_int64(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be integers in [0, 2**63)",
+        )
         _check(
             self.logprobs is None
             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
@@ -76,6 +83,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _int64(value) -> bool:
+    """A (non-bool) integer the wire (msgpack) and torch carry: a signed 64-bit one."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 def _num(value) -> bool:
