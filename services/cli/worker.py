@@ -52,6 +52,10 @@ def register(subparsers) -> None:
         p.add_argument("--max-num-seqs", type=int, default=D.max_num_seqs)
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--heartbeat", type=float, default=D.heartbeat_s, help="seconds")
+        p.add_argument(
+            "--reservation-lease", type=float, default=D.reservation_lease_s,
+            help="seconds a decode reservation waits for its KV before its pages are freed",
+        )  # fmt: skip
         p.add_argument("--kv-transport", choices=["auto", "shm", "tcp"], default=D.kv_transport)
         p.add_argument("--kv-host", default=D.kv_host, help="address of the TCP KV server")
         p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -87,6 +91,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         heartbeat_s=args.heartbeat,
+        reservation_lease_s=args.reservation_lease,
         kv_secret=os.environ.get("TISON_KV_SECRET", ""),
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,

@@ -39,6 +39,8 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     heartbeat_s: float = 0.5
+    # a reservation whose KV has not arrived by then is dropped, its pages freed
+    reservation_lease_s: float = 120.0
     kv_secret: str = ""  # shared secret of the TCP KV transport ("" -> TCP off)
     kv_transport: str = "auto"  # prefill: auto | shm | tcp
     kv_host: str = "127.0.0.1"  # decode: address the TCP KV server listens on and advertises
@@ -55,8 +57,8 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.kv_transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"kv_transport must be auto, shm or tcp, got {self.kv_transport!r}")
-        if self.heartbeat_s <= 0:
-            raise ValueError("heartbeat_s must be > 0")
+        if self.heartbeat_s <= 0 or self.reservation_lease_s <= 0:
+            raise ValueError("heartbeat_s and reservation_lease_s must be > 0")
         if not self.max_num_batched_tokens:
             object.__setattr__(self, "max_num_batched_tokens", STEP_TOKENS[self.role])
         if not self.worker_id:

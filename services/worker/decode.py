@@ -3,6 +3,7 @@ the rest of the batch, publishing one TokensMsg per step per gateway. It publish
 of its requests: the prefill worker's first token too, on receipt of the KV, so the gateway gets
 each request's tokens from one publisher, in order."""
 
+import asyncio
 import logging
 import time
 
@@ -39,11 +40,13 @@ class DecodeRole:
         worker_id: str,
         pool: KVPool,
         tcp_server: TcpKVServer | None = None,
+        lease_s: float = 120.0,  # a reservation whose KV has not come by then is dropped
     ):
         self.nc, self.loop, self.worker_id = nc, loop, worker_id
         self.engine = loop.engine
         self.pool = pool  # where prefill workers write our pages
         self.tcp_server = tcp_server
+        self.lease_s = lease_s
         self.gateways: dict[str, str] = {}  # request id -> gateway that streams it
 
     async def subscribe(self) -> None:
@@ -58,14 +61,18 @@ class DecodeRole:
     @protocol.on_message(DecodeAssignMsg)
     async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:
         rid = assign.request_id
-        try:
-            reserved = await self.loop.call(
-                self.engine.reserve, rid, list(assign.prompt_token_ids), assign.sampling
-            )
-        except TisonError as e:
-            reserved, reason = None, str(e)
+        reserved, reason = await self.loop.call(self.engine.reservation, rid), "KV pool full"
+        if reserved is not None and self.gateways.get(rid) == assign.gateway_id:
+            log.info("request %s: reserved already, the same pages again", rid)  # a retry
         else:
-            reason = "KV pool full"
+            try:
+                reserved = await self.loop.call(
+                    self.engine.reserve, rid, list(assign.prompt_token_ids), assign.sampling
+                )
+            except TisonError as e:
+                reserved, reason = None, str(e)
+            if reserved is not None:
+                self.loop.handlers.spawn(self._expire(rid))
         if reserved is None:
             reply = DecodeAssignReplyMsg(rid, False, reason=reason)
         else:
@@ -76,6 +83,16 @@ class DecodeRole:
             await self.nc.publish(msg.reply, protocol.encode(reply))
         if reserved is not None and assign.prefill_here:  # its first token leaves with our steps
             await self.loop.call(self.engine.start_local, rid)
+
+    async def _expire(self, request_id: str) -> None:
+        """Drops the reservation if its KV has not come within the lease (its prefill worker
+        died, the scheduler gave up on it): no page stays held for nothing."""
+        await asyncio.sleep(self.lease_s)
+        if await self.loop.call(self.engine.reservation, request_id) is not None:
+            log.warning("request %s: no KV within %.0f s; reservation dropped", request_id,
+                        self.lease_s)  # fmt: skip
+            self.gateways.pop(request_id, None)
+            await self.loop.call(self.engine.abort, request_id)
 
     @protocol.on_message(KvReadyMsg)
     async def _on_kv(self, ready: KvReadyMsg, msg: Msg) -> None:

@@ -79,7 +79,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
                 tcp_server = tcp.TcpKVServer(engine.kv_spec, pools, secret, allowed)
             address = await tcp_server.start(config.kv_host) if tcp_server else ""
             pool = KVPool(engine.kv_spec.layout, host_id(), ranks, address)
-            roles.append(DecodeRole(nc, loop, ids["decode"], pool, tcp_server))
+            lease = config.reservation_lease_s
+            roles.append(DecodeRole(nc, loop, ids["decode"], pool, tcp_server, lease))
         if "prefill" in ids:
             roles.append(PrefillRole(nc, loop, ids["prefill"], engine.handoff, ids.get("decode")))
         for role in roles:

@@ -104,10 +104,16 @@ class LLMEngine:
         self.requests[request_id] = req
         return list(req.page_ids), req.num_computed_tokens
 
-    def reserved_pages(self, request_id: str) -> list[int] | None:
-        """Pages held for a reserved request whose KV has not arrived yet; None otherwise."""
+    def reservation(self, request_id: str) -> tuple[list[int], int] | None:
+        """What `reserve` returned for a request whose KV has not arrived yet; None otherwise."""
         req = self.scheduler.reserved.get(request_id)
-        return None if req is None else req.page_ids
+        return None if req is None else (list(req.page_ids), req.num_computed_tokens)
+
+    def reserved_pages(self, request_id: str) -> list[int] | None:
+        """Pages a prefill worker may write for a reserved request whose KV has not arrived
+        yet (not those of its cached prefix: other requests read them); None otherwise."""
+        req = self.scheduler.reserved.get(request_id)
+        return None if req is None else req.page_ids[req.num_cached_pages :]
 
     def start_remote(self, request_id: str, first_token: int, logprob: TokenLogprob | None):
         """The prompt KV of a reserved request arrived with its first token: decode from here.
