@@ -5,10 +5,19 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 
+import nats
+
 from shared.errors import TisonError
 from shared.proc import process_age_s
 
 log = logging.getLogger(__name__)
+
+
+async def connect_nats(url: str, name: str):
+    """A NATS connection that never stops reconnecting (nats-py's default gives up after 60
+    tries, ~2 minutes): `tison up` restarts a dead nats-server on the same port, and every
+    service finds it again however long it took."""
+    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=1.0)
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log_level: str = "INFO") -> int:

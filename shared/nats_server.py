@@ -59,9 +59,11 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
-        """Start the server and wait until it accepts TCP connections."""
+        """Start the server and wait until it accepts TCP connections: on a free port the
+        first time, on the same port (and store) again after `restart`."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        args = [str(find_binary()), "-a", self.host, "-p", "-1", "-js"]
+        port = str(self.port) if self.port else "-1"
+        args = [str(find_binary()), "-a", self.host, "-p", port, "-js"]
         args += ["-sd", str(self.state_dir / "jetstream"), "--ports_file_dir", str(self.state_dir)]
         if self.monitor:
             args += ["-m", "-1"]
@@ -80,6 +82,15 @@ class NatsServer:
             self.stop()
             raise
         return self
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """After the process died: the same port and JetStream store, so clients reconnect
+        (they retry forever, services/runtime.py) and streams keep their data."""
+        self.stop()
+        self.start(timeout_s)
 
     def _wait_ready(self, deadline: float) -> None:
         ports_file = self.state_dir / f"{BINARY}_{self._proc.pid}.ports"

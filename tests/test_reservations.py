@@ -21,8 +21,6 @@ async def test_a_reservation_retried_is_the_same_and_one_never_used_expires(
     with the pages it holds (not "already running"); a reservation whose KV never comes frees
     its pages after the lease (here 1 s)."""
 
-
-
     model_dir = tiny_model_factory("llama")
     s = Services(tmp_path, model_dir)
     s.__enter__()

@@ -250,3 +250,30 @@ def test_up_on_a_folder_that_cannot_serve_stops_with_one_line(tmp_path, tiny_lla
     (folder / "tokenizer.json").unlink()
     assert main(["up", "--model", str(folder)]) == 2
     assert "tokenizer.json: missing" in capsys.readouterr().err
+
+
+def test_up_restarts_a_killed_nats_server_and_serves_again(tiny_llama):
+    """kill -9 of the nats-server that `tison up` started: it comes back on the same port and
+    every service reconnects (they retry forever), so completions work again unrestarted."""
+    up = Up(tiny_llama, free_port())
+    try:
+        up.wait_serving()
+        up.complete(tiny_llama.name)
+
+        def nats_pids() -> set[int]:
+            return {p for p in descendants(up.proc.pid) if "nats-server" in cmdline(p)[0]}
+
+        (killed,) = nats_pids()
+        os.kill(killed, signal.SIGKILL)
+
+        def serves() -> bool:
+            try:
+                up.complete(tiny_llama.name)
+            except openai.APIError:
+                return False
+            return True
+
+        wait_until(serves, 90, "a completion after nats-server was killed", interval=0.5)
+        assert nats_pids() and killed not in nats_pids()
+    finally:
+        assert up.stop() == 0

@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
         )
         try:
             supervisor.start_all()
-            return _serve(cfg, supervisor, stop, args.ready_timeout)
+            return _serve(cfg, supervisor, nats, stop, args.ready_timeout)
         finally:
             supervisor.stop_all()
             if nats is not None:
@@ -144,10 +144,19 @@ def _shapes(args: argparse.Namespace) -> dict:
     return shapes
 
 
-def _serve(cfg: UpConfig, supervisor: Supervisor, stop: list, ready_timeout: float) -> int:
+def _serve(
+    cfg: UpConfig, supervisor: Supervisor, nats: NatsServer | None, stop: list, ready_timeout: float
+) -> int:
+    """Until stopped: restarts dead children and the nats-server it started (same port)."""
     url = f"http://{cfg.host}:{cfg.port}"
     deadline, ready = time.monotonic() + ready_timeout, False
     while not stop:
+        if nats is not None and not nats.alive():
+            log.warning("nats-server exited; restarting it on port %d", nats.port)
+            try:
+                nats.restart()
+            except TisonError as e:  # the port was taken meanwhile: try again next round
+                log.error("nats-server did not restart: %s", e)
         supervisor.poll()
         if not ready and _healthy(url):
             ready = True

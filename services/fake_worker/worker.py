@@ -4,12 +4,11 @@ import asyncio
 import contextlib
 import logging
 
-import nats
-
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.decode import FakeDecode
 from services.fake_worker.prefill import FakePrefill
 from services.fake_worker.tokens import FakeModelInfo
+from services.runtime import connect_nats
 from shared import protocol, subjects
 from shared.protocol import HeartbeatMsg
 
@@ -20,7 +19,7 @@ ROLE_CLASSES = {"prefill": FakePrefill, "decode": FakeDecode}
 async def run_fake_worker(config: FakeWorkerConfig, stop: asyncio.Event) -> None:
     """Serve the configured roles until `stop` is set."""
     info = FakeModelInfo.from_dir(config.model_dir)
-    nc = await nats.connect(config.nats_url, name=f"tison-{config.worker_id}")
+    nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}")
     roles = [ROLE_CLASSES[r](nc, config, info, wid) for r, wid in config.role_ids().items()]
     for role in roles:
         await role.subscribe()

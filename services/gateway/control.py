@@ -16,6 +16,7 @@ import nats
 from nats.aio.msg import Msg
 
 from services.gateway.metrics import GatewayMetrics
+from services.runtime import connect_nats
 from shared import protocol, subjects
 from shared.errors import ProtocolError
 from shared.protocol import CancelMsg, HeartbeatMsg, SubmitMsg, SubmitReplyMsg, TokenItem, TokensMsg
@@ -59,7 +60,7 @@ class ControlPlane:
         self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._nc = await nats.connect(self.nats_url, name=f"tison-{self.gateway_id}")
+        self._nc = await connect_nats(self.nats_url, f"tison-{self.gateway_id}")
         await self._nc.subscribe(subjects.gateway_tokens(self.gateway_id), cb=self._on_tokens)
         await self._nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         self._watchdog = asyncio.create_task(self._watch())

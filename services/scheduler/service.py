@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import nats
 from nats.aio.msg import Msg
 
-from services.runtime import TaskSet
+from services.runtime import TaskSet, connect_nats
 from services.scheduler.policy import AdmissionQueue, Choice, Pending, Router
 from shared import protocol, subjects
 from shared.errors import ProtocolError
@@ -72,7 +72,7 @@ class Scheduler:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set."""
-        self._nc = await nats.connect(self.config.nats_url, name="tison-scheduler")
+        self._nc = await connect_nats(self.config.nats_url, "tison-scheduler")
         nc = self._nc
         await nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         self._started = time.time()

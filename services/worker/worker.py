@@ -7,9 +7,9 @@ import os
 import uuid
 from pathlib import Path
 
-import nats
 import torch
 
+from services.runtime import connect_nats
 from services.worker.config import WorkerConfig
 from services.worker.decode import DecodeRole
 from services.worker.loop import EngineLoop
@@ -66,9 +66,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     secret = config.kv_secret.encode() or None
     roles: list = []
     loop = EngineLoop(engine, lambda outputs: _dispatch(roles, outputs))
-    nc = await nats.connect(
-        config.nats_url, name=f"tison-{config.worker_id}", max_reconnect_attempts=-1
-    )
+    nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}")
     tcp_server = None
     try:
         if "decode" in ids:
