@@ -71,6 +71,8 @@ class SubmitMsg:
     prompt_token_ids: tuple[int, ...]  # gateway sets (tokenized, chat template applied)
     sampling: SamplingParams  # gateway sets from the OpenAI body; workers sample with it
     deadline: float  # gateway sets (unix time); scheduler drops it if still queued then
+    session_id: str = ""  # gateway sets (x-session-affinity, else the body's session_id or
+    # user); "" → none. The scheduler keeps a session on the workers it last used
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,18 @@ class KVPool:
 
 
 @dataclass(frozen=True)
+class PrefixStats:
+    """A worker's prefix-cache counters (LLMEngine.prefix_stats(); all 0 without a cache)."""
+
+    queried_requests: int = 0  # cumulative: admissions that looked the cache up
+    hit_requests: int = 0  # cumulative: those that found at least one page
+    queried_tokens: int = 0  # cumulative: their prompt tokens
+    hit_tokens: int = 0  # cumulative: the tokens found cached
+    evicted_pages: int = 0  # cumulative: cached pages reused for other KV
+    cached_pages: int = 0  # now: pages named in the cache (held or free)
+
+
+@dataclass(frozen=True)
 class HeartbeatMsg:
     """Worker → scheduler and gateways (heartbeat(role, id)), every `interval_s`."""
 
@@ -134,6 +148,7 @@ class HeartbeatMsg:
     page_size: int = 16  # worker sets: tokens per KV page; scheduler sizes requests
     kv_transfer_bytes: int = 0  # worker sets: cumulative KV bytes sent/received; /metrics
     kv_transfer_seconds: float = 0.0  # worker sets: cumulative transfer time; /metrics
+    prefix: PrefixStats = PrefixStats()  # worker sets from its engine; gateway /metrics
 
 
 @dataclass(frozen=True)
@@ -206,6 +221,34 @@ class TokensMsg:
     sent_at: float = 0.0  # worker sets: its time.time() at publish (transit, on one host)
 
 
+@dataclass(frozen=True)
+class KVEventsMsg:
+    """Worker → scheduler (kv_events(role, id)), once a heartbeat interval: how the set of page
+    hashes its prefix cache names changed since its previous message (shared/kv/events.py).
+
+    Messages of a worker id are numbered 0, 1, 2...; the scheduler applies them in order and on
+    a gap (a lost message, or a scheduler that started after the worker) forgets the worker's
+    pages and asks for a snapshot (KVSnapshotAskMsg). A snapshot is a message with `reset`, the
+    whole set in `stored`, continued (when over MAX_HASHES_PER_MSG) by the next numbers."""
+
+    KIND: ClassVar[str] = "kv_events"
+    worker_id: str  # worker sets (its role's id); the scheduler's index is keyed by it
+    role: str  # worker sets: "prefill" or "decode"; the scheduler asks kv_snapshot(role, id)
+    seq: int  # worker sets: 0, 1, 2... per worker id; scheduler detects a lost message
+    stored: tuple[int, ...] = ()  # worker sets: hashes newly named (block_hash.page_hashes)
+    evicted: tuple[int, ...] = ()  # worker sets: hashes no longer named (disjoint from stored)
+    reset: bool = False  # worker sets on a snapshot: drop what you hold of me, then apply
+
+
+@dataclass(frozen=True)
+class KVSnapshotAskMsg:
+    """Scheduler → one worker (kv_snapshot(role, id)): send the whole set next time."""
+
+    KIND: ClassVar[str] = "kv_snapshot_ask"
+    worker_id: str  # scheduler sets; the worker checks it is its own
+    reason: str = ""  # scheduler sets (gap at which seq); logged
+
+
 Message = (
     SubmitMsg
     | SubmitReplyMsg
@@ -216,6 +259,8 @@ Message = (
     | PrefillAssignMsg
     | KvReadyMsg
     | TokensMsg
+    | KVEventsMsg
+    | KVSnapshotAskMsg
 )
 M = TypeVar("M")
 

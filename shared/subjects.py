@@ -54,3 +54,18 @@ def assign(role: str, worker_id: str) -> str:
 def decode_kv(worker_id: str) -> str:
     """Prefill → one decode worker: pages written (or failed) for a request."""
     return f"{PREFIX}.decode.kv.{_check_token(worker_id, 'worker id')}"
+
+
+def kv_events(role: str, worker_id: str) -> str:
+    """Worker → scheduler: how its prefix cache's page hashes changed (KVEventsMsg)."""
+    return f"{PREFIX}.{_check_role(role)}.kv_events.{_check_token(worker_id, 'worker id')}"
+
+
+def all_kv_events() -> str:
+    """Wildcard matching the KV events of every role and worker."""
+    return f"{PREFIX}.*.kv_events.*"
+
+
+def kv_snapshot(role: str, worker_id: str) -> str:
+    """Scheduler → one worker: send your whole set of page hashes (KVSnapshotAskMsg)."""
+    return f"{PREFIX}.{_check_role(role)}.kv_snapshot.{_check_token(worker_id, 'worker id')}"

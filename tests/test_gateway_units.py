@@ -12,6 +12,7 @@ from services.gateway.openai_request import (
     build_sampling,
     parse_chat,
     parse_completion,
+    session_of,
 )
 from services.gateway.openai_response import ResponseFormat
 from services.gateway.request_state import RequestStream
@@ -177,3 +178,16 @@ def test_the_access_log_leaves_out_health_polls(caplog):
         for path in ("/health", "/v1/models", "/health?verbose=1"):
             access.log(make_mocked_request("GET", path), web.Response(status=200), 0.001)
     assert [r.getMessage() for r in caplog.records] == ['"GET /v1/models HTTP/1.1" 200']
+
+
+def test_session_affinity_header_then_body_session_id_then_user():
+    body = {"model": "m", "prompt": "hi"}
+    plain = parse_completion(body)
+    assert session_of({}, plain) == ""
+    by_user = parse_chat({"model": "m", "messages": [{"role": "user"}], "user": "alice"})
+    assert session_of({}, by_user) == "alice"
+    both = parse_completion({**body, "user": "alice", "session_id": "chat-9"})
+    assert session_of({}, both) == "chat-9"
+    assert session_of({"x-session-affinity": " s-1 "}, both) == "s-1"
+    with pytest.raises(InvalidRequestError):
+        parse_completion({**body, "user": 7})

@@ -14,10 +14,13 @@ from shared.protocol import (
     DecodeAssignMsg,
     DecodeAssignReplyMsg,
     HeartbeatMsg,
+    KVEventsMsg,
     KVPool,
     KVRankPool,
     KvReadyMsg,
+    KVSnapshotAskMsg,
     PrefillAssignMsg,
+    PrefixStats,
     SubmitMsg,
     SubmitReplyMsg,
     TokenItem,
@@ -41,6 +44,11 @@ EXAMPLES = [
     SubmitReplyMsg("r1", protocol.ACCEPTED, prefill_worker="p1", decode_worker="d1"),
     CancelMsg("r1", reason="disconnect"),
     HeartbeatMsg("d1", "decode", "m", 256, 0.5, free_pages=3),
+    HeartbeatMsg("d1", "decode", "m", 256, 0.5, prefix=PrefixStats(4, 2, 64, 32, 1, 9)),
+    KVEventsMsg("d1", "decode", 3, stored=(2**64 - 1, 5), evicted=(7,)),
+    KVEventsMsg("d1", "decode", 0, stored=(1,), reset=True),
+    KVSnapshotAskMsg("d1", reason="gap at 4"),
+    SubmitMsg("r2", "gw1", (1,), SAMPLING, deadline=1.0, session_id="chat-7"),
     DecodeAssignMsg("r1", "gw1", "p1", (5, 6), SAMPLING),
     DecodeAssignReplyMsg("r1", True, page_ids=(4, 9), kv=POOL),
     PrefillAssignMsg("r1", "gw1", (5, 6), SAMPLING, "d1", POOL, (4, 9)),
@@ -111,6 +119,9 @@ def test_subjects():
     assert subjects.assign("prefill", "p") == "tison.v1.prefill.assign.p"
     assert subjects.gateway_tokens("g") == "tison.v1.gateway.tokens.g"
     assert subjects.decode_kv("d") == "tison.v1.decode.kv.d"
+    assert subjects.kv_events("prefill", "p") == "tison.v1.prefill.kv_events.p"
+    assert subjects.all_kv_events() == "tison.v1.*.kv_events.*"
+    assert subjects.kv_snapshot("decode", "d") == "tison.v1.decode.kv_snapshot.d"
     with pytest.raises(ValueError):
         subjects.heartbeat("decode", "a.b")
     with pytest.raises(ValueError):

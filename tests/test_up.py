@@ -220,6 +220,8 @@ def test_plan_and_restart_policy(tiny_llama):
         "decode-2",
         "gateway",
     ]
+    assert plan(cfg)[0].args == ("scheduler", "--routing", "kv")
+    assert plan(UpConfig(tiny_llama, routing="load"))[0].args == ("scheduler", "--routing", "load")
     assert [c.name for c in plan(UpConfig(tiny_llama, mode="colocated"))] == [
         "scheduler",
         "colocated-0",

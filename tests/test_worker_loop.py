@@ -2,8 +2,17 @@
 messages handled `in_tasks` joins the batch at the next step together, not one per step."""
 
 import asyncio
+import functools
 
+import nats
+
+from services.scheduler.kv_index import KVIndex
+from services.worker.kv_events import KVEventsPublisher
 from services.worker.loop import EngineLoop
+from shared import protocol, subjects
+from shared.kv.block_hash import page_hashes
+from shared.nats_server import NatsServer
+from shared.protocol import KVEventsMsg, KVSnapshotAskMsg
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import new_engine
@@ -43,3 +52,51 @@ async def test_a_burst_of_assignments_joins_one_step(tiny_llama):
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         engine.close()
+
+
+async def test_the_engines_kv_events_reach_an_index_over_nats(tiny_llama, tmp_path):
+    """What a real worker publishes (services/worker/kv_events.py over its EngineLoop) keeps a
+    scheduler's KVIndex equal to the engine's cache: names after a request, a snapshot when
+    asked, and the hashes are the router's own page_hashes of the prompt."""
+    engine = new_engine(tiny_llama, page_size=4)
+    loop = EngineLoop(engine, lambda outputs: asyncio.sleep(0))
+    runner = asyncio.create_task(loop.run())
+    index, got = KVIndex(), []
+    with NatsServer(tmp_path / "nats") as server:
+        nc = await nats.connect(server.url)
+
+        async def on_events(msg) -> None:
+            events = protocol.decode(msg.data, KVEventsMsg)
+            got.append(events)
+            index.apply(events)
+
+        try:
+            await nc.subscribe(subjects.all_kv_events(), cb=on_events)
+            events = functools.partial(loop.call, engine.kv_events)
+            publisher = KVEventsPublisher(nc, {"decode": "w"}, events, interval_s=1.0)
+            await publisher.subscribe()
+            await publisher.publish_once()  # the first message: an empty snapshot
+            prompt = list(range(10, 23))  # 13 tokens: 3 full pages
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            await loop.call(engine.add_request, "r", prompt, params)
+            await until(lambda: not engine.has_unfinished(), 30, "the request to finish")
+            await publisher.publish_once()
+            await until(lambda: len(got) == 2, 30, "two KV events messages")
+            assert got[0].reset and not got[1].reset and got[1].seq == 1
+            hashes = page_hashes(prompt, 4)
+            assert index.overlap("w", hashes) == 3
+            ask = KVSnapshotAskMsg("w", reason="test")
+            await nc.publish(subjects.kv_snapshot("decode", "w"), protocol.encode(ask))
+
+            async def snapshot() -> KVEventsMsg | None:  # one message an interval, as run()
+                await publisher.publish_once()
+                return next((m for m in got[2:] if m.reset), None)
+
+            sent = await until(snapshot, 30, "a snapshot after the ask")
+            assert set(hashes) <= set(sent.stored)
+            assert index.overlap("w", hashes) == 3
+        finally:
+            await nc.close()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            engine.close()

@@ -25,6 +25,12 @@ def register(subparsers) -> None:
     p.add_argument("--heartbeat", type=float, default=D.heartbeat_s, help="seconds")
     p.add_argument("--max-model-len", type=int, default=D.max_model_len)
     p.add_argument("--eos-after", type=int, default=None, help="emit EOS at this output index")
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="name no pages and publish empty KV events",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=main)
 
@@ -43,5 +49,6 @@ def main(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         max_model_len=args.max_model_len,
         eos_after=args.eos_after,
+        prefix_caching=args.prefix_caching,
     )
     return run_service(functools.partial(run_fake_worker, config), args.log_level)

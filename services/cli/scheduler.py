@@ -3,7 +3,10 @@
 import argparse
 
 from services.runtime import run_service
+from services.scheduler.routing import MODES, RoutingConfig
 from services.scheduler.service import Scheduler, SchedulerConfig
+
+R = RoutingConfig
 
 
 def register(subparsers) -> None:
@@ -13,16 +16,54 @@ def register(subparsers) -> None:
     p.add_argument("--retry-after", type=float, default=SchedulerConfig.retry_after_s)
     p.add_argument("--assign-timeout", type=float, default=SchedulerConfig.assign_timeout_s)
     p.add_argument("--miss-limit", type=int, default=SchedulerConfig.miss_limit)
+    p.add_argument(
+        "--routing",
+        choices=MODES,
+        default=R.mode,
+        help="kv: cost of the uncached prompt pages + load; load: least loaded; "
+        "round-robin: in turn (a baseline)",
+    )
+    p.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=R.kv_overlap_weight,
+        help="kv routing: weight of a prompt page to compute against a page of load",
+    )
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=R.local_prefill_tokens,
+        help="a decode worker computes a prompt itself when its uncached part is this short",
+    )
+    p.add_argument(
+        "--max-sessions", type=int, default=R.max_sessions, help="session affinity table bound"
+    )
+    p.add_argument("--metrics-host", default=SchedulerConfig.metrics_host)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=SchedulerConfig.metrics_port,
+        help="serve the routing metrics at /metrics on this port (0: off)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    routing = RoutingConfig(
+        mode=args.routing,
+        kv_overlap_weight=args.kv_overlap_weight,
+        local_prefill_tokens=args.local_prefill_tokens,
+        max_sessions=args.max_sessions,
+    )
     config = SchedulerConfig(
         nats_url=args.nats_url,
         max_waiting=args.max_waiting,
         retry_after_s=args.retry_after,
         assign_timeout_s=args.assign_timeout,
         miss_limit=args.miss_limit,
+        routing=routing,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     return run_service(Scheduler(config).run, args.log_level)

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from services.cli.generate import add_model_options, cpulist_arg, resolve_model
+from services.scheduler import routing
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
 from services.up.supervisor import Supervisor, child_env
@@ -67,6 +68,12 @@ def register(subparsers) -> None:
     p.add_argument(
         "--allow-oversubscribe", action="store_true", help="workers may use more ranks than cores"
     )
+    p.add_argument(
+        "--routing",
+        choices=routing.MODES,
+        default=routing.KV,
+        help="the scheduler's routing: kv (prefix-cache aware), load, round-robin",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.set_defaults(func=main)
 
@@ -91,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
             prefix_caching=args.prefix_caching,
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,
+            routing=args.routing,
         )
         check_model_folder(cfg.model_dir)
         where = placement(cfg)

@@ -31,6 +31,7 @@ class FakeWorkerConfig:
     heartbeat_s: float = 0.5
     max_model_len: int = 0  # 0 → max_position_embeddings of the model
     eos_after: int | None = None  # emit EOS at this output index (unless ignore_eos)
+    prefix_caching: bool = True  # name admitted prompts' pages and publish KV events (prefix.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -8,6 +8,7 @@ from nats.aio.msg import Msg
 
 from services.fake_worker.batch import DecodeBatch
 from services.fake_worker.config import FakeWorkerConfig
+from services.fake_worker.prefix import FakePrefixCache
 from services.fake_worker.tokens import FakeModelInfo
 from shared import protocol, subjects
 from shared.kv.allocator import PageAllocator
@@ -32,6 +33,7 @@ class FakeDecode:
         self.nc, self.config, self.worker_id = nc, config, worker_id
         pages = PageAllocator(config.num_pages)
         self.batch = DecodeBatch(info, pages, config.page_size, config.eos_after)
+        self.cache = FakePrefixCache(config.page_size, config.num_pages, config.prefix_caching)
         self._work = asyncio.Event()
 
     async def subscribe(self) -> None:
@@ -54,6 +56,7 @@ class FakeDecode:
         if page_ids is None:
             reply = DecodeAssignReplyMsg(assign.request_id, False, reason="KV pool full")
         else:
+            self.cache.admit(assign.prompt_token_ids, assign.sampling.cache_salt)
             reply = DecodeAssignReplyMsg(assign.request_id, True, page_ids)
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))

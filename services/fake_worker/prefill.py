@@ -9,6 +9,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.fake_worker.config import FakeWorkerConfig
+from services.fake_worker.prefix import FakePrefixCache
 from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token, prompt_digest
 from shared import protocol, subjects
 from shared.kv.allocator import PageAllocator
@@ -32,6 +33,7 @@ class FakePrefill:
     def __init__(self, nc: Client, config: FakeWorkerConfig, info: FakeModelInfo, worker_id: str):
         self.nc, self.config, self.info, self.worker_id = nc, config, info, worker_id
         self.pages = PageAllocator(config.num_pages)
+        self.cache = FakePrefixCache(config.page_size, config.num_pages, config.prefix_caching)
         self._jobs: dict[str, _Job] = {}  # request id → job, in arrival order
         self._work = asyncio.Event()
 
@@ -59,6 +61,7 @@ class FakePrefill:
                 KvReadyMsg(assign.request_id, self.worker_id, False, error="prefill KV pool full"),
             )
             return
+        self.cache.admit(assign.prompt_token_ids, assign.sampling.cache_salt)
         self._jobs[assign.request_id] = _Job(assign, self.pages.allocate(num_pages))
         self._work.set()
 

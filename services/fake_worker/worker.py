@@ -1,4 +1,5 @@
-"""The fake worker process: one or both roles over one NATS connection, plus heartbeats."""
+"""The fake worker process: one or both roles over one NATS connection, plus heartbeats and
+each role's KV events (its own FakePrefixCache)."""
 
 import asyncio
 import contextlib
@@ -9,8 +10,9 @@ from services.fake_worker.decode import FakeDecode
 from services.fake_worker.prefill import FakePrefill
 from services.fake_worker.tokens import FakeModelInfo
 from services.runtime import connect_nats
+from services.worker.kv_events import KVEventsPublisher
 from shared import protocol, subjects
-from shared.protocol import HeartbeatMsg
+from shared.protocol import HeartbeatMsg, PrefixStats
 
 log = logging.getLogger(__name__)
 ROLE_CLASSES = {"prefill": FakePrefill, "decode": FakeDecode}
@@ -21,11 +23,14 @@ async def run_fake_worker(config: FakeWorkerConfig, stop: asyncio.Event) -> None
     info = FakeModelInfo.from_dir(config.model_dir)
     nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}")
     roles = [ROLE_CLASSES[r](nc, config, info, wid) for r, wid in config.role_ids().items()]
-    for role in roles:
+    publishers = [_kv_publisher(nc, config, role) for role in roles]
+    for role, publisher in zip(roles, publishers):
         await role.subscribe()
+        await publisher.subscribe()
     log.info("fake worker %s up: %s", config.worker_id, [r.worker_id for r in roles])
     tasks = [asyncio.create_task(role.run()) for role in roles]
     tasks.append(asyncio.create_task(_heartbeats(nc, config, info, roles)))
+    tasks += [asyncio.create_task(publisher.run()) for publisher in publishers]
     try:
         await stop.wait()
     finally:
@@ -34,6 +39,13 @@ async def run_fake_worker(config: FakeWorkerConfig, stop: asyncio.Event) -> None
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
             await nc.drain()
+
+
+def _kv_publisher(nc, config: FakeWorkerConfig, role) -> KVEventsPublisher:
+    async def events() -> tuple[list[int], list[int]]:
+        return role.cache.kv_events()
+
+    return KVEventsPublisher(nc, {role.role: role.worker_id}, events, config.heartbeat_s)
 
 
 async def _heartbeats(nc, config: FakeWorkerConfig, info: FakeModelInfo, roles) -> None:
@@ -48,6 +60,7 @@ async def _heartbeats(nc, config: FakeWorkerConfig, info: FakeModelInfo, roles) 
                 max_model_len=max_model_len,
                 interval_s=config.heartbeat_s,
                 page_size=config.page_size,
+                prefix=PrefixStats(**role.cache.prefix_stats()),
                 **role.load(),
             )
             await nc.publish(subjects.heartbeat(role.role, role.worker_id), protocol.encode(beat))

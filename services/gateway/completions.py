@@ -15,7 +15,7 @@ from aiohttp import web
 from services.gateway.config import GatewayConfig
 from services.gateway.control import ControlPlane, OpenRequest
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_request import CHAT, ParsedRequest, build_sampling
+from services.gateway.openai_request import CHAT, ParsedRequest, build_sampling, session_of
 from services.gateway.openai_response import (
     DONE_EVENT,
     ResponseFormat,
@@ -96,6 +96,7 @@ class CompletionService:
             tuple(prompt_ids),
             sampling,
             deadline=time.time() + self.config.queue_timeout_s,
+            session_id=session_of(request.headers, parsed),
         )
         opened = self.control.open(request_id)
         try:

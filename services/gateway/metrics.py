@@ -1,12 +1,22 @@
 """Prometheus metrics of the gateway, in a registry of their own (one per gateway app)."""
 
+from dataclasses import fields
+
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from shared.protocol import HeartbeatMsg, TokensMsg
+from shared.protocol import HeartbeatMsg, PrefixStats, TokensMsg
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 _WORKER = ("worker", "role")
+_PREFIX_DOCS = {  # PrefixStats field → help; the gauge is tison_prefix_cache_<field>
+    "queried_requests": "Admissions that looked the prefix cache up (worker's cumulative count)",
+    "hit_requests": "Admissions that found cached pages (worker's cumulative count)",
+    "queried_tokens": "Prompt tokens looked up in the prefix cache (worker's cumulative count)",
+    "hit_tokens": "Prompt tokens found in the prefix cache (worker's cumulative count)",
+    "evicted_pages": "Cached pages reused for other KV (worker's cumulative count)",
+    "cached_pages": "Pages the prefix cache names now",
+}
 
 
 class GatewayMetrics:
@@ -67,11 +77,17 @@ class GatewayMetrics:
             _WORKER,
             registry=r,
         )
+        # Hit rate: tison_prefix_cache_hit_tokens / tison_prefix_cache_queried_tokens (rates).
+        self.prefix = {
+            f.name: Gauge(f"tison_prefix_cache_{f.name}", _PREFIX_DOCS[f.name], _WORKER, registry=r)
+            for f in fields(PrefixStats)
+        }
         self._per_worker = (
             self.pages_used,
             self.pages_total,
             self.transfer_bytes,
             self.transfer_seconds,
+            *self.prefix.values(),
         )
 
     def observe_worker(self, beat: HeartbeatMsg) -> None:
@@ -80,6 +96,8 @@ class GatewayMetrics:
         self.pages_total.labels(*labels).set(beat.total_pages)
         self.transfer_bytes.labels(*labels).set(beat.kv_transfer_bytes)
         self.transfer_seconds.labels(*labels).set(beat.kv_transfer_seconds)
+        for name, gauge in self.prefix.items():
+            gauge.labels(*labels).set(getattr(beat.prefix, name))
 
     def forget_worker(self, beat: HeartbeatMsg) -> None:
         """A dead worker's series disappear rather than freeze at their last value."""

@@ -3,6 +3,8 @@
 Covers `/v1/chat/completions` and `/v1/completions` with OpenAI's sampling fields plus vLLM's
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids` and
 `skip_special_tokens`. `n` > 1, `best_of` > 1, `echo` and `suffix` are refused with a 400.
+A session for the scheduler's affinity is the x-session-affinity header, else the body's
+`session_id` (an extension) or OpenAI's `user`.
 """
 
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from shared.sampling.params import MAX_LOGPROBS, SamplingParams
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 CHAT, COMPLETION = "chat", "completion"
+SESSION_HEADER = "x-session-affinity"
 
 # Optional numeric sampling fields copied to SamplingParams as they are (it range-checks them).
 _FLOAT_FIELDS = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -34,6 +37,7 @@ class ParsedRequest:
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): in every chunk
     num_logprobs: int | None = None  # None: no logprobs; n: chosen token + top n
+    session_id: str = ""  # the body's session_id, else user; "" → none (see session_of)
 
 
 def _is_int(value: Any) -> bool:
@@ -81,6 +85,10 @@ def _common(body: Any) -> dict:
         sampling["stop_token_ids"] = ids
     if (salt := _field(body, "cache_salt", lambda v: isinstance(v, str), "a string")) is not None:
         sampling["cache_salt"] = salt
+    session = ""
+    for name in ("session_id", "user"):
+        value = _field(body, name, lambda v: isinstance(v, str), "a string")
+        session = session or value or ""
     n = _field(body, "n", _is_int, "an integer")
     if n is not None and n != 1:
         raise InvalidRequestError("n", "only n=1 is supported")
@@ -98,6 +106,7 @@ def _common(body: Any) -> dict:
         stream=stream,
         include_usage=stream and include_usage,
         continuous_usage=stream and include_usage and continuous,
+        session_id=session,
     )
 
 
@@ -185,6 +194,11 @@ def parse_completion(body: Any) -> ParsedRequest:
         num_logprobs=logprobs,
         **common,
     )
+
+
+def session_of(headers, parsed: ParsedRequest) -> str:
+    """The request's session for affinity: the x-session-affinity header, else the body's."""
+    return headers.get(SESSION_HEADER, "").strip() or parsed.session_id
 
 
 def build_sampling(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int):

@@ -5,26 +5,33 @@ no decode worker's whole KV pool could ever hold its prompt + max_tokens; otherw
 a bounded FIFO queue (full → QUEUE_FULL, the gateway answers 429) until a decode worker would
 accept it now: the page rule of shared/kv/pages.py (room for the prompt and one token).
 
-Routing: decode = fewest running sequences among those with room (ties: most free pages);
-prefill = fewest queued prompt tokens. Heartbeats are up to one interval old, so the router adds
-what it assigned since each worker's last heartbeat to that heartbeat's load.
+Routing, among the decode workers with room and the live prefill workers: the session's pin
+(affinity.py) if it holds, else by the mode (routing.py: the KV cost over what each worker's
+prefix cache holds, the load, or round robin). Heartbeats are up to one interval old, so the
+router adds what it assigned since each worker's last heartbeat to that heartbeat's load.
 
-Conditional prefill: the chosen decode worker computes a prompt itself (real ones can, fake
-ones not) when its batch is empty, it has fewer prompt tokens to compute than the prefill
-worker, and at most LOCAL_PREFILL_TOKENS with this one: a burst no longer waits on one
-prefill worker while the decode worker idles, and the streams that the prefill worker starts
-meanwhile wait for one short prompt at most.
+Conditional disaggregation: the chosen decode worker computes a prompt itself (real ones can,
+fake ones not) when what it would compute (the prompt less the prefix its cache holds) plus
+what it already has to compute is at most `local_prefill_tokens`, and either
+- its batch is empty and it has fewer prompt tokens to compute than the prefill worker: a
+  burst no longer waits on one prefill worker while the decode worker idles, or
+- it holds a prefix of the prompt and finishes its part no later than the prefill worker would
+  (that one's queue plus what it would compute): the next turn of a conversation extends the
+  KV in place instead of being recomputed and sent again, unless the prefill side is faster.
+The bound means that running streams wait for one short prompt at most.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler import routing
+from services.scheduler.affinity import Pin, SessionTable
+from services.scheduler.kv_index import KVIndex
+from services.scheduler.routing import PromptPages, RoutingConfig
 from shared import protocol
-from shared.kv.pages import fits, pages_to_admit
-from shared.protocol import HeartbeatMsg, SubmitMsg
+from shared.kv.pages import fits, pages_for, pages_to_admit
+from shared.protocol import HeartbeatMsg, KVEventsMsg, SubmitMsg
 from shared.registry import WorkerRegistry
-
-LOCAL_PREFILL_TOKENS = 256
 
 
 def max_request_tokens(submit: SubmitMsg) -> int:
@@ -34,11 +41,16 @@ def max_request_tokens(submit: SubmitMsg) -> int:
 
 @dataclass(frozen=True)
 class Choice:
-    """The workers picked for one request."""
+    """The workers picked for one request, and why."""
 
     prefill: HeartbeatMsg
     decode: HeartbeatMsg
+    compute_tokens: int  # prompt tokens the computing worker computes (uncached there)
     local: bool = False  # the decode worker computes the prompt (see the module's docstring)
+    decode_reason: str = routing.BY_LOAD  # routing.BY_*
+    prefill_reason: str = routing.BY_LOAD
+    decode_cached_tokens: int = 0  # of the prompt, cached on the decode worker (its index)
+    prefill_cached_tokens: int = 0  # of the prompt, cached on the prefill worker
 
     @property
     def prefill_worker(self) -> str:
@@ -57,19 +69,31 @@ class _SinceBeat:
 
 @dataclass
 class Router:
-    """Worker registry plus the load assigned since each heartbeat; picks workers per request."""
+    """Worker registry, KV index, session pins and the load assigned since each heartbeat;
+    picks workers per request."""
 
     registry: WorkerRegistry = field(default_factory=WorkerRegistry)
+    config: RoutingConfig = field(default_factory=RoutingConfig)
+    index: KVIndex = field(default_factory=KVIndex)
     _since: dict[str, _SinceBeat] = field(default_factory=dict)
+    _last: dict[str, str] = field(default_factory=dict)  # role → last worker chosen (round robin)
+
+    def __post_init__(self) -> None:
+        self.sessions = SessionTable(self.config.max_sessions)
 
     def observe(self, beat: HeartbeatMsg, now: float) -> None:
         self.registry.observe(beat, now)
         self._since[beat.worker_id] = _SinceBeat()
 
+    def observe_kv(self, events: KVEventsMsg) -> bool:
+        """Apply a worker's KV events; False when its set is unknown: ask it for a snapshot."""
+        return self.index.apply(events)
+
     def reap(self, now: float) -> list[HeartbeatMsg]:
         dead = self.registry.reap(now)
         for beat in dead:
             self._since.pop(beat.worker_id, None)
+            self.index.forget(beat.worker_id)
         return dead
 
     def admission_status(self, submit: SubmitMsg, now: float) -> tuple[str, int]:
@@ -89,24 +113,77 @@ class Router:
         prefills = self.registry.alive("prefill", now)
         if not decoders or not prefills:
             return None
-        decode = min(decoders, key=lambda b: (self._seqs(b), -self._free(b), b.worker_id))
-        prefill = min(prefills, key=lambda b: (self._tokens(b), b.running_seqs, b.worker_id))
-        mine = self._tokens(decode)
+        prompt = PromptPages(submit)
+        pin = self.sessions.get(submit.session_id) if submit.session_id else None
+        decode, decode_reason, decode_cached = self._pick(
+            "decode", decoders, prompt, pin and pin.decode_worker
+        )
+        prefill, prefill_reason, prefill_cached = self._pick(
+            "prefill", prefills, prompt, pin and pin.prefill_worker
+        )
+        mine, theirs = self._tokens(decode), self._tokens(prefill)
+        uncached = prompt_len - decode_cached
         local = (
             decode.local_prefill
-            and decode.decoding_seqs == 0
-            and mine + prompt_len <= LOCAL_PREFILL_TOKENS
-            and mine < self._tokens(prefill)
+            and mine + uncached <= self.config.local_prefill_tokens
+            and (
+                (decode.decoding_seqs == 0 and mine < theirs)
+                or (decode_cached > 0 and mine + uncached <= theirs + prompt_len - prefill_cached)
+            )
         )
-        return Choice(prefill=prefill, decode=decode, local=local)
+        return Choice(
+            prefill=prefill,
+            decode=decode,
+            compute_tokens=uncached if local else prompt_len - prefill_cached,
+            local=local,
+            decode_reason=decode_reason,
+            prefill_reason=routing.BY_LOCAL_PREFILL if local else prefill_reason,
+            decode_cached_tokens=decode_cached,
+            prefill_cached_tokens=prefill_cached,
+        )
+
+    def _pick(self, role: str, beats: list[HeartbeatMsg], prompt: PromptPages, pinned):
+        """(worker, reason, its cached prompt tokens) among `beats` (in id order)."""
+        cached = {b.worker_id: 0 for b in beats}
+        if self.config.mode == routing.KV and any(self.index.num_pages(w) for w in cached):
+            for b in beats:
+                overlap = self.index.overlap(b.worker_id, prompt.hashes(b.page_size))
+                cached[b.worker_id] = prompt.cached_tokens(overlap, b.page_size)
+        by_load = self._decode_load if role == "decode" else self._prefill_load
+        chosen = next((b for b in beats if b.worker_id == pinned), None)
+        if chosen is not None:
+            reason = routing.BY_AFFINITY
+        elif self.config.mode == routing.ROUND_ROBIN:
+            chosen = routing.next_in_cycle(beats, self._last.get(role))
+            reason = routing.BY_ROUND_ROBIN
+        elif any(cached.values()):
+
+            def cost(b: HeartbeatMsg):
+                overlap = cached[b.worker_id] // b.page_size
+                load_pages = self._load_pages(role, b)
+                weight = self.config.kv_overlap_weight
+                return (prompt.kv_cost(weight, overlap, b.page_size, load_pages), *by_load(b))
+
+            chosen = min(beats, key=cost)
+            reason = routing.BY_KV_OVERLAP if cached[chosen.worker_id] else routing.BY_LOAD
+        else:
+            chosen, reason = min(beats, key=by_load), routing.BY_LOAD
+        return chosen, reason, cached[chosen.worker_id]
 
     def record(self, choice: Choice, submit: SubmitMsg) -> None:
-        """Count an assignment against both workers until their next heartbeat."""
+        """Count an assignment against both workers until their next heartbeat; pin its
+        session there; move the round-robin cursors."""
         decode = self._since.setdefault(choice.decode.worker_id, _SinceBeat())
         decode.seqs += 1
         decode.pages += pages_to_admit(len(submit.prompt_token_ids), choice.decode.page_size)
         computes = self._since.setdefault(choice.prefill_worker, _SinceBeat())
-        computes.tokens += len(submit.prompt_token_ids)
+        computes.tokens += choice.compute_tokens
+        self._last["decode"] = choice.decode.worker_id
+        self._last["prefill"] = choice.prefill.worker_id
+        if submit.session_id:
+            self.sessions.pin(
+                submit.session_id, Pin(choice.prefill_worker, choice.decode.worker_id)
+            )
 
     def refused(self, decode_worker: str) -> None:
         """The decode worker refused (or did not answer): skip it until it reports again."""
@@ -115,6 +192,18 @@ class Router:
     def _fits(self, beat: HeartbeatMsg, num_prompt_tokens: int) -> bool:
         since = self._since.get(beat.worker_id, _SinceBeat())
         return not since.refused and fits(self._free(beat), num_prompt_tokens, beat.page_size)
+
+    def _decode_load(self, beat: HeartbeatMsg) -> tuple:
+        return (self._seqs(beat), -self._free(beat), beat.worker_id)
+
+    def _prefill_load(self, beat: HeartbeatMsg) -> tuple:
+        return (self._tokens(beat), beat.running_seqs, beat.worker_id)
+
+    def _load_pages(self, role: str, beat: HeartbeatMsg) -> int:
+        """The kv cost's load: pages in use (decode), pages of prompt tokens queued (prefill)."""
+        if role == "decode":
+            return beat.total_pages - self._free(beat)
+        return pages_for(self._tokens(beat), beat.page_size)
 
     def _free(self, beat: HeartbeatMsg) -> int:
         return beat.free_pages - self._since.get(beat.worker_id, _SinceBeat()).pages

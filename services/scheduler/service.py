@@ -8,6 +8,9 @@ reserve pages (request/reply), then answer the gateway (accepted on P and D) and
 assignment; if D refuses, the request goes back to the head of the queue. A prefill worker
 dying is not retried here: the gateway fails that request (it knows P from the reply), which
 keeps each request's state owned by one process.
+
+Workers' KV events feed the router's index (policy.Router.observe_kv); when a worker's
+numbering has a gap the scheduler asks it for a snapshot (KVSnapshotAskMsg).
 """
 
 import asyncio
@@ -20,7 +23,9 @@ import nats
 from nats.aio.msg import Msg
 
 from services.runtime import TaskSet, connect_nats
+from services.scheduler.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.policy import AdmissionQueue, Choice, Pending, Router
+from services.scheduler.routing import RoutingConfig
 from shared import protocol, subjects
 from shared.errors import ProtocolError
 from shared.protocol import (
@@ -28,6 +33,8 @@ from shared.protocol import (
     DecodeAssignMsg,
     DecodeAssignReplyMsg,
     HeartbeatMsg,
+    KVEventsMsg,
+    KVSnapshotAskMsg,
     PrefillAssignMsg,
     SubmitMsg,
     SubmitReplyMsg,
@@ -48,12 +55,17 @@ class SchedulerConfig:
     assign_timeout_s: float = 5.0  # a decode worker answers reservations between engine steps
     miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
     startup_grace_s: float = 2.0  # after start, queue requests until workers' first heartbeats
+    routing: RoutingConfig = RoutingConfig()  # how workers are picked (routing.py)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # /metrics of the routing decisions; 0: not served
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0 or self.retry_after_s <= 0 or self.assign_timeout_s <= 0:
             raise ValueError("max_waiting must be >= 0 and the timeouts > 0")
         if self.miss_limit < 1:
             raise ValueError("miss_limit must be >= 1")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 
 
 class Scheduler:
@@ -61,7 +73,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.router = Router(WorkerRegistry(config.miss_limit))
+        self.router = Router(WorkerRegistry(config.miss_limit), config.routing)
+        self.metrics = SchedulerMetrics()
         self.queue = AdmissionQueue(config.max_waiting)
         self._started = float("inf")  # set once heartbeats are heard: the grace counts from then
         self._wake = asyncio.Event()
@@ -75,16 +88,24 @@ class Scheduler:
         self._nc = await connect_nats(self.config.nats_url, "tison-scheduler")
         nc = self._nc
         await nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
+        await nc.subscribe(subjects.all_kv_events(), cb=self._on_kv_events)
         self._started = time.time()
         await nc.subscribe(
             subjects.scheduler_submit(), subjects.SCHEDULER_QUEUE_GROUP, cb=self._on_submit
         )
         await nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
-        log.info("scheduler up on %s", self.config.nats_url)
+        log.info("scheduler up on %s (%s routing)", self.config.nats_url, self.config.routing.mode)
+        served = None
+        if self.config.metrics_port:
+            host, port = self.config.metrics_host, self.config.metrics_port
+            served = await serve_metrics(self.metrics, host, port)
+            log.info("routing metrics at http://%s:%d/metrics", host, port)
         dispatcher = asyncio.create_task(self._dispatch_loop())
         try:
             await stop.wait()
         finally:
+            if served is not None:
+                await served.cleanup()
             dispatcher.cancel()
             await asyncio.gather(dispatcher, self._placements.cancel_all(), return_exceptions=True)
             with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
@@ -94,6 +115,18 @@ class Scheduler:
     async def _on_heartbeat(self, beat: HeartbeatMsg, msg: Msg) -> None:
         self.router.observe(beat, time.time())
         self._wake.set()
+
+    @protocol.on_message(KVEventsMsg)
+    async def _on_kv_events(self, events: KVEventsMsg, msg: Msg) -> None:
+        in_step = self.router.observe_kv(events)
+        self.metrics.index_pages.labels(events.worker_id).set(
+            self.router.index.num_pages(events.worker_id)
+        )
+        if not in_step:
+            ask = KVSnapshotAskMsg(events.worker_id, reason=f"gap at {events.seq}")
+            self.metrics.snapshot_asks.inc()
+            subject = subjects.kv_snapshot(events.role, events.worker_id)
+            await self._nc.publish(subject, protocol.encode(ask))
 
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
@@ -153,6 +186,7 @@ class Scheduler:
             log.warning(
                 "%s worker %s missed heartbeats; no longer routed to", beat.role, beat.worker_id
             )
+            self.metrics.forget_worker(beat.worker_id)
         for pending in self.queue.take_expired(now):
             await self._reply(pending, self._refusal(protocol.EXPIRED, 0))
         while (pending := self.queue.head()) is not None:
@@ -180,6 +214,7 @@ class Scheduler:
         if choice is None:
             return False
         self.router.record(choice, pending.submit)
+        self.metrics.observe_choice(choice)
         self._placing[pending.submit.request_id] = False
         self._placements.spawn(self._place(pending, choice))
         return True

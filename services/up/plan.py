@@ -32,6 +32,7 @@ class UpConfig:
     cores: tuple[int, ...] = field(default_factory=available_cores)  # the CPUs tison up may use
     cores_prefill: tuple[int, ...] = ()  # explicit cores of the prefill (or colocated) workers
     cores_decode: tuple[int, ...] = ()
+    routing: str = "kv"  # the scheduler's --routing (services/scheduler/routing.py)
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -87,7 +88,8 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
         worker.append("--no-prefix-caching")
     prefill = [*worker, "--tp", str(cfg.prefill_tp), "--pp", str(cfg.prefill_pp)]
     decode = [*worker, "--tp", str(cfg.decode_tp), "--pp", str(cfg.decode_pp)]
-    children = [ChildSpec("scheduler", ("scheduler",), where.services)]
+    scheduler = ("scheduler", "--routing", cfg.routing)
+    children = [ChildSpec("scheduler", scheduler, where.services)]
     for w in where.workers:
         args = [w.role, *(prefill if w.role == "prefill" else decode)]
         if w.cores:

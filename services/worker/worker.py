@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import uuid
@@ -12,13 +13,14 @@ import torch
 from services.runtime import connect_nats
 from services.worker.config import WorkerConfig
 from services.worker.decode import DecodeRole
+from services.worker.kv_events import KVEventsPublisher
 from services.worker.loop import EngineLoop
 from services.worker.prefill import PrefillRole
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.shard import rank_pools
-from shared.protocol import HeartbeatMsg, KVPool
+from shared.protocol import HeartbeatMsg, KVPool, PrefixStats
 from shared.tokenizer.tokenizer import Tokenizer
 from shared.transfer import tcp
 from shared.transfer.base import host_id
@@ -83,9 +85,14 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
             roles.append(PrefillRole(nc, loop, ids["prefill"], engine.handoff, ids.get("decode")))
         for role in roles:
             await role.subscribe()
+        # The engine's events are read between steps, by its loop: it is their one owner.
+        events = functools.partial(loop.call, engine.kv_events)
+        kv_events = KVEventsPublisher(nc, ids, events, config.heartbeat_s)
+        await kv_events.subscribe()
         tasks = [
             asyncio.create_task(loop.run()),
             asyncio.create_task(_heartbeats(nc, config, engine, roles, tcp_server)),
+            asyncio.create_task(kv_events.run()),
         ]
         log.info("worker %s serving %s", config.worker_id, ", ".join(ids.values()))
         await stop.wait()
@@ -121,6 +128,7 @@ def _reserved_check(engine: LLMEngine):
 async def _heartbeats(nc, config: WorkerConfig, engine: LLMEngine, roles, tcp_server) -> None:
     while True:
         load = engine.load()
+        prefix = PrefixStats(**engine.prefix_stats())
         for role in roles:
             handoff = getattr(role, "handoff", None)
             moved = (handoff.bytes_sent, handoff.seconds) if handoff else (0, 0.0)
@@ -136,6 +144,7 @@ async def _heartbeats(nc, config: WorkerConfig, engine: LLMEngine, roles, tcp_se
                 kv_transfer_bytes=moved[0],
                 kv_transfer_seconds=moved[1],
                 local_prefill=role.role == "decode",
+                prefix=prefix,
                 **load,
             )
             await nc.publish(subjects.heartbeat(role.role, role.worker_id), protocol.encode(beat))
