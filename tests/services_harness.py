@@ -258,12 +258,14 @@ async def stream_until_error(client, model: str, started: asyncio.Event, **kw):
     return time.monotonic(), None
 
 
-def start_prefill_tp2_decode_pp2(s: Services, model_dir: Path, kv_transport: str = "shm") -> None:
+def start_prefill_tp2_decode_pp2(
+    s: Services, model_dir: Path, kv_transport: str = "shm", scheduler_args=()
+) -> None:
     """A scheduler, a prefill worker of shape (2, 1), a decode worker of (1, 2) and a gateway,
     float32 on one thread a rank, until healthy."""
     common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2"]
     common += ["--allow-oversubscribe", "--threads", "1"]
-    s.scheduler()
+    s.scheduler(*scheduler_args)
     s.start("prefill", "prefill", *common, "--tp", "2", "--kv-transport", kv_transport)
     s.start("decode", "decode", *common, "--pp", "2")
     s.gateway()

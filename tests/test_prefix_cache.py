@@ -233,27 +233,33 @@ async def test_a_follow_up_turn_moves_only_the_pages_its_decode_worker_lacks(
 ):
     """Turn 2 extends turn 1's prompt: the (1, 2) decode worker holds turn 1's 2 full pages
     (cached once decoded), so the (2, 1) prefill worker sends over TCP the KV of the 28 tokens
-    after them only, and the completion is the offline engine's."""
+    after them only (the scheduler told not to prefill on the decode worker), and the
+    completion is the offline engine's. Allowed to, the scheduler has the decode worker
+    compute turn 3's few uncached tokens itself: nothing moves."""
     monkeypatch.setenv("TISON_KV_SECRET", "test-secret")  # the workers inherit it: TCP is on
     model_dir = tiny_model_factory("llama")
     turn1 = make_prompts([40])[0]
     turn2 = turn1 + make_prompts([20], seed=1)[0]
+    turn3 = turn2 + make_prompts([10], seed=2)[0]
     with LLM(model_dir, dtype="float32", enable_prefix_caching=False) as llm:
-        expected = llm.generate([turn1, turn2], SamplingParams(temperature=0, max_tokens=8))
+        expected = llm.generate([turn1, turn2, turn3], SamplingParams(temperature=0, max_tokens=8))
         spec = llm.engine.kv_spec
     token_bytes = spec.page_size_bytes // spec.page_size  # all layers and heads
-    s = Services(tmp_path, model_dir)
-    s.__enter__()
-    try:
-        start_prefill_tp2_decode_pp2(s, model_dir, "tcp")
-        moved = 0
-        for prompt, ref, new_tokens in ((turn1, expected[0], 40), (turn2, expected[1], 60 - 32)):
-            await assert_completions_equal(s, model_dir.name, [prompt], [ref], 8)
-            moved += new_tokens * token_bytes
-            what = f"{moved} KV bytes received over TCP"
-            done = moved
-            await wait_metric(
-                s, "tison_kv_transfer_bytes", lambda n, m=done: n == m, what, "decode"
+    for local, turns in ((0, [(turn1, 40), (turn2, 60 - 32)]), (256, [(turn1, 40), (turn3, 0)])):
+        s = Services(tmp_path / f"local-{local}", model_dir)
+        s.__enter__()
+        try:
+            start_prefill_tp2_decode_pp2(
+                s, model_dir, "tcp", ("--local-prefill-tokens", str(local))
             )
-    finally:
-        s.stop_all()
+            moved = 0
+            for prompt, new_tokens in turns:
+                ref = expected[[turn1, turn2, turn3].index(prompt)]
+                await assert_completions_equal(s, model_dir.name, [prompt], [ref], 8)
+                moved += new_tokens * token_bytes
+                what, done = f"{moved} KV bytes received over TCP", moved
+                await wait_metric(
+                    s, "tison_kv_transfer_bytes", lambda n, m=done: n == m, what, "decode"
+                )
+        finally:
+            s.stop_all()
