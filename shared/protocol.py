@@ -130,6 +130,16 @@ class PrefixStats:
 
 
 @dataclass(frozen=True)
+class GatewayBeatMsg:
+    """Gateway → decode workers, every interval_s: requests of a gateway that stops beating are
+    orphans (no client can read their tokens), cancelled and their pages freed."""
+
+    KIND: ClassVar[str] = "gateway_beat"
+    gateway_id: str  # gateway sets
+    interval_s: float  # gateway sets: seconds between beats
+
+
+@dataclass(frozen=True)
 class HeartbeatMsg:
     """Worker → scheduler and gateways (heartbeat(role, id)), every `interval_s`."""
 

@@ -26,9 +26,24 @@ def scheduler_submit() -> str:
     return f"{PREFIX}.scheduler.submit"
 
 
+def scheduler_ping() -> str:
+    """Gateway → scheduler request/reply (queue group SCHEDULER_QUEUE_GROUP), empty both ways:
+    the gateway's /health asks whether a scheduler answers."""
+    return f"{PREFIX}.scheduler.ping"
+
+
 def gateway_cancel() -> str:
     """Gateway → everyone: free all state of a request."""
     return f"{PREFIX}.gateway.cancel"
+
+
+def gateway_heartbeat(gateway_id: str) -> str:
+    """Gateway → decode workers: this gateway still streams its requests (else they cancel)."""
+    return f"{PREFIX}.gateway.heartbeat.{_check_token(gateway_id, 'gateway_id')}"
+
+
+def all_gateway_heartbeats() -> str:
+    return f"{PREFIX}.gateway.heartbeat.*"
 
 
 def gateway_tokens(gateway_id: str) -> str:

@@ -79,3 +79,13 @@ async def test_kill_decode_mid_stream_fails_streams_then_recovers(cluster, tiny_
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
     await wait_pages_free(cluster)
     await client.close()
+
+
+async def test_health_is_503_while_no_scheduler_answers(cluster, tiny_llama):
+    """Workers alive but the scheduler dead: every completion would fail, so /health says so;
+    a new scheduler brings it back."""
+    assert cluster.health() == 200
+    cluster.kill("scheduler")
+    await until(lambda: cluster.health() == 503, 10, "/health 503 without a scheduler")
+    cluster.scheduler("--max-waiting", "2", "--retry-after", "2")
+    await until(lambda: cluster.health() == 200, 30, "/health 200 with a new scheduler")

@@ -126,3 +126,19 @@ def test_admission_queue_bound_cancel_and_deadlines():
     assert q.head() is c and q.pop() is c
     q.push_front(c)
     assert q.take_all() == [c] and len(q) == 0
+
+
+def test_admission_queue_bounds_its_prompt_tokens():
+    """A burst of long prompts is refused (429) once the queued tokens would exceed the bound;
+    a lone request longer than the bound still waits alone; every way out returns its tokens."""
+    q = AdmissionQueue(max_waiting=10, max_waiting_tokens=100)
+
+    def pending(name: str, tokens: int) -> Pending:
+        return Pending(submit(name, prompt_len=tokens), f"inbox.{name}")
+
+    a, b, c, huge = pending("a", 60), pending("b", 40), pending("c", 1), pending("h", 500)
+    assert q.push(a) and q.push(b) and q.tokens == 100
+    assert not q.push(c)  # 101 tokens
+    assert q.pop() is a and q.push(c) and q.tokens == 41
+    assert q.remove("b") and q.remove("c") and q.tokens == 0
+    assert q.push(huge) and not q.push(c) and q.take_all() == [huge] and q.tokens == 0

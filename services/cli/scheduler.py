@@ -13,6 +13,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("scheduler", help="run the scheduler (admission + routing)")
     p.add_argument("--nats-url", default=SchedulerConfig.nats_url)
     p.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting)
+    p.add_argument(
+        "--max-waiting-tokens", type=int, default=SchedulerConfig.max_waiting_tokens,
+        help="prompt tokens the admission queue holds at most (0: no bound); beyond: 429",
+    )  # fmt: skip
     p.add_argument("--retry-after", type=float, default=SchedulerConfig.retry_after_s)
     p.add_argument("--assign-timeout", type=float, default=SchedulerConfig.assign_timeout_s)
     p.add_argument("--miss-limit", type=int, default=SchedulerConfig.miss_limit)
@@ -59,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
     config = SchedulerConfig(
         nats_url=args.nats_url,
         max_waiting=args.max_waiting,
+        max_waiting_tokens=args.max_waiting_tokens,
         retry_after_s=args.retry_after,
         assign_timeout_s=args.assign_timeout,
         miss_limit=args.miss_limit,

@@ -99,13 +99,14 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while at least one prefill and one decode worker are alive, else 503."""
+    """200 while a scheduler answers over NATS and at least one prefill and one decode worker
+    are alive, else 503 (every completion would fail)."""
     control = request.app[SERVICE].control
     counts = {role: len(control.alive(role)) for role in ("prefill", "decode")}
-    status = 200 if all(counts.values()) else 503
-    return web.json_response(
-        {"status": "ok" if status == 200 else "unavailable", **counts}, status=status
-    )
+    scheduler = await control.scheduler_answers()
+    status = 200 if scheduler and all(counts.values()) else 503
+    body = {"status": "ok" if status == 200 else "unavailable", "scheduler": scheduler, **counts}
+    return web.json_response(body, status=status)
 
 
 async def metrics(request: web.Request) -> web.Response:

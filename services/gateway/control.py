@@ -19,11 +19,20 @@ from services.gateway.metrics import GatewayMetrics
 from services.runtime import connect_nats
 from shared import protocol, subjects
 from shared.errors import ProtocolError
-from shared.protocol import CancelMsg, HeartbeatMsg, SubmitMsg, SubmitReplyMsg, TokenItem, TokensMsg
+from shared.protocol import (
+    CancelMsg,
+    GatewayBeatMsg,
+    HeartbeatMsg,
+    SubmitMsg,
+    SubmitReplyMsg,
+    TokenItem,
+    TokensMsg,
+)
 from shared.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 WATCHDOG_S = 0.1
+GATEWAY_BEAT_S = 1.0  # decode workers cancel a gateway's requests after 3 missed beats
 
 
 @dataclass
@@ -58,20 +67,33 @@ class ControlPlane:
         self._open: dict[str, OpenRequest] = {}
         self._nc: nats.NATS | None = None
         self._watchdog: asyncio.Task | None = None
+        self._beats: asyncio.Task | None = None
 
     async def start(self) -> None:
         self._nc = await connect_nats(self.nats_url, f"tison-{self.gateway_id}")
         await self._nc.subscribe(subjects.gateway_tokens(self.gateway_id), cb=self._on_tokens)
         await self._nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         self._watchdog = asyncio.create_task(self._watch())
+        self._beats = asyncio.create_task(self._beat())
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
+        for task in (self._watchdog, self._beats):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._nc is not None:
             with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
                 await self._nc.drain()
+
+    async def scheduler_answers(self, timeout_s: float = 0.5) -> bool:
+        """Whether NATS is reachable and a scheduler answers a ping within `timeout_s`."""
+        if self._nc is None or not self._nc.is_connected:
+            return False
+        try:
+            await self._nc.request(subjects.scheduler_ping(), b"", timeout=timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return False
+        return True
 
     def alive(self, role: str) -> list[HeartbeatMsg]:
         return self.registry.alive(role, time.time())
@@ -128,6 +150,14 @@ class ControlPlane:
         if self.registry.observe(beat, time.time()):
             log.info("%s worker %s joined", beat.role, beat.worker_id)
         self.metrics.observe_worker(beat)
+
+    async def _beat(self) -> None:
+        """Tells decode workers this gateway still streams its requests."""
+        beat = protocol.encode(GatewayBeatMsg(self.gateway_id, GATEWAY_BEAT_S))
+        while True:
+            if self._nc.is_connected:
+                await self._nc.publish(subjects.gateway_heartbeat(self.gateway_id), beat)
+            await asyncio.sleep(GATEWAY_BEAT_S)
 
     async def _watch(self) -> None:
         while True:

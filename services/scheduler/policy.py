@@ -223,38 +223,52 @@ class Pending:
     reply_to: str
 
 
+def _prompt_tokens(pending: Pending) -> int:
+    return len(pending.submit.prompt_token_ids)
+
+
 @dataclass
 class AdmissionQueue:
-    """Bounded FIFO of requests admitted but not yet placed on workers."""
+    """Bounded FIFO of requests admitted but not yet placed on workers: at most `max_waiting`
+    requests and `max_waiting_tokens` prompt tokens (0: no token bound), so a burst of long
+    prompts is refused early (429, Retry-After) rather than left to expire in the queue."""
 
     max_waiting: int
+    max_waiting_tokens: int = 0
     _queue: deque[Pending] = field(default_factory=deque)
+    tokens: int = 0  # prompt tokens queued
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def push(self, pending: Pending) -> bool:
         """Queue the request; False when the queue is full (the gateway answers 429)."""
-        if len(self._queue) >= self.max_waiting:
-            return False
-        self._queue.append(pending)
+        over = self.max_waiting_tokens and self.tokens + _prompt_tokens(pending) > (
+            self.max_waiting_tokens
+        )
+        if len(self._queue) >= self.max_waiting or (over and self._queue):
+            return False  # one request alone may exceed the token bound: it waits alone
+        self._append(pending)
         return True
 
     def push_front(self, pending: Pending) -> None:
         """Put back a request that could not be placed, keeping its turn (may exceed the bound)."""
         self._queue.appendleft(pending)
+        self.tokens += _prompt_tokens(pending)
 
     def head(self) -> Pending | None:
         return self._queue[0] if self._queue else None
 
     def pop(self) -> Pending:
-        return self._queue.popleft()
+        pending = self._queue.popleft()
+        self.tokens -= _prompt_tokens(pending)
+        return pending
 
     def remove(self, request_id: str) -> bool:
         """Drop a cancelled request; True if it was queued."""
         for pending in self._queue:
             if pending.submit.request_id == request_id:
-                self._queue.remove(pending)
+                self._drop(pending)
                 return True
         return False
 
@@ -262,11 +276,20 @@ class AdmissionQueue:
         """Remove and return the requests whose deadline has passed."""
         expired = [p for p in self._queue if p.submit.deadline <= now]
         for pending in expired:
-            self._queue.remove(pending)
+            self._drop(pending)
         return expired
 
     def take_all(self) -> list[Pending]:
         """Remove and return every queued request (e.g. when no worker is left)."""
         taken = list(self._queue)
         self._queue.clear()
+        self.tokens = 0
         return taken
+
+    def _append(self, pending: Pending) -> None:
+        self._queue.append(pending)
+        self.tokens += _prompt_tokens(pending)
+
+    def _drop(self, pending: Pending) -> None:
+        self._queue.remove(pending)
+        self.tokens -= _prompt_tokens(pending)

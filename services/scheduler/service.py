@@ -51,6 +51,7 @@ class SchedulerConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     max_waiting: int = 256  # admission queue bound; beyond it the gateway answers 429
+    max_waiting_tokens: int = 0  # ... and of its prompt tokens (0: none)
     retry_after_s: float = 1.0  # Retry-After suggested with QUEUE_FULL
     assign_timeout_s: float = 5.0  # a decode worker answers reservations between engine steps
     miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
@@ -60,8 +61,10 @@ class SchedulerConfig:
     metrics_port: int = 0  # /metrics of the routing decisions; 0: not served
 
     def __post_init__(self) -> None:
-        if self.max_waiting < 0 or self.retry_after_s <= 0 or self.assign_timeout_s <= 0:
-            raise ValueError("max_waiting must be >= 0 and the timeouts > 0")
+        if min(self.max_waiting, self.max_waiting_tokens) < 0 or self.retry_after_s <= 0:
+            raise ValueError("max_waiting(_tokens) must be >= 0 and retry_after_s > 0")
+        if self.assign_timeout_s <= 0:
+            raise ValueError("assign_timeout_s must be > 0")
         if self.miss_limit < 1:
             raise ValueError("miss_limit must be >= 1")
         if not 0 <= self.metrics_port < 65536:
@@ -75,7 +78,7 @@ class Scheduler:
         self.config = config
         self.router = Router(WorkerRegistry(config.miss_limit), config.routing)
         self.metrics = SchedulerMetrics()
-        self.queue = AdmissionQueue(config.max_waiting)
+        self.queue = AdmissionQueue(config.max_waiting, config.max_waiting_tokens)
         self._started = float("inf")  # set once heartbeats are heard: the grace counts from then
         self._wake = asyncio.Event()
         self._nc: nats.NATS | None = None
@@ -94,6 +97,9 @@ class Scheduler:
             subjects.scheduler_submit(), subjects.SCHEDULER_QUEUE_GROUP, cb=self._on_submit
         )
         await nc.subscribe(subjects.gateway_cancel(), cb=self._on_cancel)
+        await nc.subscribe(
+            subjects.scheduler_ping(), subjects.SCHEDULER_QUEUE_GROUP, cb=self._on_ping
+        )
         log.info("scheduler up on %s (%s routing)", self.config.nats_url, self.config.routing.mode)
         served = None
         if self.config.metrics_port:
@@ -128,6 +134,10 @@ class Scheduler:
             subject = subjects.kv_snapshot(events.role, events.worker_id)
             await self._nc.publish(subject, protocol.encode(ask))
 
+    async def _on_ping(self, msg) -> None:
+        """The gateway's /health: a scheduler is up and reads NATS."""
+        await self._nc.publish(msg.reply, b"")
+
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
         self.queue.remove(cancel.request_id)
@@ -155,7 +165,8 @@ class Scheduler:
 
     def _refusal(self, status: str, limit: int) -> dict:
         if status == protocol.QUEUE_FULL:
-            reason = f"the scheduler queue is full ({self.config.max_waiting} waiting)"
+            queue = self.queue
+            reason = f"the scheduler queue is full ({len(queue)} waiting, {queue.tokens} tokens)"
             return dict(status=status, reason=reason, retry_after_s=self.config.retry_after_s)
         if status == protocol.TOO_LONG:
             reason = f"no decode worker can hold more than {limit} tokens"

@@ -20,6 +20,7 @@ from shared.protocol import (
     CancelMsg,
     DecodeAssignMsg,
     DecodeAssignReplyMsg,
+    GatewayBeatMsg,
     KVPool,
     KvReadyMsg,
     TokenItem,
@@ -28,6 +29,9 @@ from shared.protocol import (
 from shared.transfer.tcp import TcpKVServer
 
 log = logging.getLogger(__name__)
+ORPHAN_BEATS = 3  # a gateway silent this many beat intervals is gone
+ORPHAN_CHECK_S = 0.5
+ORPHAN_DEFAULT_BEAT_S = 1.0  # a gateway not heard beating yet: its assignment counts as a beat
 
 
 class DecodeRole:
@@ -48,6 +52,8 @@ class DecodeRole:
         self.tcp_server = tcp_server
         self.lease_s = lease_s
         self.gateways: dict[str, str] = {}  # request id -> gateway that streams it
+        # gateway -> (when last heard of, its beat interval): its own beat, or an assignment
+        self.gateway_seen: dict[str, tuple[float, float]] = {}
 
     async def subscribe(self) -> None:
         await self.nc.subscribe(
@@ -57,6 +63,8 @@ class DecodeRole:
             subjects.decode_kv(self.worker_id), cb=self.loop.in_tasks(self._on_kv)
         )
         await self.nc.subscribe(subjects.gateway_cancel(), cb=self.loop.in_tasks(self._on_cancel))
+        await self.nc.subscribe(subjects.all_gateway_heartbeats(), cb=self._on_gateway_beat)
+        self.loop.handlers.spawn(self._cancel_orphans())
 
     @protocol.on_message(DecodeAssignMsg)
     async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:
@@ -77,12 +85,35 @@ class DecodeRole:
             reply = DecodeAssignReplyMsg(rid, False, reason=reason)
         else:
             self.gateways[rid] = assign.gateway_id
+            interval = self.gateway_seen.get(assign.gateway_id, (0.0, ORPHAN_DEFAULT_BEAT_S))[1]
+            self.gateway_seen[assign.gateway_id] = (time.monotonic(), interval)
             pages, cached = reserved
             reply = DecodeAssignReplyMsg(rid, True, tuple(pages), self.pool, cached_tokens=cached)
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
         if reserved is not None and assign.prefill_here:  # its first token leaves with our steps
             await self.loop.call(self.engine.start_local, rid)
+
+    @protocol.on_message(GatewayBeatMsg)
+    async def _on_gateway_beat(self, beat: GatewayBeatMsg, msg: Msg) -> None:
+        self.gateway_seen[beat.gateway_id] = (time.monotonic(), beat.interval_s)
+
+    async def _cancel_orphans(self) -> None:
+        """Cancels the requests of gateways silent for ORPHAN_BEATS beats (crashed: no client
+        reads their tokens, which would otherwise run to max_tokens holding their pages)."""
+        while True:
+            await asyncio.sleep(ORPHAN_CHECK_S)
+            now = time.monotonic()
+            gone = {
+                gid for gid, (seen, interval) in self.gateway_seen.items()
+                if now - seen > ORPHAN_BEATS * interval
+            }  # fmt: skip
+            for rid in [r for r, gid in self.gateways.items() if gid in gone]:
+                log.warning("request %s: gateway %s is gone; cancelled", rid, self.gateways[rid])
+                del self.gateways[rid]
+                await self.loop.call(self.engine.abort, rid)
+            for gid in gone - set(self.gateways.values()):
+                del self.gateway_seen[gid]
 
     async def _expire(self, request_id: str) -> None:
         """Drops the reservation if its KV has not come within the lease (its prefill worker
