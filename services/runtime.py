@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 
@@ -13,11 +14,18 @@ from shared.proc import process_age_s
 log = logging.getLogger(__name__)
 
 
+NATS_TOKEN_ENV = "TISON_NATS_TOKEN"  # the token of an authenticated nats-server (tison up's)
+
+
 async def connect_nats(url: str, name: str):
     """A NATS connection that never stops reconnecting (nats-py's default gives up after 60
     tries, ~2 minutes): `tison up` restarts a dead nats-server on the same port, and every
-    service finds it again however long it took."""
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=1.0)
+    service finds it again however long it took. With $TISON_NATS_TOKEN it authenticates
+    (never in argv, where `ps` shows it)."""
+    token = os.environ.get(NATS_TOKEN_ENV) or None
+    return await nats.connect(
+        url, name=name, token=token, max_reconnect_attempts=-1, reconnect_time_wait=1.0
+    )
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log_level: str = "INFO") -> int:

@@ -45,8 +45,10 @@ class NatsServer:
         host: str = "127.0.0.1",
         monitor: bool = False,
         cores: tuple[int, ...] = (),
+        token: str = "",  # clients must present it; "": no authentication
     ):
         self.state_dir = Path(state_dir)
+        self.token = token
         self.cores = cores  # run on these CPUs; (): any
         self.host = host
         self.monitor = monitor  # also serve the HTTP monitoring endpoints (/varz) on a free port
@@ -67,6 +69,12 @@ class NatsServer:
         args += ["-sd", str(self.state_dir / "jetstream"), "--ports_file_dir", str(self.state_dir)]
         if self.monitor:
             args += ["-m", "-1"]
+        if self.token:  # in a file only its owner reads, not in argv (/proc/*/cmdline)
+            conf = self.state_dir / "auth.conf"
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)
+            conf.write_text(f"authorization {{ token: {json.dumps(self.token)} }}\n")
+            args += ["-c", str(conf)]
         log = open(self.state_dir / "nats-server.log", "ab")
         self._proc = subprocess.Popen(
             args,

@@ -1,6 +1,7 @@
 """`tison up`: starts everything, serves, restarts a killed child, stops cleanly on SIGTERM
 leaving no process behind, and starts again on the same port."""
 
+import json
 import os
 import re
 import shutil
@@ -277,5 +278,35 @@ def test_up_restarts_a_killed_nats_server_and_serves_again(tiny_llama):
 
         wait_until(serves, 90, "a completion after nats-server was killed", interval=0.5)
         assert nats_pids() and killed not in nats_pids()
+    finally:
+        assert up.stop() == 0
+
+
+def test_up_s_nats_server_refuses_clients_without_its_token(tiny_llama, tmp_path):
+    """Any local process could read every prompt and forge tokens, cancels and heartbeats on
+    an open broker: the nats-server that `tison up` starts takes only clients with the token
+    it gave its services (in their environment and a file only its owner reads)."""
+    import asyncio
+
+    import nats
+
+    up = Up(tiny_llama, free_port(), "--state-dir", str(tmp_path / "nats"))
+    try:
+        up.wait_serving()
+        up.complete(tiny_llama.name)
+        (ports,) = (tmp_path / "nats").glob("nats-server_*.ports")
+        url = json.loads(ports.read_text())["nats"][0]
+        assert (tmp_path / "nats" / "auth.conf").stat().st_mode & 0o077 == 0
+        for proc in descendants(up.proc.pid):
+            assert not any("token" in arg for arg in cmdline(proc)[1:])
+
+        async def forge() -> None:
+            nc = await nats.connect(url, max_reconnect_attempts=0, allow_reconnect=False)
+            await nc.publish("tison.v1.gateway.cancel", b"forged")
+            await nc.close()
+
+        with pytest.raises(Exception, match="(?i)authorization"):
+            asyncio.run(forge())
+        up.complete(tiny_llama.name)  # the services authenticated
     finally:
         assert up.stop() == 0

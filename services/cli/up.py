@@ -110,13 +110,12 @@ def main(args: argparse.Namespace) -> int:
         log.info("placement: %s", line)
     stop = _stop_on_signals()
     with tempfile.TemporaryDirectory(prefix="tison-") as tmp:
-        nats = None
-        if not cfg.nats_url:
-            state = args.state_dir or Path(tmp) / "nats"
-            nats = NatsServer(state, cores=where.services).start()
-        supervisor = Supervisor(
-            plan(cfg, where), cfg.nats_url or nats.url, child_env(secrets.token_hex(16))
-        )
+        nats, token = None, ""
+        if not cfg.nats_url:  # ours: only the services we start hold its token
+            state, token = args.state_dir or Path(tmp) / "nats", secrets.token_hex(16)
+            nats = NatsServer(state, cores=where.services, token=token).start()
+        env = child_env(secrets.token_hex(16), token)
+        supervisor = Supervisor(plan(cfg, where), cfg.nats_url or nats.url, env)
         try:
             supervisor.start_all()
             return _serve(cfg, supervisor, nats, stop, args.ready_timeout)

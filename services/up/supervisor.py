@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from services.runtime import NATS_TOKEN_ENV
 from services.up.plan import ChildSpec, RestartPolicy
 from shared.proc import child_setup, stop_processes
 
@@ -86,6 +87,10 @@ def _forward(name: str, stream) -> None:
     stream.close()
 
 
-def child_env(kv_secret: str) -> dict[str, str]:
+def child_env(kv_secret: str, nats_token: str = "") -> dict[str, str]:
+    """The children's environment: the KV transport's secret and, for a nats-server that
+    `tison up` started, its token (secrets in the environment, not in argv)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TISON_KV_SECRET=kv_secret)
+    if nats_token:
+        env[NATS_TOKEN_ENV] = nats_token
     return env
