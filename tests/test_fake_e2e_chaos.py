@@ -73,7 +73,7 @@ async def test_kill_decode_mid_stream_fails_streams_then_recovers(cluster, tiny_
         await client.completions.create(model=tiny_llama.name, prompt="hello", max_tokens=5)
     assert refused.value.status_code == 503
 
-    cluster.fake_worker("decode2", "decode")
+    cluster.fake_worker("decode2", "decode", "--step-time", "0.5", "--num-pages", "64")  # as before
     await asyncio.to_thread(cluster.wait_healthy)
     out = await client.completions.create(model=tiny_llama.name, prompt="hello", max_tokens=5)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
@@ -81,11 +81,33 @@ async def test_kill_decode_mid_stream_fails_streams_then_recovers(cluster, tiny_
     await client.close()
 
 
-async def test_health_is_503_while_no_scheduler_answers(cluster, tiny_llama):
-    """Workers alive but the scheduler dead: every completion would fail, so /health says so;
-    a new scheduler brings it back."""
+async def test_a_dead_scheduler_fails_its_queue_fast_and_health_says_so(cluster, tiny_llama):
+    """4 requests run and 2 wait in the scheduler's queue when it is killed: the 2 waiting get
+    a 503 within FAILURE_BOUND_S (no reply will ever come; they used to wait 65 s), /health
+    is 503 while no scheduler answers, and a new scheduler brings it back."""
     assert cluster.health() == 200
-    cluster.kill("scheduler")
+    body = {"model": tiny_llama.name, "prompt": [100] * 240, "max_tokens": 16}
+    url = cluster.base_url + "/v1/completions"
+    async with aiohttp.ClientSession() as http:
+
+        async def status() -> tuple[int, float]:
+            async with http.post(url, json=body) as resp:
+                await resp.read()
+                return resp.status, time.monotonic()
+
+        requests = [asyncio.create_task(status()) for _ in range(6)]
+
+        async def queue_full() -> bool:
+            running = await metric(cluster, "tison_requests_running")
+            return (running, await metric(cluster, "tison_requests_waiting")) == (4, 2)
+
+        await until(queue_full, 30, "4 requests running and 2 waiting in the scheduler")
+        cluster.kill("scheduler")
+        killed_at = time.monotonic()
+        results = await asyncio.gather(*requests)
+    failed = [at - killed_at for code, at in results if code == 503]
+    assert len(failed) == 2 and max(failed) < FAILURE_BOUND_S, results
     await until(lambda: cluster.health() == 503, 10, "/health 503 without a scheduler")
     cluster.scheduler("--max-waiting", "2", "--retry-after", "2")
     await until(lambda: cluster.health() == 200, 30, "/health 200 with a new scheduler")
+    await wait_pages_free(cluster)

@@ -310,3 +310,29 @@ def test_up_s_nats_server_refuses_clients_without_its_token(tiny_llama, tmp_path
         up.complete(tiny_llama.name)  # the services authenticated
     finally:
         assert up.stop() == 0
+
+
+def test_a_child_failing_twice_alike_at_start_stops_the_supervisor(tmp_path):
+    """A gateway whose model folder lacks a tokenizer fails at start with the same error each
+    time: the second time the supervisor gives up, naming the child and the error, instead of
+    restarting it for ever."""
+    from services.up.plan import ChildSpec, RestartPolicy
+    from services.up.supervisor import StartupFailure, Supervisor, child_env
+
+    (tmp_path / "model").mkdir()
+    spec = ChildSpec("gateway", ("gateway", "--model", str(tmp_path / "model"), "--port", "1"))
+    supervisor = Supervisor([spec], "nats://127.0.0.1:1", child_env("x"), RestartPolicy(0.1))
+    supervisor.start_all()
+    try:
+
+        def gives_up() -> str | None:
+            try:
+                supervisor.poll()
+            except StartupFailure as e:
+                return str(e)
+            return None
+
+        error = wait_until(gives_up, 60, "the supervisor to give up on the gateway", 0.1)
+        assert error.startswith("gateway: ") and "tokenizer.json: missing" in error
+    finally:
+        supervisor.stop_all()

@@ -17,7 +17,7 @@ from services.cli.generate import add_model_options, cpulist_arg, resolve_model
 from services.scheduler import routing
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
-from services.up.supervisor import Supervisor, child_env
+from services.up.supervisor import StartupFailure, Supervisor, child_env
 from shared.errors import ModelFolderError, TisonError, UnsupportedArchitectureError
 from shared.models.registry import supported_architectures
 from shared.nats_server import NatsServer
@@ -119,6 +119,9 @@ def main(args: argparse.Namespace) -> int:
         try:
             supervisor.start_all()
             return _serve(cfg, supervisor, nats, stop, args.ready_timeout)
+        except StartupFailure as e:
+            print(f"tison up: {e}", file=sys.stderr)
+            return 2
         finally:
             supervisor.stop_all()
             if nats is not None:

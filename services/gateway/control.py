@@ -33,6 +33,7 @@ from shared.registry import WorkerRegistry
 log = logging.getLogger(__name__)
 WATCHDOG_S = 0.1
 GATEWAY_BEAT_S = 1.0  # decode workers cancel a gateway's requests after 3 missed beats
+SCHEDULER_PING_S, PING_MISSES = 1.0, 3  # the scheduler is lost after 3 missed pings
 
 
 @dataclass
@@ -68,6 +69,8 @@ class ControlPlane:
         self._nc: nats.NATS | None = None
         self._watchdog: asyncio.Task | None = None
         self._beats: asyncio.Task | None = None
+        self._pings: asyncio.Task | None = None
+        self._scheduler_lost = asyncio.Event()  # set while the scheduler misses its pings
 
     async def start(self) -> None:
         self._nc = await connect_nats(self.nats_url, f"tison-{self.gateway_id}")
@@ -75,9 +78,10 @@ class ControlPlane:
         await self._nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         self._watchdog = asyncio.create_task(self._watch())
         self._beats = asyncio.create_task(self._beat())
+        self._pings = asyncio.create_task(self._ping_scheduler())
 
     async def close(self) -> None:
-        for task in (self._watchdog, self._beats):
+        for task in (self._watchdog, self._beats, self._pings):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -85,7 +89,7 @@ class ControlPlane:
             with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
                 await self._nc.drain()
 
-    async def scheduler_answers(self, timeout_s: float = 0.5) -> bool:
+    async def scheduler_answers(self, timeout_s: float = 1.0) -> bool:
         """Whether NATS is reachable and a scheduler answers a ping within `timeout_s`."""
         if self._nc is None or not self._nc.is_connected:
             return False
@@ -107,12 +111,25 @@ class ControlPlane:
         self._open.pop(request_id, None)
 
     async def submit(self, submit: SubmitMsg, timeout_s: float) -> SubmitReplyMsg:
-        """Ask the scheduler to run the request; a NO_WORKERS reply if it does not answer."""
-        try:
-            msg = await self._nc.request(
+        """Ask the scheduler to run the request; a NO_WORKERS reply if it does not answer, at
+        once when the scheduler stops answering pings while the request waits (it died with
+        the request in its queue: no reply will come)."""
+        asked = asyncio.ensure_future(
+            self._nc.request(
                 subjects.scheduler_submit(), protocol.encode(submit), timeout=timeout_s
             )
-            reply = protocol.decode(msg.data, SubmitReplyMsg)
+        )
+        lost = asyncio.ensure_future(self._scheduler_lost.wait())
+        try:
+            await asyncio.wait([asked, lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if not asked.done():
+            asked.cancel()
+            reason = "the scheduler stopped answering while the request waited"
+            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
+        try:
+            reply = protocol.decode(asked.result().data, SubmitReplyMsg)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             reason = f"the scheduler did not answer ({type(e).__name__})"
             return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
@@ -150,6 +167,21 @@ class ControlPlane:
         if self.registry.observe(beat, time.time()):
             log.info("%s worker %s joined", beat.role, beat.worker_id)
         self.metrics.observe_worker(beat)
+
+    async def _ping_scheduler(self) -> None:
+        """Every SCHEDULER_PING_S: the scheduler lost after PING_MISSES missed pings in a row
+        (requests waiting on it fail at once), found again at its first answer."""
+        missed = 0
+        while True:
+            await asyncio.sleep(SCHEDULER_PING_S)
+            if await self.scheduler_answers():
+                missed = 0
+                self._scheduler_lost.clear()
+            else:
+                missed += 1
+                if missed >= PING_MISSES and not self._scheduler_lost.is_set():
+                    log.warning("the scheduler does not answer; failing the requests it holds")
+                    self._scheduler_lost.set()
 
     async def _beat(self) -> None:
         """Tells decode workers this gateway still streams its requests."""

@@ -23,6 +23,16 @@ class Child:
     proc: subprocess.Popen
     started_at: float
     restart_at: float | None = None  # set while waiting to restart
+    last_error: str = ""  # its newest ERROR log line (read by _forward's thread)
+    failed_with: str = ""  # the error it last exited with before running healthy
+
+
+class StartupFailure(Exception):
+    """A child failed twice in a row with the same error before it ran healthy: restarting it
+    again would fail again (a bad flag, a missing file)."""
+
+    def __init__(self, name: str, error: str):
+        super().__init__(f"{name}: {error}")
 
 
 class Supervisor:
@@ -51,19 +61,31 @@ class Supervisor:
             preexec_fn=child_setup(spec.cores),
             start_new_session=True,  # Ctrl-C reaches `tison up` only; it stops children in order
         )
-        threading.Thread(target=_forward, args=(spec.name, proc.stdout), daemon=True).start()
-        self.children[spec.name] = Child(spec, proc, time.monotonic())
+        before = self.children.get(spec.name)
+        child = Child(
+            spec, proc, time.monotonic(), failed_with=before.failed_with if before else ""
+        )
+        self.children[spec.name] = child
+        threading.Thread(target=_forward, args=(child, proc.stdout), daemon=True).start()
         log.info("started %s (pid %d)", spec.name, proc.pid)
 
     def poll(self) -> None:
-        """Restarts children that died, after their backoff."""
+        """Restarts children that died, after their backoff; StartupFailure when one failed
+        twice in a row with the same error before it ran healthy."""
         now = time.monotonic()
         for child in list(self.children.values()):
             code = child.proc.poll()
             if code is None:
                 continue
             if child.restart_at is None:
-                delay = self.policy.delay(child.spec.name, now - child.started_at)
+                ran_for = now - child.started_at
+                if ran_for >= self.policy.healthy_after_s:
+                    child.failed_with = ""
+                elif child.last_error:
+                    if child.last_error == child.failed_with:
+                        raise StartupFailure(child.spec.name, child.last_error)
+                    child.failed_with = child.last_error
+                delay = self.policy.delay(child.spec.name, ran_for)
                 log.warning("%s exited with %s; restarting in %.0f s", child.spec.name, code, delay)
                 child.restart_at = now + delay
             elif now >= child.restart_at:
@@ -81,9 +103,14 @@ class Supervisor:
         return {name: c.proc.pid for name, c in self.children.items() if c.proc.poll() is None}
 
 
-def _forward(name: str, stream) -> None:
-    for line in iter(stream.readline, b""):
-        sys.stderr.write(f"[{name}] {line.decode(errors='replace')}")
+def _forward(child: Child, stream) -> None:
+    """The child's output on our stderr, each line prefixed with its name; keeps its newest
+    ERROR line (logging's "<time> ERROR <logger>: <message>") for StartupFailure."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        sys.stderr.write(f"[{child.spec.name}] {line}")
+        if " ERROR " in line:
+            child.last_error = line.split(" ERROR ", 1)[1].split(": ", 1)[-1].strip()
     stream.close()
 
 
