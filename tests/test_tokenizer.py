@@ -240,3 +240,14 @@ def test_bad_files_raise_model_folder_error(tiny_llama, tmp_path, name, content)
         Tokenizer.from_dir(folder)
     assert info.value.path == str(folder / name)
     assert name in str(info.value)
+
+
+def test_a_long_text_encodes_as_a_short_one_would(tmp_path):
+    """Texts past LONG_TEXT_CHARS go through encode_batch (the GIL released): the same ids."""
+    from shared.default_model import default_model_dir
+    from shared.tokenizer.tokenizer import LONG_TEXT_CHARS, Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_dir())
+    text = "def fibonacci(n): über 東京 🙂\n" * (LONG_TEXT_CHARS // 10)
+    assert len(text) > LONG_TEXT_CHARS
+    assert tok.encode(text) == tok.backend.encode(text).ids
