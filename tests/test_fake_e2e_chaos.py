@@ -111,3 +111,38 @@ async def test_a_dead_scheduler_fails_its_queue_fast_and_health_says_so(cluster,
     cluster.scheduler("--max-waiting", "2", "--retry-after", "2")
     await until(lambda: cluster.health() == 200, 30, "/health 200 with a new scheduler")
     await wait_pages_free(cluster)
+
+
+async def test_kill_prefill_mid_prompt_fails_its_requests_then_recovers(cluster, tiny_llama):
+    """2 prompts of 240 tokens take the (slow) prefill worker 12 s each: killed at once, each of
+    their requests ends with an error naming the dead worker within FAILURE_BOUND_S, its
+    reserved decode pages return, and a new prefill worker serves again."""
+    cluster.kill("prefill")
+    cluster.fake_worker("prefill-slow", "prefill", "--prefill-token-time", "0.05")
+    await until(lambda: cluster.health() == 200, 30, "/health 200 with the slow prefill worker")
+    client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+    body = dict(model=tiny_llama.name, prompt=[100] * 240, max_tokens=4)
+
+    async def ends() -> tuple[float, str | None]:
+        try:
+            await client.completions.create(**body)
+        except openai.APIError as e:
+            return time.monotonic(), str(e)
+        return time.monotonic(), None
+
+    tasks = [asyncio.create_task(ends()) for _ in range(2)]
+    await until(
+        lambda: metric(cluster, "tison_requests_running"), 10, "the prompts placed"
+    )  # fmt: skip
+    cluster.kill("prefill-slow")
+    killed_at = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), FAILURE_BOUND_S + 5)
+    for ended_at, error in results:
+        assert error is not None and "died" in error, results
+        assert ended_at - killed_at < FAILURE_BOUND_S
+    cluster.fake_worker("prefill-again", "prefill")
+    await until(lambda: cluster.health() == 200, 30, "/health 200 with a new prefill worker")
+    out = await client.completions.create(model=tiny_llama.name, prompt="hello", max_tokens=3)
+    assert out.usage.completion_tokens == 3
+    await wait_pages_free(cluster)
+    await client.close()
