@@ -117,9 +117,10 @@ async def test_kill_prefill_mid_prompt_fails_its_requests_then_recovers(cluster,
     """2 prompts of 240 tokens take the (slow) prefill worker 12 s each: killed at once, each of
     their requests ends with an error naming the dead worker within FAILURE_BOUND_S, its
     reserved decode pages return, and a new prefill worker serves again."""
-    cluster.kill("prefill")
+    cluster.kill("prefill")  # replaced by a slow one, once every service saw it gone
+    await until(lambda: cluster.health() == 503, 10, "the gateway seeing the old one gone")
     cluster.fake_worker("prefill-slow", "prefill", "--prefill-token-time", "0.05")
-    await until(lambda: cluster.health() == 200, 30, "/health 200 with the slow prefill worker")
+    await asyncio.to_thread(cluster.wait_healthy)  # the scheduler routes to the slow one
     client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
     body = dict(model=tiny_llama.name, prompt=[100] * 240, max_tokens=4)
 
@@ -131,17 +132,20 @@ async def test_kill_prefill_mid_prompt_fails_its_requests_then_recovers(cluster,
         return time.monotonic(), None
 
     tasks = [asyncio.create_task(ends()) for _ in range(2)]
-    await until(
-        lambda: metric(cluster, "tison_requests_running"), 10, "the prompts placed"
-    )  # fmt: skip
+
+    async def placed() -> bool:  # both reserved on the decode worker: the prefill has them
+        return await metric(cluster, "tison_kv_pages_used", "decode") >= 2 * 16
+
+    await until(placed, 30, "both prompts' pages reserved (their prefill under way)")
     cluster.kill("prefill-slow")
     killed_at = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*tasks), FAILURE_BOUND_S + 5)
     for ended_at, error in results:
         assert error is not None and "died" in error, results
         assert ended_at - killed_at < FAILURE_BOUND_S
+    await until(lambda: cluster.health() == 503, 10, "the gateway seeing the slow one gone")
     cluster.fake_worker("prefill-again", "prefill")
-    await until(lambda: cluster.health() == 200, 30, "/health 200 with a new prefill worker")
+    await asyncio.to_thread(cluster.wait_healthy)
     out = await client.completions.create(model=tiny_llama.name, prompt="hello", max_tokens=3)
     assert out.usage.completion_tokens == 3
     await wait_pages_free(cluster)
