@@ -124,6 +124,20 @@ def test_staggered_greedy_and_logprobs_match_transformers(references, family):
     assert all(layer.self_attn.attn.absorb for layer in engine.model.model.layers)
 
 
+def test_half_split_rope_matches_transformers(tiny_model_factory):
+    """rope_interleave false: the RoPE part rotates its halves (rotate_half), not pairs."""
+    model_dir = tiny_model_factory("deepseek_v3", rope_interleave=False)
+    assert not ModelConfig.from_dir(model_dir).mla.rope_interleave
+    prompts = make_prompts([7, 30])
+    refs = hf_greedy_logits(model_dir, prompts, max_new_tokens=16)
+    engine = new_engine(model_dir, num_pages=64)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
+    requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    run_all(engine)
+    for req, (tokens, logits) in zip(requests, refs):
+        assert_logprobs_match(req, tokens, logits)
+
+
 def test_absorbed_decode_equals_the_expanded_one(references):
     """Decode rows through W_UK-absorbed queries over the latent pages give the tokens and (to
     float32 rounding) the logprobs of decode rows whose latents are expanded into keys and

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 from shared.errors import TisonError
-from shared.plan.devices import DEFAULT_GPU_RESERVE, DEVICES, GiB, parse_bytes
+from shared.plan.devices import CPU, DEFAULT_GPU_RESERVE, DEVICES, GiB, parse_bytes
 
-CPU = "cpu"
 DEFAULT_CONTEXT = 8192
 
 

@@ -24,6 +24,7 @@ DEVICES = {
         Device("b200-180gb", 183_359 * MiB, "NVIDIA B200 180GB HBM3e"),
     )
 }
+CPU = "cpu"  # `--gpu cpu`: a CPU host of --memory bytes, quantized weights dequantized as loaded
 DEFAULT_GPU_RESERVE = 4 * GiB  # per GPU: CUDA context, cuBLAS/NCCL workspaces, activations
 
 

@@ -102,18 +102,17 @@ def plan_devices(
 
 
 def fewest_devices(
-    cfg: ModelConfig, memory: int, reserve: int, dtype, context: int, concurrency: int = 1,
-    packed: bool = True, most: int = 64,
-) -> int | None:  # fmt: skip
+    cfg: ModelConfig, weight_bytes: int, memory: int, reserve: int, dtype, context: int,
+    concurrency: int = 1, packed: bool = True, most: int = 64,
+) -> tuple[int, list[ShapePlan]] | None:  # fmt: skip
     """The fewest devices (up to `most`) on which some shape fits `concurrency` sequences of
-    `context` tokens. Counts below the whole model's bytes over the room of a device are
-    skipped unplanned."""
-    whole = stage_footprints(cfg, ParallelConfig(), dtype, packed=packed)[0].weight_bytes
-    least = max(1, -(-whole // max(1, memory - reserve)))
+    `context` tokens, and every shape's plan on them. Counts below the model's `weight_bytes`
+    (all of it, on one device) over the room of a device are skipped unplanned."""
+    least = max(1, -(-weight_bytes // max(1, memory - reserve)))
     for n in range(least, most + 1):
         plans = plan_devices(cfg, n, memory, reserve, dtype, context, packed)
         if any(p.max_concurrency >= concurrency for p in plans):
-            return n
+            return n, plans
     return None
 
 

@@ -13,11 +13,10 @@ from shared.errors import InvalidRequestError, ModelFolderError
 from shared.models.config import ModelConfig
 from shared.models.quant.scheme import read_scheme
 from shared.parallel.shape import ParallelConfig
-from shared.plan.devices import DEFAULT_GPU_RESERVE, DEVICES, GiB
+from shared.plan.devices import CPU, DEFAULT_GPU_RESERVE, DEVICES, GiB
 from shared.plan.planner import ShapePlan, fewest_devices, plan_devices, suggest
 from shared.plan.vision import vision_parameters
 
-CPU = "cpu"
 # what Tison's codec saves of each stored format: README's measurements on trained weights
 # (all-MiniLM-L6-v2, BF16 33.70%, FP8 17.53%); int4 words are stored raw (shared/codec), and
 # other formats (scales, float32) are counted unsaved
@@ -52,9 +51,11 @@ def build_report(
     packed = gpu != CPU  # the CPU engine dequantizes at load; GPU kernels keep them packed
     whole = stage_footprints(cfg, ParallelConfig(), torch_dtype, packed=packed)[0]
     args = (device_memory, reserve, torch_dtype, context)
-    fewest = fewest_devices(cfg, *args, concurrency, packed)
+    found = fewest_devices(cfg, whole.weight_bytes, *args, concurrency, packed)
+    fewest, plans = found or (None, [])
     devices = gpus or fewest
-    plans = [] if devices is None else plan_devices(cfg, devices, *args, packed)
+    if devices is not None and devices != fewest:
+        plans = plan_devices(cfg, devices, *args, packed)
     prefill, decode = suggest(plans, concurrency)
     vision = vision_parameters(cfg.raw)
     scheme = read_scheme(cfg.raw)
@@ -84,7 +85,11 @@ def build_report(
         "decode": None if decode is None else decode.label,
     }
     if codec:  # the checkpoint as the engine's dtype stores it, vision tower aside
-        stored = stage_footprints(cfg, ParallelConfig(), torch_dtype, packed=True)[0].by_format
+        stored = (
+            whole
+            if packed
+            else stage_footprints(cfg, ParallelConfig(), torch_dtype, packed=True)[0]
+        ).by_format
         coded = sum(n * (1 - CODEC_SAVING.get(fmt, 0.0)) for fmt, n in stored.items())
         report["codec"] = {"stored_bytes": sum(stored.values()), "coded_bytes": int(coded),
                            "stored_by_format": stored}  # fmt: skip
