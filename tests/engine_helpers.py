@@ -55,6 +55,21 @@ def hf_greedy_logits(
     return refs
 
 
+def reference_getter(make_dir, lengths=PROMPT_LENGTHS, max_new_tokens: int = 32):
+    """name -> (model folder, prompts, transformers' greedy outputs, the float32 logits of
+    each output), computed once per name; make_dir(name) builds the folder."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model_dir, prompts = make_dir(name), make_prompts(lengths)
+            refs = hf_greedy_logits(model_dir, prompts, max_new_tokens=max_new_tokens)
+            cache[name] = model_dir, prompts, [r for r, _ in refs], [x for _, x in refs]
+        return cache[name]
+
+    return get
+
+
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int = 32) -> list[list[int]]:
     """hf_greedy_logits without the logits."""
     return [new for new, _ in hf_greedy_logits(model_dir, prompts, max_new_tokens)]

@@ -33,6 +33,7 @@ from engine_helpers import (
     hf_greedy_logits,
     make_prompts,
     new_engine,
+    reference_getter,
     run_all,
     run_staggered,
 )
@@ -52,16 +53,7 @@ GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=24, logprobs=5)
 @pytest.fixture(scope="module")
 def references(tiny_model_factory):
     """family -> (model folder, prompts, greedy outputs, the float32 logits of each output)."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model_dir, prompts = tiny_model_factory(family), make_prompts(PROMPT_LENGTHS)
-            refs = hf_greedy_logits(model_dir, prompts, max_new_tokens=24)
-            cache[family] = model_dir, prompts, [r for r, _ in refs], [x for _, x in refs]
-        return cache[family]
-
-    return get
+    return reference_getter(tiny_model_factory, PROMPT_LENGTHS, 24)
 
 
 def test_config_reads_mla_and_grouped_routing(references):
@@ -216,16 +208,12 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(
     prompts = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 2]
     with LLM(model_dir, dtype="float32") as llm:
         expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    s = Services(tmp_path, model_dir)
-    s.__enter__()
-    try:
+    with Services(tmp_path, model_dir) as s:
         start_prefill_tp2_decode_pp2(s, model_dir, kv_transport)
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
         if kv_transport == "tcp":  # the decode worker's TCP server took the pages
             what = "KV bytes received over TCP"
             await wait_metric(s, "tison_kv_transfer_bytes", lambda n: n > 0, what, "decode")
-    finally:
-        s.stop_all()
 
 
 def as_kimi_k25(model_dir: Path, out: Path) -> Path:

@@ -12,9 +12,9 @@ from engine_helpers import (
     GREEDY_32,
     assert_logprobs_match,
     bf16_logprob_errors,
-    hf_greedy_logits,
     make_prompts,
     new_engine,
+    reference_getter,
     run_all,
     run_staggered,
 )
@@ -24,16 +24,7 @@ from tiny_models import FAMILIES
 @pytest.fixture(scope="module")
 def references(tiny_model_factory):
     """family -> (model folder, prompts, greedy outputs, the float32 logits of each output)."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model_dir, prompts = tiny_model_factory(family), make_prompts()
-            refs = hf_greedy_logits(model_dir, prompts)
-            cache[family] = model_dir, prompts, [r for r, _ in refs], [x for _, x in refs]
-        return cache[family]
-
-    return get
+    return reference_getter(tiny_model_factory)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

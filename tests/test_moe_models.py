@@ -24,9 +24,9 @@ from engine_helpers import (
     assert_logprobs_match,
     bf16_logprob_errors,
     count_fused_calls,
-    hf_greedy_logits,
     make_prompts,
     new_engine,
+    reference_getter,
     run_staggered,
 )
 from services_harness import (
@@ -50,20 +50,9 @@ GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=24, logprobs=5)
 @pytest.fixture(scope="module")
 def references(tiny_model_factory):
     """name -> (model folder, prompts, greedy outputs, the float32 logits of each output)."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            family, overrides = MODELS[name]
-            model_dir, prompts = (
-                tiny_model_factory(family, **overrides),
-                make_prompts(PROMPT_LENGTHS),
-            )
-            refs = hf_greedy_logits(model_dir, prompts, max_new_tokens=24)
-            cache[name] = model_dir, prompts, [r for r, _ in refs], [x for _, x in refs]
-        return cache[name]
-
-    return get
+    return reference_getter(
+        lambda name: tiny_model_factory(MODELS[name][0], **MODELS[name][1]), PROMPT_LENGTHS, 24
+    )
 
 
 def test_config_reads_the_experts(references):
@@ -177,13 +166,9 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
     prompts = ["def fibonacci(n):", "The quick brown fox"]
     with LLM(model_dir, dtype="float32") as llm:
         expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    s = Services(tmp_path, model_dir)
-    s.__enter__()
-    try:
+    with Services(tmp_path, model_dir) as s:
         start_prefill_tp2_decode_pp2(s, model_dir)
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
-    finally:
-        s.stop_all()
 
 
 def test_a_checkpoint_missing_an_expert_names_it(references, tmp_path):

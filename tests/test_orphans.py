@@ -12,9 +12,7 @@ async def test_a_dead_gateways_requests_are_cancelled_and_their_pages_freed(
     tiny_model_factory, tmp_path
 ):
     model_dir = tiny_model_factory("llama", max_position_embeddings=8192)  # room to run long
-    s = Services(tmp_path, model_dir)
-    s.__enter__()
-    try:
+    with Services(tmp_path, model_dir) as s:
         common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2"]
         s.scheduler()
         s.start("prefill", "prefill", *common)
@@ -37,5 +35,3 @@ async def test_a_dead_gateways_requests_are_cancelled_and_their_pages_freed(
 
         await until(pages_back, 20, "the decode worker's pages free again")
         assert s.logs().count("is gone; cancelled") == 4
-    finally:
-        s.stop_all()

@@ -219,13 +219,9 @@ async def test_a_prefill_worker_with_a_cached_prefix_pushes_all_of_it(tiny_model
     prompts = [shared + "print(1)", shared + "import os"]
     with LLM(model_dir, dtype="float32", enable_prefix_caching=False) as llm:
         expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    s = Services(tmp_path, model_dir)
-    s.__enter__()
-    try:
+    with Services(tmp_path, model_dir) as s:
         start_prefill_tp2_decode_pp2(s, model_dir)
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
-    finally:
-        s.stop_all()
 
 
 async def test_a_follow_up_turn_moves_only_the_pages_its_decode_worker_lacks(
@@ -246,9 +242,7 @@ async def test_a_follow_up_turn_moves_only_the_pages_its_decode_worker_lacks(
         spec = llm.engine.kv_spec
     token_bytes = spec.page_size_bytes // spec.page_size  # all layers and heads
     for local, turns in ((0, [(turn1, 40), (turn2, 60 - 32)]), (256, [(turn1, 40), (turn3, 0)])):
-        s = Services(tmp_path / f"local-{local}", model_dir)
-        s.__enter__()
-        try:
+        with Services(tmp_path / f"local-{local}", model_dir) as s:
             start_prefill_tp2_decode_pp2(
                 s, model_dir, "tcp", ("--local-prefill-tokens", str(local))
             )
@@ -261,5 +255,3 @@ async def test_a_follow_up_turn_moves_only_the_pages_its_decode_worker_lacks(
                 await wait_metric(
                     s, "tison_kv_transfer_bytes", lambda n, m=done: n == m, what, "decode"
                 )
-        finally:
-            s.stop_all()

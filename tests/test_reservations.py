@@ -22,9 +22,7 @@ async def test_a_reservation_retried_is_the_same_and_one_never_used_expires(
     its pages after the lease (here 1 s)."""
 
     model_dir = tiny_model_factory("llama")
-    s = Services(tmp_path, model_dir)
-    s.__enter__()
-    try:
+    with Services(tmp_path, model_dir) as s:
         s.start("decode", "decode", "--model", str(model_dir), "--dtype", "float32",
                 "--worker-id", "d0", "--heartbeat", "0.2", "--reservation-lease", "1")  # fmt: skip
         idle = await next_heartbeat(s.nats.url, "decode")
@@ -43,5 +41,3 @@ async def test_a_reservation_retried_is_the_same_and_one_never_used_expires(
         await asyncio.sleep(1.5)
         assert (await next_heartbeat(s.nats.url, "decode")).free_pages == idle.free_pages
         assert "reservation dropped" in s.logs()
-    finally:
-        s.stop_all()
