@@ -140,6 +140,10 @@ CASES = {
         ),
         "no_call": case("It is [sunny] in Paris.", "It is [sunny] in Paris."),
         "not_a_call": case("[TOOL_CALLS] I cannot.", "[TOOL_CALLS] I cannot."),
+        "call_id_too_long": case(
+            f"[TOOL_CALLS]get_weather[CALL_ID]{'a' * 70}[ARGS]{W_ARGS}",
+            f"[TOOL_CALLS]get_weather[CALL_ID]{'a' * 70}[ARGS]{W_ARGS}",
+        ),
         "malformed": case(
             '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]',
             '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]',
@@ -181,6 +185,10 @@ CASES = {
             None,
             [WEATHER],
         ),
+        "end_before_sep": case(  # the head is read up to the call's end, whatever comes later
+            DS_BEGIN + "<｜tool▁call▁begin｜>get_weather<｜tool▁call▁end｜> Then<｜tool▁sep｜>{}",
+            "<｜tool▁call▁begin｜>get_weather<｜tool▁call▁end｜>Then<｜tool▁sep｜>{}",
+        ),
         "no_name": case(DS_BEGIN + ds_call("", W_ARGS) + DS_END, ds_call("", W_ARGS)),
         "malformed": case(
             DS_BEGIN + ds_call("get_weather", '{"city": Paris}') + DS_END,
@@ -214,6 +222,12 @@ CASES = {
         "no_arguments": case(
             K_BEGIN + "<|tool_call_begin|>functions.get_weather:0<|tool_call_end|>" + K_END,
             "<|tool_call_begin|>functions.get_weather:0<|tool_call_end|>",
+        ),
+        "end_before_arguments": case(
+            K_BEGIN + "<|tool_call_begin|>functions.get_weather:0<|tool_call_end|> Then"
+            "<|tool_call_argument_begin|>{}",
+            "<|tool_call_begin|>functions.get_weather:0<|tool_call_end|>Then"
+            "<|tool_call_argument_begin|>{}",
         ),
         "malformed": case(
             K_BEGIN + kimi_call("functions.get_weather:0", "{city: Paris}") + K_END,
@@ -387,3 +401,36 @@ def test_registry_and_bad_input():
         with pytest.raises(InvalidRequestError) as info:
             PARSERS["hermes"](tools)
         assert info.value.field == "tools"
+
+
+SOUP = [  # every family's markers and the pieces of its calls, and things that break them
+    *("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>"),
+    *(DS_BEGIN, DS_END, "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+    *(K_BEGIN, K_END, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    *('{"name": "f", "arguments": ', '{"name": "g", "parameters": ', W_ARGS, "functions.f:0"),
+    *("function", "get_weather", "```json\n", "```", "{", "}", "[", "]", '"', "\\", ";", ","),
+    *("\n", " ", "x", "é", "<", "<|", "<｜"),
+]
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_any_output_parses_and_streams_without_raising(family):
+    """Random soups of markers and call pieces (one fixed seed): parse never raises and gives
+    valid JSON arguments; a stream in random chunks gives the same, except for the calls it
+    sent before they failed."""
+    well_formed = [CASES[family][name][0] for name in ("one", "two")]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(SOUP + well_formed * 4) for _ in range(rng.randint(0, 10)))
+        parsed = PARSERS[family](TOOLS).parse(text)
+        calls = [(c.name, c.arguments) for c in parsed.tool_calls]
+        assert all(isinstance(json.loads(args), dict) for _, args in calls)
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(6, len(text) + 1)))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        content, sent = stream(PARSERS[family](TOOLS), chunks)
+        sent = [(name, args) for _, name, args in sent]
+        if sent == calls:
+            assert content == parsed.content, text
+        else:  # the stream has calls that failed after it sent them; parse's are among them
+            rest = iter(sent)
+            assert len(sent) > len(calls) and all(c in rest for c in calls), text

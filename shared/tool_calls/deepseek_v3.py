@@ -31,9 +31,11 @@ class DeepSeekV3Parser(SectionParser):
 
     def _call_head(self, final: bool) -> bool:
         """V3 writes the call's type here ("function"), V3.1 the function's name."""
-        end = self._buf.find(SEP)
+        end = self._head_end(SEP, final)
+        if end is None:
+            return False
         if end < 0:
-            return self._wait_or_fail(final)
+            return self._fail(final)
         head = self._take(end).strip()
         self._take(len(SEP))
         if not head:
@@ -46,9 +48,11 @@ class DeepSeekV3Parser(SectionParser):
         return True
 
     def _fenced_name(self, final: bool) -> bool:
-        end = self._buf.find("\n")
+        end = self._head_end("\n", final)
+        if end is None:
+            return False
         if end < 0:
-            return self._wait_or_fail(final)
+            return self._fail(final)
         self._name = self._take(end).strip()
         self._skip_space()
         if not self._name:

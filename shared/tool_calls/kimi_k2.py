@@ -22,9 +22,11 @@ class KimiK2Parser(SectionParser):
     call_begin, call_end = CALL_BEGIN, CALL_END
 
     def _call_head(self, final: bool) -> bool:
-        end = self._buf.find(ARGS_BEGIN)
+        end = self._head_end(ARGS_BEGIN, final)
+        if end is None:
+            return False
         if end < 0:
-            return self._wait_or_fail(final)
+            return self._fail(final)
         call_id = self._take(end).strip()
         self._take(len(ARGS_BEGIN))
         m = _CALL_ID.fullmatch(call_id)

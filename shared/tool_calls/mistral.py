@@ -131,9 +131,10 @@ class MistralParser(ToolParser):
         return True
 
     def _call_id(self, final: bool) -> bool:
-        end = self._buf.find(ARGS)
+        limit = _MAX_ID_CHARS + len(ARGS)  # looked for in as much text, whatever the chunks
+        end = self._buf.find(ARGS, 0, limit)
         if end < 0:
-            if not final and len(self._buf) < _MAX_ID_CHARS:
+            if not final and len(self._buf) < limit:
                 return False
             self._close_call(ok=False)
             self._state = self._in_content

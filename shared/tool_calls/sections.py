@@ -91,11 +91,18 @@ class SectionParser(ToolParser):
         self._state = self._in_section
         return True
 
-    def _wait_or_fail(self, final: bool) -> bool:
-        """No end to a call's head yet: wait for it, unless it cannot come any more."""
-        if not final and len(self._buf) < MAX_HEAD_CHARS and self.call_end not in self._buf:
-            return False
-        return self._fail(final)
+    def _head_end(self, marker: str, final: bool) -> int | None:
+        """Where `marker` ends the part of a call's head being read: its index; None while it
+        may still come; -1 when it cannot (the call's end marker comes first, or the head
+        would be over MAX_HEAD_CHARS), whatever the chunking."""
+        limit = MAX_HEAD_CHARS + len(marker)
+        end = self._buf.find(marker, 0, limit)
+        stop = self._buf.find(self.call_end, 0, limit)
+        if end >= 0 and (stop < 0 or end < stop):
+            return end
+        if stop >= 0 or final or len(self._buf) >= limit:
+            return -1
+        return None
 
     def _fail(self, final: bool) -> bool:
         """A failed call: its text up to its end marker (or the end) goes with it."""
