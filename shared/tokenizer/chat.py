@@ -11,6 +11,7 @@ from typing import Any
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
+from jinja2.filters import do_items
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shared.errors import InvalidRequestError
@@ -35,11 +36,52 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+class _JsonArguments(str):
+    """A tool call's `arguments` as OpenAI clients send them, JSON text, which templates also
+    read as the object it encodes. Some templates serialize it (Llama 3's and Qwen 2.5's
+    `arguments | tojson`, Mistral's `function | tojson`) or walk its items, and need the object
+    (they would write a quoted JSON string); others print it (`is string` in Kimi K2's and
+    Qwen 3's, `+` in DeepSeek V3's), which keeps the client's text. vLLM parses it into a dict
+    for every template, which breaks the `+` ones."""
+
+    value: dict
+
+    def __new__(cls, text: str, value: dict) -> "_JsonArguments":
+        self = super().__new__(cls, text)
+        self.value = value
+        return self
+
+    def items(self):
+        return self.value.items()
+
+    def keys(self):
+        return self.value.keys()
+
+    def __getitem__(self, key):
+        return self.value[key] if isinstance(key, str) else super().__getitem__(key)
+
+
+def _plain(x: Any) -> Any:
+    """`x` with every _JsonArguments replaced by its object."""
+    if isinstance(x, _JsonArguments):
+        return x.value
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
 def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # HF's filter: unlike jinja's own it does not HTML-escape, and it takes json.dumps options.
+    x = _plain(x)  # tool calls' arguments as the objects they encode
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+def _items(x: Any) -> Any:
+    return do_items(x.value if isinstance(x, _JsonArguments) else x)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -51,6 +93,7 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.filters["items"] = _items
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -127,7 +170,25 @@ class ChatTemplate:
         content = out.get("content")
         if isinstance(content, list) and not self.accepts_content_parts:
             out["content"] = _join_text_parts(index, content)
+        if isinstance(out.get("tool_calls"), list):
+            out["tool_calls"] = [_with_json_arguments(call) for call in out["tool_calls"]]
         return out
+
+
+def _with_json_arguments(call: Any) -> Any:
+    """A copy of an OpenAI tool call whose `function.arguments`, JSON text of an object, is
+    also that object to the template (_JsonArguments); anything else is left as it is."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    text = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(text, str):
+        return call
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return call
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": _JsonArguments(text, value)}}
 
 
 def _join_text_parts(index: int, parts: list) -> str:
