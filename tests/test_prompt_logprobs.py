@@ -137,6 +137,22 @@ def test_colocated_reservation_computes_its_cached_prefix_too(model, references)
     assert engine.num_pages_used == 0
 
 
+def test_a_remote_prefill_s_prompt_logprobs_are_kept_not_recomputed(model, references):
+    """Decode side of a handoff: the prefill worker's prompt logprobs arrive with the first
+    token and stay on the request, so a recompute after preemption scores none of the prompt
+    again and may start on the prefix cache."""
+    prompts, _ = references
+    prefill = new_engine(model)
+    done = prefill.add_request("r", prompts[3], ASK, prefill_only=True)
+    run_all(prefill)
+    decode = new_engine(model, enable_prefix_caching=True)
+    decode.reserve("r", prompts[3], ASK)
+    req = decode.start_remote("r", done.output_token_ids[0], None, tuple(done.prompt_logprobs))
+    assert req.prompt_logprobs == done.prompt_logprobs and not req.needs_prompt_logprobs
+    assert req.prompt_targets(0, len(prompts[3])) is None
+    decode.abort("r")
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
 def test_parallel_ranks_equal_one_rank(model, references, tp, pp):
     """PP=2: the last stage scores the prompts and sends the values back with the samples;

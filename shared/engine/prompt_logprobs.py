@@ -20,9 +20,8 @@ class PromptLogprobChunk:
     """One request's prompt logprobs computed in one step, in prompt order."""
 
     index: int  # runner sets: into the step's scheduled requests
-    first: (
-        int  # runner sets: values[0] scores prompt token first + 1 (Request.prompt_logprobs[first])
-    )
+    # runner sets: values[0] scores prompt token first + 1 (it is Request.prompt_logprobs[first])
+    first: int
     values: list[TokenLogprob]  # runner sets: one per target of PromptTargets
 
 
