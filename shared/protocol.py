@@ -59,6 +59,10 @@ class TokenItem:
     finish_reason: str | None = None  # decode worker sets on the last item (FINISH_*)
     error: str = ""  # worker sets with FINISH_ERROR; gateway shows it to the client
     usage: Usage | None = None  # decode worker sets on the last item
+    # decode sets on the item of index 0 if sampling.prompt_logprobs: one per prompt token from
+    # the second on (from KvReadyMsg, or its own engine's when it computed the prompt); the
+    # gateway returns them as prompt_logprobs (and with echo)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,10 @@ class KvReadyMsg:
     first_token_id: int = -1  # prefill sets when ok: the first token; decode sends it as index 0
     first_logprob: TokenLogprob | None = None  # prefill sets if logprobs were asked; goes with it
     error: str = ""  # prefill sets when not ok; decode forwards it to the gateway
+    # prefill sets when ok if sampling.prompt_logprobs: one per prompt token from the second on
+    # (all computed, its cached prefix and decode_cached_tokens' alike); decode relays them
+    # in the index-0 TokenItem
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import pytest
 
 from services.fake_worker.batch import DecodeBatch
 from services.fake_worker.config import FakeWorkerConfig
+from services.fake_worker.prefill import FakePrefill
 from services.fake_worker.tokens import FakeModelInfo, fake_token, prompt_digest
 from services.fake_worker.worker import run_fake_worker
 from services.scheduler.service import Scheduler, SchedulerConfig
@@ -21,6 +22,7 @@ from shared.protocol import (
     DecodeAssignMsg,
     HeartbeatMsg,
     KvReadyMsg,
+    PrefillAssignMsg,
     SubmitMsg,
     SubmitReplyMsg,
     TokensMsg,
@@ -71,6 +73,32 @@ def test_decode_batch_steps_finishes_and_frees(info):
     )
     assert out[-1].finish_reason == "length" and out[-1].usage == protocol.Usage(3, 4)
     assert batch.pages.num_used == 0 and batch.step() == {}
+
+
+def test_prompt_logprobs_go_from_the_fake_prefill_to_the_first_item(info, tiny_llama):
+    """As with the real workers: the prefill's KvReadyMsg carries fake logprobs of every
+    prompt token from the second on, and the decode batch relays them in the item of index 0
+    (also when that token ends the request); none when not asked."""
+    config = FakeWorkerConfig(role="prefill", model_dir=tiny_llama)
+    prefill = FakePrefill(None, config, info, "p")
+    batch = DecodeBatch(info, PageAllocator(8), page_size=4, eos_after=None)
+    prompt = (10, 11, 12, 13)
+    for rid, sampling in [
+        ("a", SamplingParams(max_tokens=3, prompt_logprobs=2)),
+        ("b", SamplingParams(max_tokens=1, prompt_logprobs=0)),
+        ("c", SamplingParams(max_tokens=3)),
+    ]:
+        assert batch.reserve(DecodeAssignMsg(rid, "gw", "p", prompt, sampling))
+        ready = prefill._ready(PrefillAssignMsg(rid, "gw", prompt, sampling, "d", None, ()))
+        _, item = batch.kv_ready(ready)
+        assert item.index == 0 and item.prompt_logprobs == ready.prompt_logprobs
+        top_n = sampling.prompt_logprobs
+        if top_n is None:
+            assert ready.prompt_logprobs == ()
+            continue
+        assert [v.token_id for v in ready.prompt_logprobs] == list(prompt[1:])
+        assert all(len(v.top_ids) == top_n for v in ready.prompt_logprobs)
+    assert batch.step()["gw"][0].prompt_logprobs == ()  # later items carry none
 
 
 def test_decode_batch_grows_a_page_at_a_time_and_preempts_the_newest(info):

@@ -54,11 +54,19 @@ EXAMPLES = [
     PrefillAssignMsg("r1", "gw1", (5, 6), SAMPLING, "d1", POOL, (4, 9)),
     KvReadyMsg("r1", "p1", True, 42, TokenLogprob(42, -0.25, (42, 7), (-0.25, -2.0))),
     KvReadyMsg("r1", "p1", False, error="transfer failed"),
+    KvReadyMsg(
+        "r1",
+        "p1",
+        True,
+        42,
+        prompt_logprobs=(TokenLogprob(6, -1.5, (3, 6), (-0.5, -1.5)), TokenLogprob(9, -0.75)),
+    ),
     TokensMsg(
         "d1",
         (
             TokenItem("r1", 1, (4, 5), finish_reason="length", usage=Usage(2, 3)),
             TokenItem("r2", 0, (), finish_reason="error", error="boom"),
+            TokenItem("r3", 0, (8,), prompt_logprobs=(TokenLogprob(5, -2.0, (1,), (-0.125,)),)),
         ),
     ),
 ]

@@ -82,9 +82,11 @@ class DecodeBatch:
         logprobs = [] if msg.first_logprob is None else [msg.first_logprob]
         token = msg.first_token_id
         reason = self._finish_reason(seq, token)
+        prompt = msg.prompt_logprobs
         if reason:
-            return self._finish(seq, [token], logprobs, reason, index=0)
-        return seq.gateway_id, TokenItem(seq.request_id, 0, (token,), tuple(logprobs))
+            return self._finish(seq, [token], logprobs, reason, index=0, prompt=prompt)
+        item = TokenItem(seq.request_id, 0, (token,), tuple(logprobs), prompt_logprobs=prompt)
+        return seq.gateway_id, item
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request and free its pages; True if it was held."""
@@ -155,13 +157,14 @@ class DecodeBatch:
             return protocol.FINISH_LENGTH
         return None
 
-    def _finish(self, seq, token_ids, logprobs, reason, error="", index=None):
+    def _finish(self, seq, token_ids, logprobs, reason, error="", index=None, prompt=()):
         self.cancel(seq.request_id)
         item = TokenItem(
             request_id=seq.request_id,
             index=seq.num_output if index is None else index,
             token_ids=tuple(token_ids),
             logprobs=tuple(logprobs),
+            prompt_logprobs=prompt,
             finish_reason=reason,
             error=error,
             usage=Usage(seq.num_prompt_tokens, seq.num_output),

@@ -10,7 +10,13 @@ from nats.aio.msg import Msg
 
 from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.prefix import FakePrefixCache
-from services.fake_worker.tokens import FakeModelInfo, fake_logprob, next_token, prompt_digest
+from services.fake_worker.tokens import (
+    FakeModelInfo,
+    fake_logprob,
+    fake_prompt_logprobs,
+    next_token,
+    prompt_digest,
+)
 from shared import protocol, subjects
 from shared.kv.allocator import PageAllocator
 from shared.kv.pages import pages_for
@@ -93,11 +99,19 @@ class FakePrefill:
             await self._kv_ready(job.assign, self._ready(job.assign))
 
     def _ready(self, assign: PrefillAssignMsg) -> KvReadyMsg:
-        """The "pages written" message, with the first token (output index 0) and its logprobs."""
+        """The "pages written" message, with the first token (output index 0), its logprobs
+        and the prompt's, as the real prefill worker sends them."""
+        sampling = assign.sampling
         digest = prompt_digest(assign.prompt_token_ids)
-        token = next_token(self.info, digest, 0, assign.sampling, self.config.eos_after)
-        top_n = assign.sampling.logprobs
+        token = next_token(self.info, digest, 0, sampling, self.config.eos_after)
+        top_n = sampling.logprobs
         logprob = None if top_n is None else fake_logprob(self.info, token, 0, top_n)
+        prompt = fake_prompt_logprobs(self.info, assign.prompt_token_ids, sampling.prompt_logprobs)
         return KvReadyMsg(
-            assign.request_id, self.worker_id, True, first_token_id=token, first_logprob=logprob
+            assign.request_id,
+            self.worker_id,
+            True,
+            first_token_id=token,
+            first_logprob=logprob,
+            prompt_logprobs=prompt,
         )

@@ -94,3 +94,14 @@ def fake_logprob(info: FakeModelInfo, token_id: int, index: int, top_n: int) -> 
     top_ids = (token_id, *others)[:top_n]
     top_logprobs = tuple(chosen - k for k in range(len(top_ids)))
     return TokenLogprob(token_id, chosen, top_ids, top_logprobs)
+
+
+def fake_prompt_logprobs(
+    info: FakeModelInfo, prompt_token_ids, top_n: int | None
+) -> tuple[TokenLogprob, ...]:
+    """fake_logprob of every prompt token from the second on (none if top_n is None)."""
+    if top_n is None:
+        return ()
+    return tuple(
+        fake_logprob(info, token, i, top_n) for i, token in enumerate(prompt_token_ids[1:])
+    )

@@ -139,9 +139,12 @@ class DecodeRole:
             return
         # The first token leaves now, not after the step running meanwhile (time to first token).
         token, logprob = ready.first_token_id, ready.first_logprob
-        first = TokenItem(rid, 0, (token,), () if logprob is None else (logprob,))
+        logprobs = () if logprob is None else (logprob,)
+        first = TokenItem(rid, 0, (token,), logprobs, prompt_logprobs=ready.prompt_logprobs)
         await self._publish_items([(rid, first)])
-        req = await self.loop.call(self.engine.start_remote, rid, token, logprob)
+        req = await self.loop.call(
+            self.engine.start_remote, rid, token, logprob, ready.prompt_logprobs
+        )
         if req is not None and req.finished:  # the first token already ended it
             await self._publish_items([(rid, token_item(req, [], []))])
 
@@ -170,6 +173,8 @@ class DecodeRole:
         items = []
         for out in outputs:
             rid = out.request.request_id
+            if not out.new_token_ids and not out.finished:
+                continue  # a prompt chunk's logprobs (local prefill): they go with token 0
             if rid in self.gateways:
                 error = (
                     "engine step failed" if out.request.finish_reason == FinishReason.ERROR else ""

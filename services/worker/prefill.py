@@ -65,8 +65,10 @@ class PrefillRole:
 
     async def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
+            if not out.finished:  # a chunk's prompt logprobs: they leave with the first token
+                continue
             assign = self.jobs.pop(out.request.request_id, None)
-            if assign is None or not out.finished:
+            if assign is None:
                 continue
             if out.request.finish_reason == FinishReason.ERROR:
                 self.handoff.drop(assign.request_id)
@@ -76,13 +78,20 @@ class PrefillRole:
             await self._kv_ready(assign, self._ready(out, error))
 
     def _ready(self, out: StepOutput, error: str | None) -> KvReadyMsg:
-        """The "pages written" message with the first token and its logprobs, or the failure."""
+        """The "pages written" message with the first token, its logprobs and the prompt's
+        (computed at every position: the engine skips cache hits for them, and the handoff
+        only leaves out the pages the decode worker has cached), or the failure."""
         rid = out.request.request_id
         if error:
             return KvReadyMsg(rid, self.worker_id, False, error=error)
-        token = out.new_token_ids[0]
-        logprob = out.new_logprobs[0] if out.new_logprobs else None
-        return KvReadyMsg(rid, self.worker_id, True, first_token_id=token, first_logprob=logprob)
+        return KvReadyMsg(
+            rid,
+            self.worker_id,
+            True,
+            first_token_id=out.new_token_ids[0],
+            first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
+            prompt_logprobs=tuple(out.request.prompt_logprobs),
+        )
 
     async def _kv_ready(self, assign: PrefillAssignMsg, ready: KvReadyMsg) -> None:
         await self.nc.publish(subjects.decode_kv(assign.decode_worker), protocol.encode(ready))

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.request import PromptTargets
 from shared.engine.scheduler import SchedulerOutput
 from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
 from shared.models.layers.attention import (
@@ -24,6 +25,9 @@ class ForwardBatch:
     meta: StepMetadata
     logits_rows: torch.Tensor  # (N,) rows of T whose next token is sampled
     sample_index: list[int]  # indices into scheduled of the N sampling requests
+    # requests that score prompt tokens: (index into scheduled, the row of T of targets.first,
+    # targets); its rows follow on, one per target
+    prompt_rows: list[tuple[int, int, PromptTargets]]
 
 
 def build_batch(
@@ -39,11 +43,15 @@ def build_batch(
     positions: list[int] = []
     logits_rows: list[int] = []
     sample_index: list[int] = []
+    prompt_rows: list[tuple[int, int, PromptTargets]] = []
     for i, s in enumerate(out.scheduled):
         end = s.start + s.num_tokens
         if s.samples:
             logits_rows.append(len(ids) + s.num_tokens - 1)
             sample_index.append(i)
+        targets = s.request.prompt_targets(s.start, end)
+        if targets is not None:
+            prompt_rows.append((i, len(ids) + targets.first - s.start, targets))
         ids += s.request.token_ids(s.start, end)
         positions += range(s.start, end)
     by_mask = {mask: _mask_metadata(out, page_size, mask, capped, device) for mask in masks}
@@ -53,6 +61,7 @@ def build_batch(
         meta=StepMetadata(by_mask),
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
         sample_index=sample_index,
+        prompt_rows=prompt_rows,
     )
 
 

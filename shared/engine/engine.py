@@ -3,12 +3,13 @@
 import dataclasses
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
 from shared.engine.executor import StepResult, start_executor
 from shared.engine.footprint import pages_for_memory, stage_footprints
 from shared.engine.micro_batch import schedule_micro_batch, split_launched
+from shared.engine.prompt_logprobs import merge
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.engine.scheduler import Scheduler
 from shared.engine.shard import model_kv_spec, rank_kv_spec
@@ -25,11 +26,15 @@ from shared.sampling.params import SamplingParams
 
 @dataclass
 class StepOutput:
-    """What one step did for one request."""
+    """What one step did for one request: the tokens it sampled, or (a chunk of a prompt that
+    asked for prompt logprobs) none but the prompt logprobs it computed."""
 
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob]  # one per new token if the request asked for logprobs
+    # if params.prompt_logprobs: those this step computed (chunked prefill: chunk by chunk),
+    # the next of request.prompt_logprobs
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -115,9 +120,17 @@ class LLMEngine:
         req = self.scheduler.reserved.get(request_id)
         return None if req is None else req.page_ids[req.num_cached_pages :]
 
-    def start_remote(self, request_id: str, first_token: int, logprob: TokenLogprob | None):
-        """The prompt KV of a reserved request arrived with its first token: decode from here.
-        Returns the request (finished at once if that token ends it), None if it is gone."""
+    def start_remote(
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: TokenLogprob | None,
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
+    ):
+        """The prompt KV of a reserved request arrived with its first token (and the prompt
+        logprobs, if it asked: a recompute after preemption then scores none again): decode
+        from here. Returns the request (finished at once if that token ends it), None if it
+        is gone."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -125,6 +138,7 @@ class LLMEngine:
         req.output_token_ids.append(first_token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
+        req.prompt_logprobs = list(prompt_logprobs)
         self.scheduler.activate(req, computed=True)
         reason = check_stop(req)
         if reason is not None:
@@ -255,14 +269,17 @@ class LLMEngine:
                 sampled[req] = tokens[row]
                 if req.params.logprobs is not None:
                     logprobs[req] = _logprobs(samples, row, tokens[row], req.params.logprobs)
+        prompt = _merge_prompt_logprobs(result)
         self.scheduler.update(out, sampled)
         results = []
         for req, token in sampled.items():
             if req in logprobs:
                 req.output_logprobs.append(logprobs[req])
-            results.append(StepOutput(req, [token], [logprobs[req]] if req in logprobs else []))
+            new_logprobs = [logprobs[req]] if req in logprobs else []
+            results.append(StepOutput(req, [token], new_logprobs, prompt.pop(req, [])))
             if req.finished:
                 self.requests.pop(req.request_id, None)
+        results += [StepOutput(req, [], [], values) for req, values in prompt.items()]
         return results
 
     def close(self) -> None:
@@ -310,6 +327,18 @@ def _pages_for_memory(config: EngineConfig, cfg: ModelConfig, dtype) -> int | No
             f"bytes and the reserve {reserve}",
         )
     return pages
+
+
+def _merge_prompt_logprobs(result: StepResult) -> dict[Request, list[TokenLogprob]]:
+    """Adds the step's prompt logprobs to their requests; returns those new to each."""
+    added = {}
+    for chunk in result.prompt_logprobs:
+        req = result.out.scheduled[chunk.index].request
+        if not req.finished:  # else aborted while its micro-batch was in flight
+            new = merge(req.prompt_logprobs, chunk)
+            if new:
+                added[req] = new
+    return added
 
 
 def _logprobs(samples, row: int, token_id: int, n: int) -> TokenLogprob:

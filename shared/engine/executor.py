@@ -5,12 +5,13 @@ are in flight: one without pipeline stages, P with P stages."""
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.plan import decode_result, encode_plan, encode_stop
+from shared.engine.prompt_logprobs import PromptLogprobChunk
 from shared.engine.ranks import RankProcesses
 from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import SchedulerOutput
@@ -33,6 +34,7 @@ class StepResult:
     out: SchedulerOutput  # what was launched
     sample_index: list[int]  # indices into out.scheduled that sampled
     samples: SamplerOutput | None
+    prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
     error: Exception | None = None  # the step failed; its requests fail, the others go on
 
 
@@ -94,9 +96,10 @@ class RankExecutor:
 
     def collect(self) -> StepResult:
         result = self._pending.popleft()
-        if self.depth > 1:  # the samples come from the last stage
+        if self.depth > 1:  # the samples and prompt logprobs come from the last stage
             reply = decode_result(self.comm.recv_bytes(self.last_rank, RESULT))
             result.sample_index, result.samples = reply.sample_index, reply.samples
+            result.prompt_logprobs = reply.prompt_logprobs
             self.last_stage_busy_s = reply.busy_s
         return result
 
@@ -116,7 +119,7 @@ def _run(runner: ModelRunner, out: SchedulerOutput) -> StepResult:
         return StepResult(out, *runner.execute(out))
     except Exception as e:
         log.exception("step failed; failing its %d requests", len(out.scheduled))
-        return StepResult(out, [], None, e)
+        return StepResult(out, [], None, error=e)
 
 
 def rank_handoff(config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int) -> KVHandoff | None:

@@ -61,6 +61,7 @@ class LLM:
         self.engine.add_request(request_id, prompt_token_ids, params)
         out = CompletionOutput(request_id, list(prompt_token_ids))
         out.logprobs = [] if params.logprobs is not None else None
+        out.prompt_logprobs = [] if params.prompt_logprobs is not None else None
         self._trackers[request_id] = (
             out,
             TextTracker(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens),
@@ -73,6 +74,8 @@ class LLM:
             out.token_ids += s.new_token_ids
             if out.logprobs is not None:
                 out.logprobs += s.new_logprobs
+            if out.prompt_logprobs is not None:
+                out.prompt_logprobs += s.prompt_logprobs
             text, stopped = tracker.add(s.new_token_ids)
             if s.request.finished and not stopped:
                 tail, stopped = tracker.flush()

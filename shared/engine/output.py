@@ -17,6 +17,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string, if any
     logprobs: list[TokenLogprob] | None = None  # one per output token when requested
+    # when requested (params.prompt_logprobs): one per prompt token from the second on
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TextTracker:

@@ -1,8 +1,9 @@
 """What rank 0 tells the other ranks of a worker for one micro-batch (a "step plan"), and what
-the last stage sends back (sampled tokens). msgpack bytes, built here and nowhere else.
+the last stage sends back (sampled tokens, prompt logprobs). msgpack bytes, built here and
+nowhere else.
 
 Every rank rebuilds the same ForwardBatch from a plan: build_batch reads only the chunk's
-tokens, its start, the page ids and whether the request samples."""
+tokens, its start, the page ids, whether the request samples and the prompt tokens it scores."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -10,12 +11,15 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from shared.engine.prompt_logprobs import PromptLogprobChunk
+from shared.engine.request import PromptTargets
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.sampling.batch import SamplingRow
+from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import SamplerOutput
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 @dataclass
@@ -27,9 +31,13 @@ class PlannedSeq:
     chunk: list[int]  # token ids [start, start + len(chunk)) computed this step
     page_ids: list[int]
     samples: bool  # this step computes the request's last pending token
+    prompt: PromptTargets | None = None  # the prompt tokens this chunk scores (prompt logprobs)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         return self.chunk[start - self.start : end - self.start]
+
+    def prompt_targets(self, start: int, end: int) -> PromptTargets | None:
+        return self.prompt  # rank 0's Request.prompt_targets of this chunk
 
 
 @dataclass
@@ -50,7 +58,11 @@ def encode_plan(micro_batch: int, out: SchedulerOutput, push: dict | None = None
     seqs, rows = [], []
     for s in out.scheduled:
         req, end = s.request, s.start + s.num_tokens
-        seqs.append([req.request_id, s.start, req.token_ids(s.start, end), req.page_ids, s.samples])
+        targets = req.prompt_targets(s.start, end)
+        prompt = None if targets is None else [targets.first, targets.target_ids, targets.num_top]
+        seqs.append(
+            [req.request_id, s.start, req.token_ids(s.start, end), req.page_ids, s.samples, prompt]
+        )
         if s.samples:
             rows.append(_encode_row(req))
     body = {"v": PLAN_VERSION, "mb": micro_batch, "seqs": seqs, "rows": rows, "push": push or {}}
@@ -68,8 +80,10 @@ def decode_plan(data: bytes) -> StepPlan:
     if body.get("stop"):
         return StepPlan(-1, [], [], {}, stop=True)
     seqs = [
-        PlannedSeq(rid, start, chunk, pages, samples)
-        for rid, start, chunk, pages, samples in body["seqs"]
+        PlannedSeq(
+            rid, start, chunk, pages, samples, None if prompt is None else PromptTargets(*prompt)
+        )
+        for rid, start, chunk, pages, samples, prompt in body["seqs"]
     ]
     return StepPlan(body["mb"], seqs, [_decode_row(r) for r in body["rows"]], body["push"])
 
@@ -86,11 +100,16 @@ def _decode_row(row: list) -> SamplingRow:
 
 
 def encode_result(
-    micro_batch: int, sample_index: list[int], samples: SamplerOutput | None, busy_s: float
+    micro_batch: int,
+    sample_index: list[int],
+    samples: SamplerOutput | None,
+    busy_s: float,
+    prompt_logprobs: list[PromptLogprobChunk] = (),
 ) -> bytes:
     """The last stage's answer to one plan (no samples when nothing sampled); busy_s: the
     sender's seconds of work so far (ModelRunner.busy_s), for utilisation reports."""
     body = {"v": PLAN_VERSION, "mb": micro_batch, "index": sample_index, "busy_s": busy_s}
+    body["prompt"] = [_encode_chunk(c) for c in prompt_logprobs]
     if samples is not None:
         body["tokens"] = samples.token_ids.tolist()
         for key in ("logprobs", "top_logprob_ids", "top_logprobs"):
@@ -105,19 +124,31 @@ class StepReply:
     sample_index: list[int]  # indices into the plan's seqs that sampled
     samples: SamplerOutput | None
     busy_s: float  # the last stage's seconds of work so far
+    prompt_logprobs: list[PromptLogprobChunk]
 
 
 def decode_result(data: bytes) -> StepReply:
     body = msgpack.unpackb(data)
-    if "tokens" not in body:
-        return StepReply(body["mb"], body["index"], None, body["busy_s"])
-    samples = SamplerOutput(
-        token_ids=torch.tensor(body["tokens"], dtype=torch.int64),
-        logprobs=_tensor(body["logprobs"], torch.float32),
-        top_logprob_ids=_tensor(body["top_logprob_ids"], torch.int64),
-        top_logprobs=_tensor(body["top_logprobs"], torch.float32),
-    )
-    return StepReply(body["mb"], body["index"], samples, body["busy_s"])
+    prompt = [_decode_chunk(*c) for c in body["prompt"]]
+    samples = None
+    if "tokens" in body:
+        samples = SamplerOutput(
+            token_ids=torch.tensor(body["tokens"], dtype=torch.int64),
+            logprobs=_tensor(body["logprobs"], torch.float32),
+            top_logprob_ids=_tensor(body["top_logprob_ids"], torch.int64),
+            top_logprobs=_tensor(body["top_logprobs"], torch.float32),
+        )
+    return StepReply(body["mb"], body["index"], samples, body["busy_s"], prompt)
+
+
+def _encode_chunk(c: PromptLogprobChunk) -> list:
+    values = [[v.token_id, v.logprob, v.top_ids, v.top_logprobs] for v in c.values]
+    return [c.index, c.first, values]
+
+
+def _decode_chunk(index: int, first: int, values: list) -> PromptLogprobChunk:
+    logprobs = [TokenLogprob(t, lp, tuple(ids), tuple(top)) for t, lp, ids, top in values]
+    return PromptLogprobChunk(index, first, logprobs)
 
 
 def _tensor(value, dtype):

@@ -1,5 +1,6 @@
 """Rank r > 0 of a worker: builds its shard, then runs every step plan rank 0 sends, in order,
-until told to stop. The last stage's TP rank 0 samples and sends the tokens back to rank 0.
+until told to stop. The last stage's TP rank 0 samples and sends the tokens (and the prompt
+logprobs) back to rank 0.
 
     python -m shared.engine.rank_worker --rank R --port STORE_PORT --threads N --spec JSON"""
 
@@ -58,9 +59,9 @@ def serve(runner: ModelRunner, comm: RankComm, handoff: KVHandoff | None = None)
             break
         if handoff is not None:
             handoff.on_plan(plan.push)
-        index, samples = runner.execute(plan.scheduler_output(), plan.rows)
+        index, samples, prompt = runner.execute(plan.scheduler_output(), plan.rows)
         if replies:
-            reply = encode_result(plan.micro_batch, index, samples, runner.busy_s)
+            reply = encode_result(plan.micro_batch, index, samples, runner.busy_s, prompt)
             comm.send_bytes(reply, 0, RESULT)
     comm.flush()
 

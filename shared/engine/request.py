@@ -8,6 +8,16 @@ from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
 
 
+@dataclass(frozen=True)
+class PromptTargets:
+    """The prompt logprobs one step computes for a request: the rows of its positions
+    first, first + 1, ... score the prompt tokens after them, target_ids."""
+
+    first: int  # the prompt position of the first row (it scores prompt token first + 1)
+    target_ids: list[int]  # prompt tokens first + 1, first + 2, ...: one per row
+    num_top: int  # params.prompt_logprobs: the top-n alternatives kept at each position
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens, or the model's / pool's length cap
@@ -26,6 +36,9 @@ class Request:
     arrival: int  # admission order; the newest running request is preempted first
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # if params.logprobs
+    # if params.prompt_logprobs: one per prompt token from the second on, as computed (kept
+    # through preemption: a recompute adds none twice)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the pages
     page_ids: list[int] = field(default_factory=list)
     # capped chunked layers (shared/kv/chunk_cache.py): their pages, logical pages
@@ -52,6 +65,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and lacks some: it computes its whole prompt (a cached
+        prefix would skip the positions that score the tokens after them)."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def prompt_targets(self, start: int, end: int) -> PromptTargets | None:
+        """What computing tokens [start, end) adds to prompt_logprobs (those it has are not
+        computed again); None if nothing."""
+        first, last = max(start, len(self.prompt_logprobs)), min(end, self.num_prompt_tokens - 1)
+        if self.params.prompt_logprobs is None or first >= last:
+            return None
+        targets = self.prompt_token_ids[first + 1 : last + 1]
+        return PromptTargets(first, targets, self.params.prompt_logprobs)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from shared.engine.batch import build_batch
+from shared.engine.prompt_logprobs import PromptLogprobChunk, score_prompts
 from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
 from shared.kv.chunk_cache import SplitKVCache
@@ -46,9 +47,10 @@ class ModelRunner:
 
     def execute(
         self, out: SchedulerOutput, rows: list[SamplingRow] | None = None
-    ) -> tuple[list[int], SamplerOutput | None]:
+    ) -> tuple[list[int], SamplerOutput | None, list[PromptLogprobChunk]]:
         """Runs this rank's part of the step; returns (indices into out.scheduled that sampled,
-        their samples). Samples only on TP rank 0 of the last stage (None elsewhere).
+        their samples, the prompt logprobs it computed). Samples and scores prompts only on TP
+        rank 0 of the last stage (None and [] elsewhere).
         rows: sampling states when out holds planned (not engine) requests. The time it takes,
         less the time spent waiting for the previous stage's hidden states, adds to busy_s
         (a stage's utilisation: its forward work, not the Python around the steps)."""
@@ -75,16 +77,19 @@ class ModelRunner:
         )
         if not self.stage.is_last:
             self._send_hidden(hidden, residual)
-            return [], None
+            return [], None, []
+        keep = self.tp.rank == 0
+        compute_logits = self.model.compute_logits
+        prompt = score_prompts(hidden, batch.prompt_rows, compute_logits, self.vocab_size, keep)
         if not batch.sample_index:
-            return [], None
-        logits = self.model.compute_logits(hidden[batch.logits_rows])  # (N, vocab)
-        if self.tp.rank != 0:
-            return batch.sample_index, None
+            return [], None, prompt
+        logits = compute_logits(hidden[batch.logits_rows])  # (N, vocab)
+        if not keep:
+            return batch.sample_index, None, prompt
         if rows is None:
             rows = [_sampling_row(out.scheduled[i].request) for i in batch.sample_index]
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
-        return batch.sample_index, sample(logits, sampling)
+        return batch.sample_index, sample(logits, sampling), prompt
 
     def _recv_hidden(self, num_tokens: int):
         src = self.comm.rank - self.comm.shape.tp  # same TP rank, previous stage

@@ -76,7 +76,7 @@ class Scheduler:
         need to be admitted first (a preempted one would otherwise starve while new
         reservations took its room). With a prefix cache, the pages of the prompt's cached
         prefix are held as they are, counted computed: only the rest is to be written."""
-        cached = self._cached_prefix(req)
+        cached = self._cached_prefix(req, computes_prompt=False)
         own = max(0, self._admission_pages(req) - len(cached))
         taken = self.cache.num_free_among(cached) if cached else 0
         waiting = sum(map(self._admission_pages, self.waiting))
@@ -95,8 +95,11 @@ class Scheduler:
 
     def activate(self, req: Request, computed: bool) -> None:
         """A reserved request joins the batch: decoding if its prompt KV arrived (`computed`:
-        num_computed_tokens was set), else to compute the rest of its prompt here."""
+        num_computed_tokens was set), else to compute the rest of its prompt here; one that
+        wants prompt logprobs then lets its cached prefix go, to compute its whole prompt."""
         del self.reserved[req.request_id]
+        if not computed and req.num_computed_tokens and req.needs_prompt_logprobs:
+            self._release(req)  # admitted again as a new request
         (self.running if computed else self.waiting).append(req)
 
     def add(self, req: Request) -> None:
@@ -161,9 +164,11 @@ class Scheduler:
             budget -= n
         return out
 
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """The cached pages a waiting request without pages (new, or preempted) starts on."""
-        if self.cache is None or req.page_ids:
+    def _cached_prefix(self, req: Request, computes_prompt: bool = True) -> list[int]:
+        """The cached pages a waiting request without pages (new, or preempted) starts on;
+        none if this engine computes its prompt and it wants prompt logprobs (every position
+        must run; vLLM skips the cache for them too). Its pages are still named as computed."""
+        if self.cache is None or req.page_ids or (computes_prompt and req.needs_prompt_logprobs):
             return []
         return self.cache.match(self._hashes(req, req.num_tokens), req.num_tokens)
 
@@ -251,13 +256,17 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
+        self._release(req)
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        """req lets all its pages go: it computes everything again."""
         self.allocator.free(req.page_ids)
         req.page_ids = []
         self._free_chunk(req)
         req.num_computed_tokens = req.num_cached_pages = 0
-        req.num_preemptions += 1
-        self.waiting.appendleft(req)
-        out.preempted.append(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
         """Advances counters after the step ran; appends sampled tokens; returns the finished."""

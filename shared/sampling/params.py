@@ -25,6 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens, besides EOS
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: int | None = None  # None: none; n >= 0: chosen token's logprob + top-n
+    # None: off; n >= 0 (vLLM's prompt_logprobs): each prompt token's logprob from the second
+    # on, given the tokens before it, + top-n at its position (echo, scoring)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # prefix cache namespace (vLLM's cache_salt): requests share cached KV pages only with
     # requests of the same salt, so tenants never read each other's prompts' KV
@@ -75,6 +78,12 @@ class SamplingParams:
             self.logprobs is None
             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_int64(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
             f"must be an integer in [0, {MAX_LOGPROBS}]",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
