@@ -352,8 +352,10 @@ def _converter(tp: Any) -> Callable[[Any], Any]:
     if origin in (typing.Union, types.UnionType):
         inner = _converter(next(a for a in args if a is not type(None)))
         return lambda v: None if v is None else inner(v)
-    if origin is tuple:
+    if origin is tuple and args[-1] is Ellipsis:
         return _sequence(_converter(args[0]))
+    if origin is tuple:  # fixed length: tuple[int, float]
+        return _fixed(tuple(_converter(a) for a in args))
     if origin is dict:
         return _mapping(_converter(args[1]))
     if is_dataclass(tp):
@@ -372,6 +374,22 @@ def _sequence(item: Callable) -> Callable:
         except _Bad as e:
             e.where.append("[]")
             raise
+
+    return convert
+
+
+def _fixed(items: tuple[Callable, ...]) -> Callable:
+    def convert(value):
+        if type(value) is not list or len(value) != len(items):
+            raise _Bad(f"expected a list of {len(items)}, got {type(value).__name__}")
+        out = []
+        for i, (item, v) in enumerate(zip(items, value)):
+            try:
+                out.append(item(v))
+            except _Bad as e:
+                e.where.append(f"[{i}]")
+                raise
+        return tuple(out)
 
     return convert
 

@@ -29,6 +29,7 @@ from shared.protocol import (
     Usage,
 )
 from shared.sampling.params import SamplingParams
+from shared.sampling.structured import JSON, StructuredOutput
 
 POOL = KVPool(
     "mha:L2:H2:D8:S16:bfloat16",
@@ -37,6 +38,9 @@ POOL = KVPool(
     tcp="h:1",
 )
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2)
+CONSTRAINED = SamplingParams(
+    structured=StructuredOutput(JSON, '{"type": "integer"}'), logit_bias={5: -100, 2: 0.5}
+)
 
 EXAMPLES = [
     SubmitMsg("r1", "gw1", (1, 2, 3), SAMPLING, deadline=123.5),
@@ -49,6 +53,7 @@ EXAMPLES = [
     KVEventsMsg("d1", "decode", 0, stored=(1,), reset=True),
     KVSnapshotAskMsg("d1", reason="gap at 4"),
     SubmitMsg("r2", "gw1", (1,), SAMPLING, deadline=1.0, session_id="chat-7"),
+    SubmitMsg("r3", "gw1", (1,), CONSTRAINED, deadline=1.0),
     DecodeAssignMsg("r1", "gw1", "p1", (5, 6), SAMPLING),
     DecodeAssignReplyMsg("r1", True, page_ids=(4, 9), kv=POOL),
     PrefillAssignMsg("r1", "gw1", (5, 6), SAMPLING, "d1", POOL, (4, 9)),
@@ -115,6 +120,24 @@ def test_nested_fields_are_type_checked():
     ):
         with pytest.raises(ProtocolError):
             protocol.decode(_body(submit, **change), SubmitMsg)
+
+
+def test_logit_bias_pairs_are_checked_as_int_then_float():
+    submit = SubmitMsg("r3", "gw1", (1,), CONSTRAINED, deadline=1.0)
+    sampling = msgpack.unpackb(protocol.encode(submit))["sampling"]
+    assert sampling["logit_bias"] == [[2, 0.5], [5, -100.0]]
+    assert sampling["structured"] == {"kind": "json", "value": '{"type": "integer"}'}
+    whole = protocol.decode(_body(submit, sampling=dict(sampling, logit_bias=[[2, 1]])), SubmitMsg)
+    assert whole.sampling.logit_bias == ((2, 1.0),)  # an integer bias is a number
+    for bad, where in [
+        ([[2]], "logit_bias"),  # not a pair
+        ([[2, 0.5, 1]], "logit_bias"),
+        ([[2.0, 0.5]], "logit_bias.[]"),  # the id must be an int
+        ([[2, "x"]], "logit_bias.[]"),
+        ([[2, 101]], "sampling"),  # SamplingParams' own range check
+    ]:
+        with pytest.raises(ProtocolError, match=where.replace("[", r"\[")):
+            protocol.decode(_body(submit, sampling=dict(sampling, logit_bias=bad)), SubmitMsg)
 
 
 def test_unknown_fields_are_ignored_and_defaults_filled():

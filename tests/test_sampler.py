@@ -398,3 +398,110 @@ def test_cheap_batches_skip_unused_tensors():
     mixed = SamplingBatch.build([_row(), _row(seed=1, top_k=4), _row(temperature=0.0)], 50, "cpu")
     assert [g.row_ids.tolist() for g in mixed.random] == [[0], [1]]
     assert mixed.random[0].top_k is None and mixed.random[1].top_p is None
+    assert greedy.bias is None and greedy.masks is None
+
+
+# --- logit_bias and grammar masks ----------------------------------------------------------
+
+
+def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_one():
+    logits = _logits(4, 40, seed=3)
+    top = logits.argmax(dim=-1).tolist()
+    forced = [(17, 100.0)]
+    rows = [
+        _row(temperature=0.0, logit_bias=forced),
+        _row(seed=1, logit_bias=forced),
+        _row(temperature=0.0, logit_bias=[(top[2], -100.0)]),
+        _row(seed=3, temperature=0.0),  # no bias: its argmax
+    ]
+    tokens = _tokens(logits, rows)
+    assert tokens[:2] == [17, 17]
+    assert tokens[2] != top[2] and tokens[2] == int(logits[2].topk(2).indices[1])
+    assert tokens[3] == top[3]
+
+
+def test_logit_bias_bans_a_token_in_every_random_draw():
+    logits = torch.zeros(1, 3)  # uniform: each token drawn about a third of the time
+    banned = [_row(seed=s, logit_bias={1: -100}) for s in range(200)]
+    assert 1 not in _tokens(logits.expand(200, 3).contiguous(), banned)
+    shifted = _tokens(logits.expand(200, 3).contiguous(), [_row(seed=s) for s in range(200)])
+    assert 1 in shifted  # without the bias it is drawn
+
+
+def test_logit_bias_adds_to_the_logits_before_temperature():
+    """A bias of b on a uniform row makes the token e^b times likelier than the others: the
+    draw follows softmax(logits + bias) (the same chi-square check as unbiased draws)."""
+    bias = {0: 1.0, 2: -1.0}
+    rows = [_row(seed=s, logit_bias=bias) for s in range(3000)]
+    logits = torch.zeros(3000, 4)
+    probs = torch.softmax(torch.tensor([1.0, 0.0, -1.0, 0.0]), dim=0)
+    assert _chi_square(_tokens(logits, rows), probs) < 16.3  # p = 0.001 at 3 d.o.f.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_stay_those_of_the_raw_logits_under_a_bias(dtype):
+    """bf16 logits are copied to float32 once; with no logprobs asked the bias goes into that
+    copy, with logprobs into another: the logprobs, and the caller's logits, stay raw."""
+    logits = _logits(1, 30, seed=4).to(dtype)
+    before = logits.clone()
+    for asked in (None, 2):
+        row = _row(logprobs=asked, logit_bias={5: 100})
+        out = sample(logits, SamplingBatch.build([row], 30, "cpu"))
+        assert out.token_ids.tolist() == [5] and torch.equal(logits, before)
+    raw = torch.log_softmax(logits.float(), -1)[0, 5]
+    assert math.isclose(float(out.logprobs[0]), float(raw), rel_tol=1e-6)
+
+
+def test_logit_bias_is_validated():
+    for bad, problem in [
+        ({-1: 1.0}, "token ids"),
+        ({3: 100.5}, "biases"),
+        ({3: float("nan")}, "biases"),
+        ({True: 1.0}, "token ids"),
+        ({i: 1.0 for i in range(301)}, "at most 300"),
+        ([(3, 1.0), (3, 2.0)], "repeat"),
+        ([(3,)], "pairs"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=problem) as e:
+            SamplingParams(logit_bias=bad)
+        assert e.value.field == "logit_bias"
+    assert SamplingParams(logit_bias={9: 1, 2: -3.5}).logit_bias == ((2, -3.5), (9, 1.0))
+
+
+def _bitmask(allowed: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """(R, W) int32 words with the bits of `allowed` set (llguidance's layout)."""
+    words = torch.zeros(len(allowed), -(-vocab_size // 32), dtype=torch.int64)
+    for r, tokens in enumerate(allowed):
+        for t in tokens:
+            words[r, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_grammar_masks_restrict_greedy_and_random_rows_of_a_mixed_batch():
+    from shared.sampling.token_mask import TokenMasks, penalty
+
+    vocab = 70  # three words, the last one partly used
+    open_ids = (penalty(_bitmask([[0, 31, 33, 69]], vocab), vocab) == 0).nonzero()[:, 1]
+    assert open_ids.tolist() == [0, 31, 33, 69]
+    logits = _logits(4, vocab, seed=5)
+    rows = [_row(temperature=0.0), _row(seed=1), _row(seed=2, top_k=3), _row(temperature=0.0)]
+    masks = TokenMasks(torch.tensor([0, 1, 2]), _bitmask([[31, 64], [5, 40, 69], [2, 3]], vocab))
+    for _ in range(20):
+        batch = SamplingBatch.build(rows, vocab, "cpu", masks)
+        tokens = sample(logits, batch).token_ids.tolist()
+        assert tokens[0] == (31 if logits[0, 31] > logits[0, 64] else 64)
+        assert tokens[1] in (5, 40, 69) and tokens[2] in (2, 3)
+        assert tokens[3] == int(logits[3].argmax())  # unmasked
+        rows = [
+            _row(seed=s + 7, temperature=r.params.temperature, top_k=r.params.top_k)
+            for s, r in enumerate(rows)
+        ]
+
+
+def test_grammar_rows_ignore_min_tokens_the_grammar_decides_the_end():
+    from shared.sampling.token_mask import TokenMasks
+
+    logits = _logits(1, 10, seed=6)
+    row = _row(temperature=0.0, min_tokens=5)  # EOS masked below min_tokens without a grammar
+    masks = TokenMasks(torch.tensor([0]), _bitmask([[EOS]], 10))
+    assert sample(logits, SamplingBatch.build([row], 10, "cpu", masks)).token_ids.tolist() == [EOS]

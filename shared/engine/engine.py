@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from shared.engine.config import EngineConfig
 from shared.engine.executor import StepResult, start_executor
 from shared.engine.footprint import pages_for_memory, stage_footprints
+from shared.engine.grammars import Grammars
 from shared.engine.micro_batch import schedule_micro_batch, split_launched
 from shared.engine.prompt_logprobs import merge
 from shared.engine.request import FinishReason, Request, check_stop
@@ -77,6 +78,7 @@ class LLMEngine:
         self.pool_tokens = num_pages * config.page_size
         self.eos_token_ids = generation_eos_ids(config.model_dir) | extra_eos_ids
         self.requests: dict[str, Request] = {}
+        self.grammars = Grammars(config.model_dir, cfg.vocab_size, self.eos_token_ids)
         self._seeds = random.Random(config.seed)
         self._arrivals = itertools.count()
 
@@ -92,6 +94,7 @@ class LLMEngine:
         """
         req = self._new_request(request_id, prompt_token_ids, params)
         req.prefill_only = prefill_only
+        self.grammars.add(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -104,7 +107,9 @@ class LLMEngine:
         cached prefix, which the prefill worker must not write), or None when the pool cannot
         hold it now."""
         req = self._new_request(request_id, prompt_token_ids, params)
+        self.grammars.add(req)  # before the pages: it raises on a grammar it cannot compile
         if not self.scheduler.reserve(req):
+            self.grammars.drop(request_id)
             return None
         self.requests[request_id] = req
         return list(req.page_ids), req.num_computed_tokens
@@ -130,7 +135,8 @@ class LLMEngine:
         """The prompt KV of a reserved request arrived with its first token (and the prompt
         logprobs, if it asked: a recompute after preemption then scores none again): decode
         from here. Returns the request (finished at once if that token ends it), None if it
-        is gone."""
+        is gone. Its grammar, if any, consumes the token first (the prefill worker sampled it
+        masked)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -140,7 +146,7 @@ class LLMEngine:
             req.output_logprobs.append(logprob)
         req.prompt_logprobs = list(prompt_logprobs)
         self.scheduler.activate(req, computed=True)
-        reason = check_stop(req)
+        reason = self.grammars.advance(req, first_token) or check_stop(req)
         if reason is not None:
             self.finish(request_id, reason)
         return req
@@ -156,6 +162,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self._validate_prompt(prompt_token_ids)
+        self._validate_bias(params)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -180,16 +187,29 @@ class LLMEngine:
         if len(ids) >= self.pool_tokens:
             raise PromptTooLongError(len(ids), self.pool_tokens - 1, "KV cache pool capacity")
 
+    def _validate_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                "logit_bias", f"token id {outside[0]} is outside the vocabulary [0, {vocab})"
+            )
+
     def abort(self, request_id: str) -> bool:
         """Stops a request at once and frees its pages. False if it is unknown or already done."""
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         return req is not None and self.scheduler.abort(request_id) is not None
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
         """Ends a request for a reason decided outside the engine (a stop string matched)."""
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         if req is not None:
             self.scheduler.finish(req, reason)
+
+    def _forget(self, request_id: str) -> Request | None:
+        """Drops a request that is ending from the engine's tables (its matcher included)."""
+        self.grammars.drop(request_id)
+        return self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         """Requests to run, or micro-batches whose results are still to be collected."""
@@ -244,7 +264,8 @@ class LLMEngine:
         return self._apply(self.executor.collect())
 
     def _launch(self, out) -> None:
-        self.executor.launch(out)
+        masks = self.grammars.masks([s.request for s in out.scheduled if s.samples])
+        self.executor.launch(out, masks)
         self.allocator.mark_launched()
         early, _ = split_launched(out)
         self.scheduler.update(early, {})  # chunks that sample nothing count as computed now
@@ -270,20 +291,42 @@ class LLMEngine:
                 if req.params.logprobs is not None:
                     logprobs[req] = _logprobs(samples, row, tokens[row], req.params.logprobs)
         prompt = _merge_prompt_logprobs(result)
+        verdicts = self._advance_grammars(sampled)
         self.scheduler.update(out, sampled)
         results = []
         for req, token in sampled.items():
+            if req in verdicts:
+                self._end_by_grammar(req, verdicts[req])
             if req in logprobs:
                 req.output_logprobs.append(logprobs[req])
             new_logprobs = [logprobs[req]] if req in logprobs else []
             results.append(StepOutput(req, [token], new_logprobs, prompt.pop(req, [])))
             if req.finished:
-                self.requests.pop(req.request_id, None)
+                self._forget(req.request_id)
         results += [StepOutput(req, [], [], values) for req, values in prompt.items()]
         return results
 
+    def _advance_grammars(self, sampled: dict[Request, int]) -> dict[Request, FinishReason]:
+        """The sampled tokens fed to their matchers: the requests whose grammar ends them.
+        A prefill worker's matcher is left alone: the decode worker's consumes the token."""
+        verdicts = {}
+        for req, token in sampled.items():
+            verdict = None if req.prefill_only else self.grammars.advance(req, token)
+            if verdict is not None:
+                verdicts[req] = verdict
+        return verdicts
+
+    def _end_by_grammar(self, req: Request, reason: FinishReason) -> None:
+        """The grammar's verdict stands over a length cap the same token reached: the output
+        is complete (STOP) or broken (ERROR) either way."""
+        if not req.finished:
+            self.scheduler.finish(req, reason)
+        elif req.finish_reason == FinishReason.LENGTH:
+            req.finish_reason = reason
+
     def close(self) -> None:
         """Stops the other ranks and releases the KV pool (unlinks its shm file)."""
+        self.grammars.close()
         self.executor.close()
 
 

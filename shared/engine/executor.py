@@ -1,10 +1,12 @@
 """Executors run the engine's micro-batches on its ranks. `launch` starts one (rank 0 runs its
 own stage part at once), `collect` returns the oldest one's samples. Up to `depth` micro-batches
-are in flight: one without pipeline stages, P with P stages."""
+are in flight: one without pipeline stages, P with P stages. `masks`: the grammar masks of the
+micro-batch's sampling rows, filled beside its forward pass (shared/engine/grammars.py)."""
 
 import itertools
 import logging
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +26,11 @@ from shared.parallel.cores import pin, rank_cores
 from shared.parallel.group import SINGLE
 from shared.parallel.pipeline import WHOLE_MODEL
 from shared.sampling.sampler import SamplerOutput
+from shared.sampling.token_mask import TokenMasks
 from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
+Masks = Future[TokenMasks | None] | None  # filled by shared/engine/grammars.py
 
 
 @dataclass
@@ -52,8 +56,8 @@ class LocalExecutor:
     def num_in_flight(self) -> int:
         return len(self._done)
 
-    def launch(self, out: SchedulerOutput) -> None:
-        self._done.append(_run(self.runner, out))
+    def launch(self, out: SchedulerOutput, masks: Masks = None) -> None:
+        self._done.append(_run(self.runner, out, masks))
 
     def collect(self) -> StepResult:
         return self._done.popleft()
@@ -87,12 +91,15 @@ class RankExecutor:
     def num_in_flight(self) -> int:
         return len(self._pending)
 
-    def launch(self, out: SchedulerOutput) -> None:
+    def launch(self, out: SchedulerOutput, masks: Masks = None) -> None:
+        """With P > 1 the last stage samples: the plan carries the masks, so they are filled
+        before it leaves (with P = 1 rank 0 samples, and they fill beside its forward pass)."""
         extras = self.handoff.plan_extras(out) if self.handoff is not None else None
-        plan = encode_plan(next(self._ids), out, extras)
+        shipped = None if masks is None or self.depth == 1 else masks.result()
+        plan = encode_plan(next(self._ids), out, extras, shipped)
         for rank in range(1, self.comm.shape.world_size):
             self.comm.send_bytes(plan, rank, PLAN)
-        self._pending.append(_run(self.runner, out))
+        self._pending.append(_run(self.runner, out, masks))
 
     def collect(self) -> StepResult:
         result = self._pending.popleft()
@@ -114,9 +121,9 @@ def _close(runner: ModelRunner, handoff: KVHandoff | None) -> None:
     runner.kv.close()
 
 
-def _run(runner: ModelRunner, out: SchedulerOutput) -> StepResult:
+def _run(runner: ModelRunner, out: SchedulerOutput, masks: Masks = None) -> StepResult:
     try:
-        return StepResult(out, *runner.execute(out))
+        return StepResult(out, *runner.execute(out, masks=masks))
     except Exception as e:
         log.exception("step failed; failing its %d requests", len(out.scheduled))
         return StepResult(out, [], None, error=e)

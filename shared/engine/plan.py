@@ -5,7 +5,6 @@ nowhere else.
 Every rank rebuilds the same ForwardBatch from a plan: build_batch reads only the chunk's
 tokens, its start, the page ids, whether the request samples and the prompt tokens it scores."""
 
-import dataclasses
 from dataclasses import dataclass
 
 import msgpack
@@ -14,10 +13,12 @@ import torch
 from shared.engine.prompt_logprobs import PromptLogprobChunk
 from shared.engine.request import PromptTargets
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
+from shared.protocol import from_plain, to_plain
 from shared.sampling.batch import SamplingRow
 from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import SamplerOutput
+from shared.sampling.token_mask import TokenMasks
 
 PLAN_VERSION = 2
 
@@ -47,6 +48,7 @@ class StepPlan:
     rows: list[SamplingRow]  # sampling state of the seqs that sample, in order
     push: dict  # prefill workers: KVHandoff.plan_extras (new and dropped targets), else {}
     stop: bool = False  # the worker is shutting down: ranks exit
+    masks: TokenMasks | None = None  # grammar rows' allowed tokens (the last stage samples)
 
     def scheduler_output(self) -> SchedulerOutput:
         return SchedulerOutput(
@@ -54,7 +56,12 @@ class StepPlan:
         )
 
 
-def encode_plan(micro_batch: int, out: SchedulerOutput, push: dict | None = None) -> bytes:
+def encode_plan(
+    micro_batch: int,
+    out: SchedulerOutput,
+    push: dict | None = None,
+    masks: TokenMasks | None = None,
+) -> bytes:
     seqs, rows = [], []
     for s in out.scheduled:
         req, end = s.request, s.start + s.num_tokens
@@ -66,6 +73,9 @@ def encode_plan(micro_batch: int, out: SchedulerOutput, push: dict | None = None
         if s.samples:
             rows.append(_encode_row(req))
     body = {"v": PLAN_VERSION, "mb": micro_batch, "seqs": seqs, "rows": rows, "push": push or {}}
+    if masks is not None:  # (R,) row ids, (R, W) int32 words as raw bytes
+        bitmask = masks.bitmask.contiguous()
+        body["masks"] = [masks.row_ids.tolist(), bitmask.shape[1], bitmask.numpy().tobytes()]
     return msgpack.packb(body)
 
 
@@ -85,18 +95,25 @@ def decode_plan(data: bytes) -> StepPlan:
         )
         for rid, start, chunk, pages, samples, prompt in body["seqs"]
     ]
-    return StepPlan(body["mb"], seqs, [_decode_row(r) for r in body["rows"]], body["push"])
+    rows = [_decode_row(r) for r in body["rows"]]
+    masks = _decode_masks(*body["masks"]) if "masks" in body else None
+    return StepPlan(body["mb"], seqs, rows, body["push"], masks=masks)
+
+
+def _decode_masks(row_ids: list[int], words: int, data: bytes) -> TokenMasks:
+    bitmask = torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(row_ids), words)
+    return TokenMasks(torch.tensor(row_ids, dtype=torch.int64), bitmask)
 
 
 def _encode_row(req) -> list:
-    params = dataclasses.asdict(req.params)
+    params = to_plain(req.params)  # the wire's encoding (nested specs, pairs as lists)
     prompt = req.prompt_token_ids if req.params.repetition_penalty != 1.0 else []
     return [params, req.seed, prompt, req.output_token_ids, sorted(req.stop_token_ids)]
 
 
 def _decode_row(row: list) -> SamplingRow:
     params, seed, prompt, output, stop = row
-    return SamplingRow(SamplingParams(**params), seed, prompt, output, frozenset(stop))
+    return SamplingRow(from_plain(SamplingParams, params), seed, prompt, output, frozenset(stop))
 
 
 def encode_result(

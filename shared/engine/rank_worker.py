@@ -21,6 +21,7 @@ from shared.engine.shard import build_shard, model_kv_spec
 from shared.models.config import ModelConfig
 from shared.parallel.comm import PLAN, RESULT, RankComm, open_store
 from shared.parallel.cores import pin, rank_cores
+from shared.sampling.token_mask import ready
 from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger("tison.rank")
@@ -59,7 +60,8 @@ def serve(runner: ModelRunner, comm: RankComm, handoff: KVHandoff | None = None)
             break
         if handoff is not None:
             handoff.on_plan(plan.push)
-        index, samples, prompt = runner.execute(plan.scheduler_output(), plan.rows)
+        masks = None if plan.masks is None else ready(plan.masks)
+        index, samples, prompt = runner.execute(plan.scheduler_output(), plan.rows, masks)
         if replies:
             reply = encode_result(plan.micro_batch, index, samples, runner.busy_s, prompt)
             comm.send_bytes(reply, 0, RESULT)

@@ -4,6 +4,7 @@ the same TP rank and leave for the next one."""
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -18,6 +19,7 @@ from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 from shared.sampling.batch import SamplingBatch, SamplingRow
 from shared.sampling.sampler import SamplerOutput, sample
+from shared.sampling.token_mask import TokenMasks
 
 
 class ModelRunner:
@@ -46,17 +48,21 @@ class ModelRunner:
         self.busy_s = 0.0  # seconds in execute, less those blocked on the previous stage
 
     def execute(
-        self, out: SchedulerOutput, rows: list[SamplingRow] | None = None
+        self,
+        out: SchedulerOutput,
+        rows: list[SamplingRow] | None = None,
+        masks: Future[TokenMasks | None] | None = None,
     ) -> tuple[list[int], SamplerOutput | None, list[PromptLogprobChunk]]:
         """Runs this rank's part of the step; returns (indices into out.scheduled that sampled,
         their samples, the prompt logprobs it computed). Samples and scores prompts only on TP
         rank 0 of the last stage (None and [] elsewhere).
-        rows: sampling states when out holds planned (not engine) requests. The time it takes,
-        less the time spent waiting for the previous stage's hidden states, adds to busy_s
-        (a stage's utilisation: its forward work, not the Python around the steps)."""
+        rows: sampling states when out holds planned (not engine) requests; masks: the grammar
+        rows' allowed tokens, awaited just before sampling (filled meanwhile). The time it
+        takes, less the time spent waiting for the previous stage's hidden states, adds to
+        busy_s (a stage's utilisation: its forward work, not the Python around the steps)."""
         start, waited = time.perf_counter(), self._waited_s()
         try:
-            return self._execute(out, rows)
+            return self._execute(out, rows, masks)
         finally:
             self.busy_s += time.perf_counter() - start - (self._waited_s() - waited)
 
@@ -64,7 +70,7 @@ class ModelRunner:
         return 0.0 if self.comm is None else self.comm.wait_s
 
     @torch.inference_mode()
-    def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None):
+    def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None, masks):
         capped = isinstance(self.kv, SplitKVCache)
         batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device, capped)
         hook = self.on_layer_done
@@ -88,7 +94,8 @@ class ModelRunner:
             return batch.sample_index, None, prompt
         if rows is None:
             rows = [_sampling_row(out.scheduled[i].request) for i in batch.sample_index]
-        sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
+        allowed = None if masks is None else masks.result()
+        sampling = SamplingBatch.build(rows, self.vocab_size, logits.device, allowed)
         return batch.sample_index, sample(logits, sampling), prompt
 
     def _recv_hidden(self, num_tokens: int):

@@ -1,7 +1,8 @@
 """Per-step sampling inputs: one `SamplingRow` per request, gathered into a `SamplingBatch`.
 
 Building is cheap in the common cases: no penalty tensors when no row uses a penalty, nothing
-random when every row is greedy, no stop mask when every row is past its min_tokens.
+random when every row is greedy, no stop mask when every row is past its min_tokens, no bias
+when no row has a logit_bias, no grammar masks when no row has a grammar.
 """
 
 import math
@@ -13,6 +14,7 @@ import torch
 from shared.sampling.noise import row_key
 from shared.sampling.params import SamplingParams
 from shared.sampling.penalties import PenaltyTensors
+from shared.sampling.token_mask import TokenMasks
 
 MIN_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM does)
 NUCLEUS_CANDIDATES = 1024  # top-p without top-k looks at this many tokens before the whole row
@@ -97,12 +99,20 @@ class SamplingBatch:
     penalties: PenaltyTensors | None  # None when no row uses a penalty
     stop_mask: torch.Tensor | None  # (N,) int64 flat row * V + token ids forced to -inf
     max_num_logprobs: int | None  # largest `logprobs` asked by a row; None when none asked
+    # logit_bias: (flat row * V + token ids (N,) int64, their biases (N,) float32); None if unused
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    masks: TokenMasks | None = None  # allowed tokens of the rows under a grammar
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str,
+        masks: TokenMasks | None = None,
     ) -> "SamplingBatch":
-        """Gather per-row parameters into small tensors on `device` (one call per step)."""
+        """Gather per-row parameters into small tensors on `device` (one call per step).
+        masks: the grammar rows' allowed tokens, rows indexing `rows`."""
         random_ids = [i for i, r in enumerate(rows) if not r.greedy]
         filtered_ids = [i for i in random_ids if _filters(rows[i].params, vocab_size)]
         filtered = set(filtered_ids)
@@ -126,8 +136,10 @@ class SamplingBatch:
                 if ids
             ),
             penalties=penalties,
-            stop_mask=_stop_mask(rows, vocab_size, device),
+            stop_mask=_stop_mask(rows, vocab_size, device, masks),
             max_num_logprobs=max(asked) if asked else None,
+            bias=_bias(rows, vocab_size, device),
+            masks=None if masks is None else masks.to(device),
         )
 
 
@@ -140,20 +152,43 @@ def _filters(params: SamplingParams, vocab_size: int) -> bool:
 
 
 def _stop_mask(
-    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+    rows: Sequence[SamplingRow],
+    vocab_size: int,
+    device: torch.device | str,
+    masks: TokenMasks | None,
 ) -> torch.Tensor | None:
     """Flat indices of the stop tokens of rows that have fewer than min_tokens outputs.
 
-    Ids outside the vocabulary are skipped: the model can never produce them.
+    Ids outside the vocabulary are skipped: the model can never produce them. Rows under a
+    grammar are skipped: the grammar decides where the output ends (once it is complete it
+    allows only EOS, which min_tokens would leave the row nothing to sample).
     """
+    grammar_rows = set() if masks is None else set(masks.row_ids.tolist())
     flat = [
         i * vocab_size + token
         for i, row in enumerate(rows)
-        if len(row.output_token_ids) < row.params.min_tokens
+        if len(row.output_token_ids) < row.params.min_tokens and i not in grammar_rows
         for token in row.stop_token_ids
         if 0 <= token < vocab_size
     ]
     return torch.tensor(flat, dtype=torch.int64, device=device) if flat else None
+
+
+def _bias(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Flat indices and values of the rows' logit_bias (ids outside the vocabulary skipped:
+    the engine rejects them at admission)."""
+    pairs = [
+        (i * vocab_size + token, bias)
+        for i, row in enumerate(rows)
+        for token, bias in row.params.logit_bias
+        if token < vocab_size
+    ]
+    if not pairs:
+        return None
+    flat, values = zip(*pairs)
+    return _tensor(list(flat), torch.int64, device), _tensor(list(values), torch.float32, device)
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

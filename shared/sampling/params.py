@@ -1,10 +1,14 @@
 """Per-request sampling parameters, validated at construction (OpenAI / vLLM semantics)."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.errors import InvalidRequestError
+from shared.sampling.structured import StructuredOutput
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
+MAX_LOGIT_BIAS = 300  # entries of logit_bias at most (OpenAI rejects more)
+MAX_BIAS = 100.0  # |bias| at most (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,12 @@ class SamplingParams:
     # prefix cache namespace (vLLM's cache_salt): requests share cached KV pages only with
     # requests of the same salt, so tenants never read each other's prompts' KV
     cache_salt: str = ""
+    # the output must match this (JSON schema, regex, choice, grammar); the engine masks the
+    # tokens that cannot follow (shared/engine/grammars.py)
+    structured: StructuredOutput | None = None
+    # (token id, bias in [-100, 100]) added to the logits before sampling, OpenAI semantics;
+    # sorted by token id. The engine rejects ids outside its model's vocabulary.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers; keep tuples so the object stays hashable/frozen.
@@ -39,6 +49,7 @@ class SamplingParams:
         object.__setattr__(
             self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int)
         )
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -88,6 +99,11 @@ class SamplingParams:
         )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(isinstance(self.cache_salt, str), "cache_salt", "must be a string")
+        _check(
+            self.structured is None or isinstance(self.structured, StructuredOutput),
+            "structured",
+            "must be a StructuredOutput",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +124,28 @@ def _check(ok: bool, field_name: str, problem: str) -> None:
         raise InvalidRequestError(field_name, problem)
 
 
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, float bias) pairs, from a {id: bias} mapping or pairs."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [tuple(p) for p in items or ()]
+    except TypeError:
+        raise InvalidRequestError("logit_bias", "must map token ids to biases") from None
+    _check(len(pairs) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+    for pair in pairs:
+        _check(len(pair) == 2, "logit_bias", "entries must be (token id, bias) pairs")
+        token, bias = pair
+        _check(_int64(token) and token >= 0, "logit_bias", "token ids must be integers >= 0")
+        _check(
+            _num(bias) and -MAX_BIAS <= bias <= MAX_BIAS,
+            "logit_bias",
+            f"biases must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+        )
+    ids = [token for token, _ in pairs]
+    _check(len(set(ids)) == len(ids), "logit_bias", "token ids must not repeat")
+    return tuple(sorted((token, float(bias)) for token, bias in pairs))
+
+
 def _as_tuple(value, field_name: str, kind: type) -> tuple:
     if isinstance(value, kind):
         value = (value,)
@@ -117,4 +155,4 @@ def _as_tuple(value, field_name: str, kind: type) -> tuple:
     return value
 
 
-__all__ = ["SamplingParams", "MAX_LOGPROBS"]
+__all__ = ["MAX_BIAS", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SamplingParams"]

@@ -1,13 +1,14 @@
 """The batched sampler: next-token logits (B, V) -> one token per row, per-row parameters.
 
-Order (vLLM v1): stop tokens masked below min_tokens; repetition penalty; frequency and
+Order (vLLM v1): logit_bias added; the tokens a row's grammar disallows set to -inf; stop
+tokens masked below min_tokens (not on grammar rows); repetition penalty; frequency and
 presence penalties; greedy rows take the argmax; the other rows are divided by their
 temperature, filtered by top-k, top-p and min-p, and sampled with the Gumbel-max trick on
 counter-based noise (shared.sampling.noise), so a seeded row draws the same token whatever
 else is in the batch and wherever it sits. No Python loop runs over rows here.
 
-Logprobs are those of the raw logits (before penalties and temperature), as vLLM returns by
-default.
+Logprobs are those of the raw logits (before bias, grammar masks, penalties and temperature),
+as vLLM returns by default (its logprobs_mode "raw_logprobs").
 """
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from shared.sampling.batch import (
     request_stop_token_ids,
 )
 from shared.sampling.noise import gumbel_noise
+from shared.sampling.token_mask import apply_ as apply_masks_
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             f"({batch.num_rows}, {batch.vocab_size})"
         )
     groups = batch.random
-    plain_greedy = not groups and batch.stop_mask is None and batch.penalties is None
+    plain_greedy = not groups and not _changes_logits(batch)
     if plain_greedy and batch.max_num_logprobs is None:  # no float copy of the logits needed
         return SamplerOutput(_argmax(logits), None, None, None)
-    raw = logits.float()  # the only conversion; never written to
-    x = _penalized(raw, batch)
+    raw = logits.float()  # the only conversion; written to only when nothing reads it after
+    spare = raw is not logits and batch.max_num_logprobs is None  # a copy only _penalized reads
+    x = _penalized(raw, batch, spare)
     if not batch.any_greedy and len(groups) == 1:  # one group holds every row, in order
         token_ids = _draw(x, groups[0], batch.vocab_size)
     else:
@@ -68,12 +71,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return _with_logprobs(raw, token_ids, batch.max_num_logprobs)
 
 
-def _penalized(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Raw logits with stop tokens masked below min_tokens and penalties (copied if changed)."""
-    if batch.stop_mask is None and batch.penalties is None:
+def _changes_logits(batch: SamplingBatch) -> bool:
+    return any(v is not None for v in (batch.bias, batch.masks, batch.stop_mask, batch.penalties))
+
+
+def _penalized(raw: torch.Tensor, batch: SamplingBatch, spare: bool) -> torch.Tensor:
+    """Raw logits with bias, grammar masks, stop tokens masked below min_tokens and penalties
+    (changed in a copy, unless raw is a spare copy: bf16 logits without logprobs)."""
+    if not _changes_logits(batch):
         return raw
-    x = raw.clone()
-    flat = x.view(-1)  # (B * V): stop masks and penalties address row * V + token
+    x = raw if spare else raw.clone()
+    flat = x.view(-1)  # (B * V): bias, stop masks and penalties address row * V + token
+    if batch.bias is not None:
+        flat.index_add_(0, *batch.bias)
+    if batch.masks is not None:
+        apply_masks_(x, batch.masks)
     if batch.stop_mask is not None:
         flat.index_fill_(0, batch.stop_mask, float("-inf"))
     if batch.penalties is not None:
