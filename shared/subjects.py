@@ -39,11 +39,11 @@ def gateway_cancel() -> str:
 
 def gateway_heartbeat(gateway_id: str) -> str:
     """Gateway → decode workers: this gateway still streams its requests (else they cancel)."""
-    return f"{PREFIX}.gateway.heartbeat.{_check_token(gateway_id, 'gateway_id')}"
+    return f"{PREFIX}.gateway.alive.{_check_token(gateway_id, 'gateway_id')}"
 
 
 def all_gateway_heartbeats() -> str:
-    return f"{PREFIX}.gateway.heartbeat.*"
+    return f"{PREFIX}.gateway.alive.*"
 
 
 def gateway_tokens(gateway_id: str) -> str:

@@ -159,6 +159,20 @@ def test_subjects():
         subjects.assign("router", "x")
 
 
+def _matches(wildcard: str, subject: str) -> bool:
+    """NATS matching of `*` tokens (no `>` in these)."""
+    want, got = wildcard.split("."), subject.split(".")
+    return len(want) == len(got) and all(w in ("*", g) for w, g in zip(want, got, strict=True))
+
+
+def test_gateway_beats_are_not_worker_heartbeats():
+    """Every subscriber of worker heartbeats would drop (and log) a gateway's beat a second."""
+    beat = subjects.gateway_heartbeat("gw-1")
+    assert _matches(subjects.all_gateway_heartbeats(), beat)
+    assert not _matches(subjects.all_heartbeats(), beat)
+    assert _matches(subjects.all_heartbeats(), subjects.heartbeat("decode", "d-1"))
+
+
 async def test_messages_cross_a_real_nats_server(tmp_path):
     with NatsServer(tmp_path / "nats") as server:
         nc = await nats.connect(server.url)
