@@ -194,7 +194,7 @@ async def test_nats_bytes_do_not_grow_with_kv_size(cluster, client, tiny_llama):
         ("completions", {"model": "M", "prompt": "x", "max_tokens": "3"}, 400, "max_tokens"),
         ("completions", {"model": "M", "prompt": "x", "temperature": 2.5}, 400, "temperature"),
         ("completions", {"model": "M", "prompt": "x", "top_p": 0}, 400, "top_p"),
-        ("completions", {"model": "M", "prompt": "x", "n": 2}, 400, "n"),
+        ("completions", {"model": "M", "prompt": "x", "n": 0}, 400, "n"),
         ("completions", {"model": "M", "prompt": "x", "stop": [1]}, 400, "stop"),
         ("completions", {"model": "M", "prompt": [1] * 300}, 400, "prompt"),
         ("completions", {"model": "M", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),

@@ -86,6 +86,18 @@ JSON = st.recursive(
     max_leaves=8,
 )
 SMALL_INT = st.integers(-3, MAX_TOKENS)
+SCHEMA = st.sampled_from(
+    [{"type": "object"}, {"type": "integer", "maximum": 3}, {"type": "nope"}, {"enum": []}]
+)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function") | JSON,
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g"]) | JSON}, optional={"parameters": SCHEMA | JSON}
+        )
+        | JSON,
+    }
+)
 FIELDS = {  # each field: its sensible values, or anything
     "prompt": st.text(max_size=40) | st.lists(st.integers(-2, 400), max_size=6) | JSON,
     "messages": st.lists(
@@ -117,8 +129,83 @@ FIELDS = {  # each field: its sensible values, or anything
     "repetition_penalty": st.floats(-1, 3) | JSON,
     "ignore_eos": st.booleans() | JSON,
     "cache_salt": TEXT | JSON,
-    "tools": JSON,
+    "tools": st.lists(TOOL, max_size=2) | JSON,
+    "tool_choice": st.sampled_from(["auto", "none", "required"])
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]) | JSON}),
+        }
+    )
+    | JSON,
+    "parallel_tool_calls": st.booleans() | JSON,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"]) | JSON},
+        optional={"json_schema": st.fixed_dictionaries({}, optional={"schema": SCHEMA})},
+    )
+    | JSON,
+    "guided_regex": st.sampled_from(["[ab]{1,4}", "(", "x*"]) | JSON,
+    "guided_choice": st.lists(TEXT, max_size=3) | JSON,
+    "guided_grammar": st.sampled_from(['start: "a" | "b"', "start: ("]) | JSON,
+    "guided_json": SCHEMA | JSON,
+    "best_of": st.integers(0, 3) | JSON,
+    "echo": st.booleans() | JSON,
+    "logit_bias": st.dictionaries(
+        st.integers(-5, 10**6).map(str) | TEXT, st.floats(-200, 200) | JSON, max_size=3
+    )
+    | JSON,
+    "prompt_logprobs": SMALL_INT | JSON,
     "user": TEXT | JSON,
+}
+RESPONSES_FIELDS = {  # /v1/responses
+    "input": st.text(max_size=40)
+    | st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "developer", "assistant"]) | JSON,
+                "content": st.text(max_size=20) | JSON,
+            }
+        )
+        | st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["function_call", "function_call_output", "reasoning"])
+                | JSON
+            },
+            optional={
+                "call_id": TEXT | JSON,
+                "name": TEXT | JSON,
+                "arguments": TEXT | JSON,
+                "output": TEXT | JSON,
+            },
+        ),
+        max_size=3,
+    )
+    | JSON,
+    "instructions": TEXT | JSON,
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {"type": st.just("function") | JSON, "name": st.sampled_from(["f", "g"]) | JSON},
+            optional={"parameters": SCHEMA | JSON},
+        ),
+        max_size=2,
+    )
+    | JSON,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | JSON,
+    "max_output_tokens": SMALL_INT | JSON,
+    "text": st.fixed_dictionaries(
+        {},
+        optional={
+            "format": st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "json_object", "json_schema"]) | JSON},
+                optional={"schema": SCHEMA},
+            )
+        },
+    )
+    | JSON,
+    "previous_response_id": TEXT | JSON,
+    "store": st.booleans() | JSON,
+    "stream": st.booleans() | JSON,
+    "temperature": st.floats(-1, 3) | JSON,
 }
 
 
@@ -130,6 +217,28 @@ def test_no_json_body_gets_a_5xx(cluster, tiny_llama, data):
         st.fixed_dictionaries(
             {"model": st.just(tiny_llama.name) | JSON},
             optional=dict(FIELDS, max_tokens=SMALL_INT),  # unbounded lengths: slow, not wrong
+        )
+        | JSON
+    )
+    status, reply = post(cluster, path, json.dumps(body).encode())
+    assert status < 500, (body, status, reply)
+    if status >= 400:
+        assert_openai_4xx(status, reply)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_no_responses_or_tokenize_body_gets_a_5xx(cluster, tiny_llama, data):
+    path = data.draw(st.sampled_from(["/v1/responses", "/tokenize", "/detokenize"]))
+    fields = {
+        "/v1/responses": RESPONSES_FIELDS,
+        "/tokenize": {**FIELDS, "add_special_tokens": st.booleans() | JSON},
+        "/detokenize": {"tokens": st.lists(st.integers(-2, 10**5), max_size=4) | JSON},
+    }[path]
+    body = data.draw(
+        st.fixed_dictionaries(
+            {"model": st.just(tiny_llama.name) | JSON},
+            optional=dict(fields, max_output_tokens=SMALL_INT),
         )
         | JSON
     )

@@ -14,12 +14,13 @@ from services.gateway.openai_request import (
     parse_completion,
     session_of,
 )
-from services.gateway.openai_response import ResponseFormat
+from services.gateway.openai_response import ChoiceResult, ResponseFormat
 from services.gateway.request_state import RequestStream
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.protocol import TokenItem, TokenLogprob, Usage
 from shared.sampling.params import SamplingParams
 from shared.tokenizer.tokenizer import Tokenizer
+from shared.tool_calls import StreamDelta
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +87,9 @@ def test_default_max_tokens_and_context_limits():
         ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"model": "m", "prompt": "x", "temperature": -0.1}, "temperature"),
         ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
-        ({"model": "m", "prompt": "x", "n": 3}, "n"),
-        ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
-        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "n": 0}, "n"),
+        ({"model": "m", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
         (
             {"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}},
@@ -160,15 +161,15 @@ def test_stream_error_ends_at_once(tokenizer):
 def test_response_shapes(tokenizer):
     lp = [TokenLogprob(70, -0.5, (70, 71), (-0.5, -1.5))]
     chat = ResponseFormat.for_request("chat", "chatcmpl-1", "m", tokenizer)
-    full = chat.full("hi", lp, "stop", Usage(3, 1))
+    full = chat.full([ChoiceResult("hi", "stop", lp)], Usage(3, 1))
     assert full["object"] == "chat.completion" and full["usage"]["total_tokens"] == 4
     entry = full["choices"][0]["logprobs"]["content"][0]
     assert entry["token"] == tokenizer.decode([70]) and len(entry["top_logprobs"]) == 2
-    first = chat.chunk("a", None, None, first=True, usage_field=True)
+    first = chat.chunk(0, StreamDelta("a"), None, None, first=True, usage_field=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
     assert first["usage"] is None and chat.usage_chunk(Usage(1, 1))["choices"] == []
     text = ResponseFormat.for_request("completion", "cmpl-1", "m", tokenizer)
-    lps = text.full("hi", lp, "length", Usage(3, 1))["choices"][0]["logprobs"]
+    lps = text.full([ChoiceResult("hi", "length", lp)], Usage(3, 1))["choices"][0]["logprobs"]
     assert lps["token_logprobs"] == [-0.5] and len(lps["top_logprobs"][0]) == 2
 
 

@@ -105,3 +105,21 @@ def test_strftime_now(tiny_llama, tmp_path):
     before = datetime.now().strftime("%Y-%m")
     text = Tokenizer.from_dir(folder).apply_chat_template(HELLO)
     assert text in {before, datetime.now().strftime("%Y-%m")}
+
+
+def test_a_turn_of_tool_calls_keeps_its_null_content(tiny_llama, tmp_path):
+    """DeepSeek-V3's template renders the calls alone when `content is none` (as HF passes
+    it); other null fields are dropped, so templates that test for a key still work."""
+    template = (
+        "{% for m in messages %}{% if m['content'] is none %}CALLS:"
+        "{{ m['tool_calls'][0]['function']['name'] }}{% else %}{{ m['content'] }}{% endif %}"
+        "{% if m['name'] is defined %}!{% endif %};{% endfor %}"
+    )
+    folder = copy_tokenizer_files(tiny_llama, tmp_path)
+    update_json(folder / "tokenizer_config.json", chat_template=template)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    assert Tokenizer.from_dir(folder).apply_chat_template(messages) == "hi;CALLS:f;"

@@ -31,6 +31,11 @@ def register(subparsers) -> None:
         "--max-body-bytes", type=int, default=D.max_body_bytes,
         help="larger request bodies get a 413 (default: 64 bytes a token of the context)",
     )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", default=D.tool_call_parser,
+        help="how tool calls are read from the output: llama3_json, hermes, mistral, "
+        "deepseek_v3, kimi_k2, auto (from the chat template; default) or none",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=main)
 
@@ -48,5 +53,6 @@ def main(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_service(functools.partial(run_gateway, config), args.log_level)

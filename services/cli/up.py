@@ -74,6 +74,10 @@ def register(subparsers) -> None:
         default=routing.KV,
         help="the scheduler's routing: kv (prefix-cache aware), load, round-robin",
     )
+    p.add_argument(
+        "--tool-call-parser", default="auto",
+        help="the gateway's tool-call format (see `tison gateway --help`; default: detected)",
+    )  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.set_defaults(func=main)
 
@@ -99,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,
             routing=args.routing,
+            tool_call_parser=args.tool_call_parser,
         )
         check_model_folder(cfg.model_dir)
         where = placement(cfg)

@@ -14,12 +14,17 @@ from services.gateway.config import GatewayConfig
 from services.gateway.control import ControlPlane
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_request import parse_chat, parse_completion
+from services.gateway.responses import ResponsesService
+from services.gateway.tokenize import detokenize, tokenize
 from shared.errors import InvalidRequestError
 from shared.tokenizer.tokenizer import Tokenizer
+from shared.tool_calls import detect_parser, parser_for
 
 log = logging.getLogger(__name__)
 SERVICE = web.AppKey("service", CompletionService)
+RESPONSES = web.AppKey("responses", ResponsesService)
 HEALTH_PATH = "/health"
+_KEYED = ("/v1/", "/tokenize", "/detokenize")  # what an API key guards
 
 
 class QuietHealthAccessLogger(AccessLogger):
@@ -46,10 +51,10 @@ async def openai_errors(request: web.Request, handler):
 
 @web.middleware
 async def api_key(request: web.Request, handler):
-    """With an API key set, the /v1 routes need OpenAI's `Authorization: Bearer KEY` (401
-    otherwise); /health and /metrics stay open to probes."""
+    """With an API key set, the /v1 routes, /tokenize and /detokenize need OpenAI's
+    `Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open to probes."""
     key = request.app[SERVICE].config.api_key
-    if key and request.path.startswith("/v1/"):
+    if key and request.path.startswith(_KEYED):
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             given.strip().encode(), key.encode()
@@ -86,6 +91,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await request.app[SERVICE].serve(request, parse_completion(await _body(request)))
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await request.app[RESPONSES].serve(request, await _body(request))
+
+
+async def tokenize_route(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    return web.json_response(await tokenize(service, await _body(request)))
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    return web.json_response(detokenize(service, await _body(request)))
+
+
 async def models(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     model = {
@@ -118,12 +137,32 @@ def build_app(service: CompletionService) -> web.Application:
     limit = service.config.body_limit(service.max_model_len())
     app = web.Application(middlewares=[openai_errors, api_key], client_max_size=limit)
     app[SERVICE] = service
+    app[RESPONSES] = ResponsesService(service)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/v1/models", models)
     app.router.add_get(HEALTH_PATH, health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def tool_parser(config: GatewayConfig, tokenizer: Tokenizer):
+    """The tool-call parser: --tool-call-parser's, else the one the model's chat template and
+    special tokens speak ("auto"), else none (tool calls are then forced or not parsed)."""
+    name = config.tool_call_parser
+    if name == "auto":
+        templates = tokenizer.chat_templates
+        template = templates.get("tool_use") or templates.get("default")
+        added = [t.content for t in tokenizer.backend.get_added_tokens_decoder().values()]
+        name = detect_parser(template.source if template else None, added)
+    if name in (None, "none"):
+        log.info("no tool-call parser: tool_choice auto returns the text as it is")
+        return None
+    log.info("tool-call parser: %s", name)
+    return parser_for(name)
 
 
 async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
@@ -134,7 +173,8 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.gateway_id, config.nats_url, gateway_metrics, config.miss_limit, config.dead_grace_s
     )
     await control.start()
-    service = CompletionService(config, tokenizer, control, gateway_metrics)
+    parser = tool_parser(config, tokenizer)
+    service = CompletionService(config, tokenizer, control, gateway_metrics, parser)
     runner = web.AppRunner(
         build_app(service), handler_cancellation=True, access_log_class=QuietHealthAccessLogger
     )

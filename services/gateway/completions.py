@@ -1,32 +1,39 @@
-"""Serving one completion request: tokenize, submit, then stream (SSE) or collect the output.
+"""Serving one chat or text completion: tokenize, run its sequences, stream (SSE) or collect.
 
-Whatever way the request ends here (finished, stop string, client gone, worker dead, timeout),
-the `finally` of `serve` publishes a cancel unless the decode worker finished it itself, so
-both workers free its pages.
+A request runs max(n, best_of) sequences of its prompt (choices.py); a seeded one gives
+sequence i the seed + i, as vLLM does, so each choice is reproducible on its own. best_of
+returns the n candidates of highest mean token logprob. Tool calls are parsed out of each
+choice's text (choice_output.py).
 """
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from services.gateway.choice_output import ChoiceOutput, merge
+from services.gateway.choices import Choices
 from services.gateway.config import GatewayConfig
-from services.gateway.control import ControlPlane, OpenRequest
+from services.gateway.control import ControlPlane
+from services.gateway.generation import Generation, Refused, Timing
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_request import CHAT, ParsedRequest, build_sampling, session_of
 from services.gateway.openai_response import (
     DONE_EVENT,
+    ChoiceResult,
     ResponseFormat,
     error_body,
     sse_event,
 )
-from services.gateway.request_state import Delta, RequestStream, coalesce
+from services.gateway.tool_choice import AUTO, NAMED, ForcedCalls
 from shared import protocol
 from shared.errors import InvalidRequestError
-from shared.protocol import SubmitMsg, SubmitReplyMsg, Usage
+from shared.protocol import SubmitReplyMsg, Usage
+from shared.sampling.params import SamplingParams
 from shared.tokenizer.tokenizer import Tokenizer
+from shared.tool_calls import ToolParser
 
 _REFUSALS = {  # submit reply status → (HTTP status, OpenAI error type)
     protocol.QUEUE_FULL: (429, "rate_limit_exceeded"),
@@ -34,7 +41,8 @@ _REFUSALS = {  # submit reply status → (HTTP status, OpenAI error type)
     protocol.EXPIRED: (503, "service_unavailable"),
     protocol.TOO_LONG: (400, "invalid_request_error"),
 }
-_ENDED_BY_WORKER = (protocol.FINISH_STOP, protocol.FINISH_LENGTH)
+_FAILED = (protocol.FINISH_ERROR, protocol.FINISH_ABORT)
+_INT64 = 2**63
 
 
 def json_error(status: int, message: str, err_type: str, param=None, code=None, headers=None):
@@ -52,6 +60,7 @@ class CompletionService:
         tokenizer: Tokenizer,
         control: ControlPlane,
         metrics: GatewayMetrics,
+        tool_parser: type[ToolParser] | None = None,  # the model family's, None: no format
     ):
         self.config, self.tokenizer, self.control, self.metrics = (
             config,
@@ -59,6 +68,7 @@ class CompletionService:
             control,
             metrics,
         )
+        self.tool_parser = tool_parser
 
     def max_model_len(self) -> int:
         """The smallest context of the live workers, else the configured / tokenizer limit."""
@@ -79,119 +89,195 @@ class CompletionService:
             raise InvalidRequestError("prompt", f"token ids must be < {self.tokenizer.vocab_size}")
         return list(parsed.prompt)
 
+    def sampling(self, parsed: ParsedRequest, prompt_ids: list[int]) -> SamplingParams:
+        """The request's SamplingParams, checked against the context and the vocabulary."""
+        sampling = build_sampling(parsed, len(prompt_ids), self.max_model_len())
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t, _ in sampling.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be < {vocab}")
+        return sampling
+
+    def model_error(self, model: str) -> web.Response | None:
+        if model == self.config.served_model_name:
+            return None
+        message = f"The model `{model}` does not exist."
+        return json_error(404, message, "invalid_request_error", "model", "model_not_found")
+
+    def output(self, parsed: ParsedRequest) -> ChoiceOutput:
+        """A fresh output reader for one choice: tool calls parsed when tools may be called."""
+        choice = parsed.tool_choice
+        if choice.forced:
+            return ChoiceOutput(ForcedCalls(choice), calls_end_with_stop=choice.mode == NAMED)
+        if choice.mode == AUTO and self.tool_parser is not None:
+            return ChoiceOutput(self.tool_parser(list(parsed.tools)))
+        return ChoiceOutput()
+
+    def generations(
+        self, request, parsed: ParsedRequest, prompt_ids, sampling, timing: Timing, prefix: str
+    ) -> list[Generation]:
+        """max(n, best_of) sequences of the prompt; their request ids end in -i when several."""
+        count = parsed.best_of
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        session = session_of(request.headers, parsed)
+        return [
+            Generation(
+                self.control,
+                self.metrics,
+                self.tokenizer,
+                base if count == 1 else f"{base}-{i}",
+                prompt_ids,
+                _seeded(sampling, i),
+                session,
+                timing,
+            )
+            for i in range(count)
+        ]
+
     async def serve(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
-        if parsed.model != self.config.served_model_name:
-            message = f"The model `{parsed.model}` does not exist."
-            return json_error(404, message, "invalid_request_error", "model", "model_not_found")
-        arrived = time.monotonic()
+        if (error := self.model_error(parsed.model)) is not None:
+            return error
+        timing = Timing(
+            time.monotonic(),
+            self.config.queue_timeout_s,
+            self.config.request_timeout_s,
+        )
         # chat templates and tokenizers take their time on long inputs: not on the event loop
         prompt_ids = await asyncio.to_thread(self.tokenize, parsed)
-        sampling = build_sampling(parsed, len(prompt_ids), self.max_model_len())
-        request_id = f"{'chatcmpl' if parsed.kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = RequestStream(self.tokenizer, prompt_ids, sampling)
-        fmt = ResponseFormat.for_request(parsed.kind, request_id, parsed.model, self.tokenizer)
-        submit = SubmitMsg(
-            request_id,
-            self.control.gateway_id,
-            tuple(prompt_ids),
-            sampling,
-            deadline=time.time() + self.config.queue_timeout_s,
-            session_id=session_of(request.headers, parsed),
+        sampling = self.sampling(parsed, prompt_ids)
+        parser = self.output(parsed).parser
+        if getattr(parser, "skip_special_tokens", True) is False:
+            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+        prefix = "chatcmpl" if parsed.kind == CHAT else "cmpl"
+        gens = self.generations(request, parsed, prompt_ids, sampling, timing, prefix)
+        fmt = ResponseFormat.for_request(
+            parsed.kind, gens[0].request_id, parsed.model, self.tokenizer
         )
-        opened = self.control.open(request_id)
+        choices = Choices(gens)
         try:
-            with self.metrics.waiting.track_inprogress():
-                reply = await self.control.submit(submit, self.config.queue_timeout_s + 5)
-            if reply.status != protocol.ACCEPTED:
-                return _refusal(reply)
-            with self.metrics.running.track_inprogress():
-                deltas = self._deltas(opened, stream, arrived)
-                if parsed.stream:
-                    return await self._stream(request, parsed, fmt, stream, deltas)
-                return await self._collect(fmt, stream, deltas, parsed)
-        finally:
-            self.control.forget(request_id)
-            if stream.finish_reason not in _ENDED_BY_WORKER or stream.stopped_by_string:
-                await self.control.cancel(request_id, stream.error or "ended by the gateway")
-
-    async def _deltas(
-        self, opened: OpenRequest, stream: RequestStream, arrived: float
-    ) -> AsyncIterator[Delta]:
-        """Deltas until the request ends; records TTFT, ITL and E2E. Items that queued up while
-        the previous delta was being written leave as one delta (one SSE event)."""
-        deadline = arrived + self.config.request_timeout_s
-        last_token_at, seen = None, 0
-        while not stream.done:
             try:
-                items = await _get_queued(opened, deadline - time.monotonic())
-            except asyncio.TimeoutError:
-                yield stream.fail(f"no output within {self.config.request_timeout_s} s")
-                return
-            deltas = [d for d in map(stream.accept, items) if d is not None]
-            now = time.monotonic()
-            if stream.num_output > seen:
-                new, seen = stream.num_output - seen, stream.num_output
-                if last_token_at is None:
-                    self.metrics.ttft.observe(now - arrived)
-                else:
-                    for _ in range(new):
-                        self.metrics.itl.observe((now - last_token_at) / new)
-                last_token_at = now
-            for delta in coalesce(deltas):
-                yield delta
-        self.metrics.e2e.observe(time.monotonic() - arrived)
+                with self.metrics.waiting.track_inprogress():
+                    await choices.start()
+            except Refused as e:
+                return refusal(e.reply)
+            echo = self._echo(parsed, prompt_ids)
+            with self.metrics.running.track_inprogress():
+                if parsed.stream:
+                    return await self._stream(request, parsed, fmt, choices, echo)
+                return await self._collect(parsed, fmt, choices, echo, len(prompt_ids))
+        finally:
+            await choices.close()
 
-    async def _stream(self, request, parsed, fmt, stream, deltas) -> web.StreamResponse:
+    def _echo(self, parsed: ParsedRequest, prompt_ids: list[int]) -> str:
+        if not parsed.echo:
+            return ""
+        if isinstance(parsed.prompt, str):
+            return parsed.prompt
+        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+    async def _stream(self, request, parsed, fmt, choices: Choices, echo: str):
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        want_logprobs = stream.sampling.logprobs is not None
-        first, sent = True, 0  # tokens behind the chunks sent
-        async for delta in deltas:
-            if delta.finish_reason in (protocol.FINISH_ERROR, protocol.FINISH_ABORT):
+        n = parsed.n
+        want_logprobs = parsed.num_logprobs is not None
+        outputs = [self.output(parsed) for _ in range(n)]
+        first, sent = [True] * n, [0] * n  # tokens behind the chunks sent, per choice
+        num_prompt = choices.generations[0].stream.num_prompt_tokens
+        failed = False
+        async for i, delta in choices.merged():
+            if delta.finish_reason in _FAILED:
                 await resp.write(
                     sse_event(error_body(delta.error, "server_error", None, "worker_error"))
                 )
+                failed = True
                 break
-            logprobs = delta.logprobs if want_logprobs else None
-            sent += delta.tokens
-            so_far = Usage(stream.num_prompt_tokens, sent) if parsed.continuous_usage else None
+            out = outputs[i].feed((echo if first[i] else "") + delta.text)
+            finish = delta.finish_reason
+            if finish is not None:
+                out = merge(out, outputs[i].finish())
+                finish = outputs[i].finish_reason(finish)
+            sent[i] += delta.tokens
+            if not (out.content or out.tool_calls or finish or delta.logprobs or first[i]):
+                continue  # the parser holds back what may start a tool call
+            so_far = Usage(num_prompt, sum(sent)) if parsed.continuous_usage else None
+            logprobs, echoed = delta.logprobs if want_logprobs else None, None
+            if want_logprobs and echo and first[i]:
+                stream = choices.generations[i].stream
+                logprobs = (stream.prompt_logprobs or ()) + delta.logprobs
+                echoed = stream.first_prompt_token
             chunk = fmt.chunk(
-                delta.text, logprobs, delta.finish_reason, first, parsed.include_usage, so_far
+                i, out, logprobs, finish, first[i], parsed.include_usage, so_far, echoed
             )
             await resp.write(sse_event(chunk))
-            first = False
-        else:
-            if parsed.include_usage:
-                await resp.write(sse_event(fmt.usage_chunk(stream.usage)))
+            first[i] = False
+        if not failed and parsed.include_usage:
+            await resp.write(sse_event(fmt.usage_chunk(_usage(choices))))
         await resp.write(DONE_EVENT)
         await resp.write_eof()
         return resp
 
-    async def _collect(self, fmt, stream, deltas, parsed) -> web.Response:
-        texts, logprobs = [], []
-        async for delta in deltas:
-            texts.append(delta.text)
-            logprobs.extend(delta.logprobs)
-        if stream.finish_reason not in _ENDED_BY_WORKER:
-            return json_error(503, stream.error, "server_error", None, "worker_error")
-        entries = logprobs if stream.sampling.logprobs is not None else None
-        return web.json_response(
-            fmt.full("".join(texts), entries, stream.finish_reason, stream.usage)
-        )
+    async def _collect(self, parsed, fmt, choices: Choices, echo: str, num_prompt: int):
+        count = len(choices.generations)
+        texts: list[list[str]] = [[] for _ in range(count)]
+        logprobs: list[list] = [[] for _ in range(count)]
+        async for i, delta in choices.merged():
+            texts[i].append(delta.text)
+            logprobs[i].extend(delta.logprobs)
+        streams = [g.stream for g in choices.generations]
+        for stream in streams:
+            if stream.finish_reason in _FAILED or stream.finish_reason is None:
+                return json_error(503, stream.error, "server_error", None, "worker_error")
+        order = _best(logprobs, parsed.n) if count > parsed.n else range(count)
+        results = []
+        for i in order:
+            output, stream = self.output(parsed), streams[i]
+            message = output.parse(echo + "".join(texts[i]))
+            entries = tuple(logprobs[i]) if parsed.num_logprobs is not None else None
+            echoed = None
+            if entries is not None and parsed.echo:
+                entries, echoed = (
+                    (stream.prompt_logprobs or ()) + entries,
+                    stream.first_prompt_token,
+                )
+            results.append(
+                ChoiceResult(
+                    content=message.content,
+                    finish_reason=output.finish_reason(stream.finish_reason),
+                    logprobs=entries,
+                    tool_calls=message.tool_calls,
+                    prompt_logprobs=stream.prompt_logprobs,
+                    echoed_token=echoed,
+                )
+            )
+        return web.json_response(fmt.full(results, _usage(choices)))
 
 
-async def _get_queued(opened: OpenRequest, timeout_s: float) -> list:
-    """Every item queued now, waiting up to `timeout_s` for one when there is none."""
-    queue = opened.items
-    items = [] if queue.qsize() else [await asyncio.wait_for(queue.get(), max(timeout_s, 0.0))]
-    while queue.qsize():
-        items.append(queue.get_nowait())
-    return items
+def _seeded(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index`'s sampling: seed + index when seeded (wrapped into 64 bits)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    seed = (sampling.seed + index + _INT64) % (2 * _INT64) - _INT64
+    return dataclasses.replace(sampling, seed=seed)
 
 
-def _refusal(reply: SubmitReplyMsg) -> web.Response:
+def _best(logprobs: list[list], n: int) -> list[int]:
+    """The n candidates of highest mean token logprob (OpenAI's "log probability per token")."""
+
+    def mean(i: int) -> float:
+        entries = logprobs[i]
+        return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+
+    return sorted(range(len(logprobs)), key=mean, reverse=True)[:n]
+
+
+def _usage(choices: Choices) -> Usage:
+    """The prompt once, every sequence's tokens (best_of candidates count, as OpenAI bills)."""
+    streams = [g.stream for g in choices.generations]
+    return Usage(streams[0].num_prompt_tokens, sum(s.usage.completion_tokens for s in streams))
+
+
+def refusal(reply: SubmitReplyMsg) -> web.Response:
     status, err_type = _REFUSALS.get(reply.status, (503, "service_unavailable"))
     headers = None
     if reply.status == protocol.QUEUE_FULL:

@@ -24,6 +24,7 @@ class GatewayConfig:
     max_model_len: int = 0  # used while no worker reports one; 0 → the tokenizer's limit
     api_key: str = field(default="", repr=False)  # "" → no key; else `Authorization: Bearer`
     max_body_bytes: int = 0  # larger bodies get a 413 unread; 0 → sized from the context
+    tool_call_parser: str = "auto"  # a shared.tool_calls name, "auto" (detect) or "none"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

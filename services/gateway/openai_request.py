@@ -1,8 +1,10 @@
 """OpenAI request bodies → what the gateway runs. Pure: raises InvalidRequestError(field, problem).
 
-Covers `/v1/chat/completions` and `/v1/completions` with OpenAI's sampling fields plus vLLM's
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids` and
-`skip_special_tokens`. `n` > 1, `best_of` > 1, `echo` and `suffix` are refused with a 400.
+Covers `/v1/chat/completions` and `/v1/completions` with OpenAI's sampling fields (`n`,
+`best_of`, `echo`, `logit_bias`, `logprobs` included) plus vLLM's `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens` and
+`prompt_logprobs`; tools (tool_choice.py) and structured outputs (structured_request.py) have
+modules of their own. `suffix` is refused with a 400.
 A session for the scheduler's affinity is the x-session-affinity header, else the body's
 `session_id` (an extension) or OpenAI's `user`.
 """
@@ -10,10 +12,14 @@ A session for the scheduler's affinity is the x-session-affinity header, else th
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.structured_request import forced_json, parse_structured
+from services.gateway.tool_choice import ToolChoice, forced_schema, parse_tools
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.sampling.params import MAX_LOGPROBS, SamplingParams
+from shared.sampling.structured import StructuredOutput
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_N = 128  # choices (or best_of candidates) a request may ask for, as vLLM bounds them
 CHAT, COMPLETION = "chat", "completion"
 SESSION_HEADER = "x-session-affinity"
 
@@ -30,6 +36,7 @@ class ParsedRequest:
     model: str
     messages: tuple[dict, ...] = ()  # chat: role/content maps, content flattened to text
     tools: tuple[dict, ...] | None = None  # chat: passed to the chat template
+    tool_choice: ToolChoice = ToolChoice()  # chat: what to do with the tools
     prompt: str | tuple[int, ...] = ""  # completion: text or token ids
     max_tokens: int | None = None  # None: chat → the rest of the context; completion → 16
     sampling: tuple[tuple[str, Any], ...] = ()  # other SamplingParams fields, as (name, value)
@@ -38,6 +45,10 @@ class ParsedRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): in every chunk
     num_logprobs: int | None = None  # None: no logprobs; n: chosen token + top n
     session_id: str = ""  # the body's session_id, else user; "" → none (see session_of)
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences generated, the n of highest mean logprob returned (>= n)
+    echo: bool = False  # completion: the prompt leads each choice's text (and logprobs)
+    structured: StructuredOutput | None = None  # the constraint on the output, if any
 
 
 def _is_int(value: Any) -> bool:
@@ -89,9 +100,17 @@ def _common(body: Any) -> dict:
     for name in ("session_id", "user"):
         value = _field(body, name, lambda v: isinstance(v, str), "a string")
         session = session or value or ""
+    if (bias := _logit_bias(body)) is not None:
+        sampling["logit_bias"] = bias
+    prompt_logprobs = _field(body, "prompt_logprobs", _is_int, "an integer")
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        sampling["prompt_logprobs"] = prompt_logprobs
     n = _field(body, "n", _is_int, "an integer")
-    if n is not None and n != 1:
-        raise InvalidRequestError("n", "only n=1 is supported")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError("n", f"must be in [1, {MAX_N}]")
     stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     include_usage = options.get("include_usage", False)
@@ -100,14 +119,30 @@ def _common(body: Any) -> dict:
     continuous = options.get("continuous_usage_stats", False)
     if not isinstance(continuous, bool):
         raise InvalidRequestError("stream_options.continuous_usage_stats", "must be a boolean")
+    structured, _ = parse_structured(body)
     return dict(
         model=model,
+        n=n,
+        structured=structured,
         sampling=tuple(sampling.items()),
         stream=stream,
         include_usage=stream and include_usage,
         continuous_usage=stream and include_usage and continuous,
         session_id=session,
     )
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"token id": bias} as sorted (id, bias) pairs (SamplingParams checks ranges)."""
+    bias = _field(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+    if bias is None:
+        return None
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit() or not _is_num(value):
+            raise InvalidRequestError("logit_bias", "maps token ids (as strings) to numbers")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _max_tokens(body: dict, *names: str) -> int | None:
@@ -139,15 +174,24 @@ def _messages(body: dict) -> tuple[dict, ...]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequestError(f"messages[{i}]", "must be an object with a string role")
-        text = _text_content(message.get("content"), f"messages[{i}].content")
-        out.append({**message, "content": text})
+        content = message.get("content")
+        if content is None and message.get("tool_calls"):
+            out.append(message)  # a turn of tool calls alone: its content stays null
+            continue
+        out.append({**message, "content": _text_content(content, f"messages[{i}].content")})
     return tuple(out)
 
 
 def parse_chat(body: Any) -> ParsedRequest:
     """Validate a `/v1/chat/completions` body."""
     common = _common(body)
-    tools = _field(body, "tools", lambda v: isinstance(v, list), "a list")
+    tools, choice = parse_tools(body)
+    if choice.forced:
+        if common["structured"] is not None:
+            raise InvalidRequestError(
+                "tool_choice", "cannot force a tool call with response_format"
+            )
+        common["structured"] = forced_json(forced_schema(tools, choice), "tool_choice")
     top = _field(body, "top_logprobs", _is_int, "an integer")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
@@ -157,9 +201,11 @@ def parse_chat(body: Any) -> ParsedRequest:
     return ParsedRequest(
         kind=CHAT,
         messages=_messages(body),
-        tools=None if tools is None else tuple(tools),
+        tools=tools,
+        tool_choice=choice,
         max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
         num_logprobs=(top or 0) if wants else None,
+        best_of=common["n"],
         **common,
     )
 
@@ -178,12 +224,15 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
 def parse_completion(body: Any) -> ParsedRequest:
     """Validate a `/v1/completions` body."""
     common = _common(body)
-    for name in ("echo", "suffix"):
-        if body.get(name):
-            raise InvalidRequestError(name, "is not supported")
+    if body.get("suffix"):
+        raise InvalidRequestError("suffix", "is not supported")
+    echo = bool(_field(body, "echo", lambda v: isinstance(v, bool), "a boolean"))
     best_of = _field(body, "best_of", _is_int, "an integer")
-    if best_of is not None and best_of != 1:
-        raise InvalidRequestError("best_of", "only best_of=1 is supported")
+    best_of = common["n"] if best_of is None else best_of
+    if not common["n"] <= best_of <= MAX_N:
+        raise InvalidRequestError("best_of", f"must be in [n, {MAX_N}]")
+    if best_of > common["n"] and common["stream"]:
+        raise InvalidRequestError("best_of", "cannot be streamed when larger than n")
     logprobs = _field(body, "logprobs", _is_int, "an integer")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
@@ -192,6 +241,8 @@ def parse_completion(body: Any) -> ParsedRequest:
         prompt=_prompt(body),
         max_tokens=_max_tokens(body, "max_tokens"),
         num_logprobs=logprobs,
+        best_of=best_of,
+        echo=echo,
         **common,
     )
 
@@ -213,6 +264,11 @@ def build_sampling(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len:
             f"{num_prompt_tokens} prompt + {max_tokens} new tokens exceed the model's "
             f"context length of {max_model_len} tokens",
         )
+    logprobs, fields = parsed.num_logprobs, dict(parsed.sampling)
+    if parsed.best_of > parsed.n and logprobs is None:
+        logprobs = 0  # the candidates are ranked by their tokens' logprobs
+    if parsed.echo and logprobs is not None:  # the echoed prompt comes with its logprobs
+        fields["prompt_logprobs"] = max(fields.get("prompt_logprobs") or 0, logprobs)
     return SamplingParams(
-        max_tokens=max_tokens, logprobs=parsed.num_logprobs, **dict(parsed.sampling)
+        max_tokens=max_tokens, logprobs=logprobs, structured=parsed.structured, **fields
     )

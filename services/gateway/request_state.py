@@ -54,7 +54,12 @@ class RequestStream:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids, sampling: SamplingParams):
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.first_prompt_token = prompt_token_ids[0] if prompt_token_ids else None
         self.sampling = sampling
+        # token ids whose text a stop leaves out (the detokenizer keeps special tokens when
+        # skip_special_tokens is off, as tool-call parsers need)
+        self._stop_ids = frozenset(tokenizer.eos_token_ids) | set(sampling.stop_token_ids)
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # with output index 0
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens
         )
@@ -96,6 +101,8 @@ class RequestStream:
                 f"protocol error: the worker sent output index {item.index}, "
                 f"expected {self.num_output}"
             )
+        if item.index == 0 and self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = item.prompt_logprobs
         before = self.num_output
         text = self._apply(item)
         return Delta(text, item.logprobs, self.finish_reason, tokens=self.num_output - before)
@@ -105,7 +112,10 @@ class RequestStream:
         item or a stop string ends it."""
         bypass_stops = self.num_output < self.sampling.min_tokens
         self.num_output += len(item.token_ids)
-        text = self._detok.add(item.token_ids) if item.token_ids else ""
+        ids = item.token_ids
+        if item.finish_reason == protocol.FINISH_STOP and ids and ids[-1] in self._stop_ids:
+            ids = ids[:-1]  # the stop token ends the text, it is not part of it
+        text = self._detok.add(ids) if ids else ""
         if not bypass_stops:
             text, stopped = self._stops.feed(text)
             if stopped:

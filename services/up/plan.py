@@ -33,6 +33,7 @@ class UpConfig:
     cores_prefill: tuple[int, ...] = ()  # explicit cores of the prefill (or colocated) workers
     cores_decode: tuple[int, ...] = ()
     routing: str = "kv"  # the scheduler's --routing (services/scheduler/routing.py)
+    tool_call_parser: str = "auto"  # the gateway's --tool-call-parser
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -96,6 +97,8 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
             args += ["--cpus", format_cpulist(w.cores)]
         children.append(ChildSpec(w.name, tuple(args)))
     gateway = ("gateway", *model, "--host", cfg.host, "--port", str(cfg.port))
+    if cfg.tool_call_parser != "auto":
+        gateway += ("--tool-call-parser", cfg.tool_call_parser)
     children.append(ChildSpec("gateway", gateway, where.services))
     return children
 

@@ -162,8 +162,12 @@ class ChatTemplate:
         if not isinstance(message, Mapping):
             raise InvalidRequestError("messages", f"message {index} is not an object")
         # Drop None values: OpenAI clients send content=None / tool_calls=None, which many
-        # templates would render as "None" while they handle a missing key.
+        # templates would render as "None" while they handle a missing key. The content of a
+        # turn that calls tools stays None, as HF passes it: templates such as DeepSeek-V3's
+        # test `content is none` to render the calls alone.
         out = {k: v for k, v in message.items() if v is not None}
+        if message.get("content", "") is None and message.get("tool_calls"):
+            out["content"] = None
         reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
         if reasoning is not None:
             out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
