@@ -5,9 +5,11 @@ For each tokenizer (the bundled one, vocab 8192, and a byte-level BPE of 32000 t
 the stdlib, the vocabulary of loadtest/random_model.py's bench model) it walks the tokens of a
 real JSON document that a schema accepts (an array of 40 records: a few hundred tokens),
 filling the mask before each token and advancing the matcher by it, and prints the median and
-p90 microseconds per token of the fill, the advance, and the one-off compile.
+p90 microseconds per token of the fill, the advance, and the one-off compile. Then, with the
+32000-token vocabulary, the sampler's cost of applying a batch of 32 such masks to the logits
+(shared/sampling/token_mask.apply_): the C kernel beside the torch path, in paired rounds.
 
-    python -m loadtest.bench_grammar [--tokens 32000] [--repeats 3]
+    python -m loadtest.bench_grammar [--repeats 3] [--threads 1]
 """
 
 import argparse
@@ -133,6 +135,43 @@ def _summary(fills: list[float], advances: list[float], compiles: list[float], i
     }
 
 
+def bench_apply(tokenizer_json: Path, ids: list[int], repeats: int) -> list[dict]:
+    """Microseconds to apply 32 rows of llguidance masks (those before the document's first 32
+    tokens) to (32, V) logits: the C kernel and the torch path alternating, median of rounds."""
+    import llguidance
+    import llguidance.torch as llt
+
+    from kernels.cpu import library
+    from shared.sampling import token_mask
+
+    tok = llguidance.LLTokenizer(tokenizer_json.read_text())
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(SCHEMA), defaults={"whitespace_flexible": False}
+    )
+    matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+    bitmask = llt.allocate_token_bitmask(32, tok.vocab_size)  # (32, W)
+    for row, token in enumerate(ids[:32]):
+        llt.fill_next_token_bitmask(matcher, bitmask, row)
+        matcher.consume_token(token)
+    masks = token_mask.TokenMasks(torch.arange(32), bitmask)
+    paths = {"kernel": token_mask.apply_, "torch": token_mask._apply_torch_}
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(32, tok.vocab_size).to(dtype)
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(max(repeats, 3) * 3):  # rounds: each path 50 calls, then the other
+            for name, apply in paths.items():
+                start = time.perf_counter()
+                for _ in range(50):
+                    apply(logits, masks)
+                times[name].append((time.perf_counter() - start) / 50)
+        us = {f"{name}_us": round(statistics.median(t) * 1e6, 1) for name, t in times.items()}
+        tier = library.built_tier()
+        lines.append({"apply": f"32 x {tok.vocab_size}", "dtype": str(dtype), **us,
+                      "tier": tier.name if tier else None})  # fmt: skip
+    return lines
+
+
 ENGINES = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar}
 
 
@@ -160,6 +199,8 @@ def main() -> None:
                     result = {"skipped": f"not importable ({e.name})"}
                 facts = {"tokenizer": name, "tokens": len(ids), "engine": engine}
                 print(json.dumps({**facts, **result}))
+        for line in bench_apply(tokenizers["bpe-32000"], ids, args.repeats):  # its ids: the last
+            print(json.dumps(line))
 
 
 if __name__ == "__main__":

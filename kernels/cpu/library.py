@@ -1,9 +1,10 @@
 """The C CPU kernels as one library: every source here built for the CPU's tier (isa.py) on
 first use, flags in the cache key (kernels/build.py), loaded with ctypes. The op wrappers
-(norm.py, rope.py, activation.py, argmax.py, attention.py, linear.py, decode_layer.py) check
-dtype, shape and strides and pass addresses to its functions. The layers call them for CPU
-tensors of float32 or bfloat16 when `usable(x)`; elsewhere (another device, no C compiler) the
-layers keep their torch code, which is also the reference the kernel tests compare against."""
+(norm.py, rope.py, activation.py, argmax.py, token_mask.py, attention.py, linear.py,
+decode_layer.py) check dtype, shape and strides and pass addresses to its functions. The layers
+call them for CPU tensors of float32 or bfloat16 when `usable(x)`; elsewhere (another device, no
+C compiler) the layers keep their torch code, which is also the reference the kernel tests
+compare against."""
 
 import ctypes
 import logging
@@ -30,6 +31,7 @@ _SIGNATURES = {
     "tk_rope": (None, [_ptr, _i64, _ptr, _i64, *[_i64] * 4, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
     "tk_silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "tk_argmax": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
+    "tk_token_mask": (_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "tk_paged_attention": (
         _int,
         [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu import library
+from kernels.cpu.token_mask import token_mask_
+
 
 @dataclass(frozen=True)
 class TokenMasks:
@@ -44,9 +47,22 @@ def penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_(x: torch.Tensor, masks: TokenMasks) -> None:
-    """Sets the disallowed logits of the masked rows of x (B, V) to -inf, in place (adding
-    -inf: one pass over those rows)."""
-    x.index_add_(0, masks.row_ids, penalty(masks.bitmask, x.shape[1]))
+    """Sets the disallowed logits of the masked rows of x (B, V) to -inf, in place: in C on
+    CPU (kernels/cpu/token_mask.c, ~10x faster at 32 x 32k: it skips the all-allowed words
+    and fills the all-disallowed ones, where the torch path unpacks every bit), else by the
+    torch path on any device."""
+    if library.usable(x) and masks.bitmask.device == x.device:
+        token_mask_(x, masks.row_ids, masks.bitmask)
+    else:
+        _apply_torch_(x, masks)
+
+
+def _apply_torch_(x: torch.Tensor, masks: TokenMasks) -> None:
+    """apply_ in torch ops (the fallback, and the reference of the kernel's tests): adding
+    -inf, one pass over the masked rows. The same as setting -inf for finite logits; a
+    disallowed inf or NaN becomes NaN here, -inf in the kernel (a masked_fill_ that would
+    match it measured 3x slower)."""
+    x.index_add_(0, masks.row_ids, penalty(masks.bitmask, x.shape[1]).to(x.dtype))
 
 
 __all__ = ["TokenMasks", "apply_", "penalty", "ready"]
