@@ -21,7 +21,7 @@ static void NAME(mask_row)(T *row, const uint32_t *words, int64_t d) {
         uint32_t clear = ~allowed & (n == 32 ? 0xffffffffu : (1u << n) - 1);
 #if IS_BF16 /* 32 bfloat16 lanes: one masked store */
         _mm512_mask_storeu_epi16(at, clear, _mm512_set1_epi16((short)minus_inf));
-#else /* 2 x 16 float32 lanes; masked-off lanes are not touched, past d neither */
+#else /* 2 x 16 float32 lanes: masked-off lanes neither written nor faulting (past d) */
         __m512 fill = _mm512_set1_ps(minus_inf);
         _mm512_mask_storeu_ps(at, (__mmask16)clear, fill);
         _mm512_mask_storeu_ps(at + 16, (__mmask16)(clear >> 16), fill);
