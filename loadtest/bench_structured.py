@@ -6,9 +6,9 @@ A fair pair: both sides decode exactly --new-tokens tokens a row after the same 
 The free side ignores EOS; the schema (an array of 500 small records: integers with bounds,
 an enum, a boolean, a string of at most 8 characters) cannot be complete within that many
 tokens, so it never allows EOS there either; each round checks every row ran the full length.
-Two schema sides: masks filled on a thread beside the forward pass (the engine's way) and
-filled before it (`Grammars.background = False`, the engine's choice when torch leaves no core
-free), which shows what the overlap buys here.
+Two schema sides: masks filled on a thread beside the forward pass (the engine's choice when
+a core is left) and filled before it (`Grammars.background = False`, its choice when torch
+takes every core), which shows what the overlap buys here.
 
     python -m loadtest.bench_structured [--dtype float32] [--threads 2] [--rounds 4]
 """
