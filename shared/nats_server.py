@@ -11,9 +11,11 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from shared.errors import ProcessStartError
+from shared.nats_auth import authorization
 from shared.proc import child_setup
 
 BINARY = "nats-server"
@@ -45,10 +47,10 @@ class NatsServer:
         host: str = "127.0.0.1",
         monitor: bool = False,
         cores: tuple[int, ...] = (),
-        token: str = "",  # clients must present it; "": no authentication
+        users: Mapping[str, str] | None = None,  # role -> password (nats_auth.py); None: open
     ):
         self.state_dir = Path(state_dir)
-        self.token = token
+        self.users = dict(users or {})
         self.cores = cores  # run on these CPUs; (): any
         self.host = host
         self.monitor = monitor  # also serve the HTTP monitoring endpoints (/varz) on a free port
@@ -69,11 +71,11 @@ class NatsServer:
         args += ["-sd", str(self.state_dir / "jetstream"), "--ports_file_dir", str(self.state_dir)]
         if self.monitor:
             args += ["-m", "-1"]
-        if self.token:  # in a file only its owner reads, not in argv (/proc/*/cmdline)
+        if self.users:  # in a file only its owner reads, not in argv (/proc/*/cmdline)
             conf = self.state_dir / "auth.conf"
             conf.touch(mode=0o600)
             conf.chmod(0o600)
-            conf.write_text(f"authorization {{ token: {json.dumps(self.token)} }}\n")
+            conf.write_text(authorization(self.users))
             args += ["-c", str(conf)]
         log = open(self.state_dir / "nats-server.log", "ab")
         self._proc = subprocess.Popen(

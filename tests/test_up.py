@@ -282,10 +282,11 @@ def test_up_restarts_a_killed_nats_server_and_serves_again(tiny_llama):
         assert up.stop() == 0
 
 
-def test_up_s_nats_server_refuses_clients_without_its_token(tiny_llama, tmp_path):
+def test_up_s_nats_server_refuses_clients_without_credentials(tiny_llama, tmp_path):
     """Any local process could read every prompt and forge tokens, cancels and heartbeats on
-    an open broker: the nats-server that `tison up` starts takes only clients with the token
-    it gave its services (in their environment and a file only its owner reads)."""
+    an open broker: the nats-server that `tison up` starts takes only its services, each with
+    its role's user (password in its environment and a file only its owner reads), allowed
+    its role's subjects (tests/test_nats_auth.py)."""
     import asyncio
 
     import nats
@@ -298,7 +299,7 @@ def test_up_s_nats_server_refuses_clients_without_its_token(tiny_llama, tmp_path
         url = json.loads(ports.read_text())["nats"][0]
         assert (tmp_path / "nats" / "auth.conf").stat().st_mode & 0o077 == 0
         for proc in descendants(up.proc.pid):
-            assert not any("token" in arg for arg in cmdline(proc)[1:])
+            assert not any("password" in arg or "secret" in arg for arg in cmdline(proc)[1:])
 
         async def forge() -> None:
             nc = await nats.connect(url, max_reconnect_attempts=0, allow_reconnect=False)

@@ -18,6 +18,7 @@ from services.scheduler import routing
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
 from services.up.supervisor import StartupFailure, Supervisor, child_env
+from shared import nats_auth
 from shared.errors import ModelFolderError, TisonError, UnsupportedArchitectureError
 from shared.models.registry import supported_architectures
 from shared.nats_server import NatsServer
@@ -115,12 +116,13 @@ def main(args: argparse.Namespace) -> int:
         log.info("placement: %s", line)
     stop = _stop_on_signals()
     with tempfile.TemporaryDirectory(prefix="tison-") as tmp:
-        nats, token = None, ""
-        if not cfg.nats_url:  # ours: only the services we start hold its token
-            state, token = args.state_dir or Path(tmp) / "nats", secrets.token_hex(16)
-            nats = NatsServer(state, cores=where.services, token=token).start()
-        env = child_env(secrets.token_hex(16), token)
-        supervisor = Supervisor(plan(cfg, where), cfg.nats_url or nats.url, env)
+        nats, users = None, {}
+        if not cfg.nats_url:  # ours: a user per role, its password only in that role's env
+            users = {role: secrets.token_hex(16) for role in nats_auth.ROLES}
+            state = args.state_dir or Path(tmp) / "nats"
+            nats = NatsServer(state, cores=where.services, users=users).start()
+        env = child_env(secrets.token_hex(16))
+        supervisor = Supervisor(plan(cfg, where), cfg.nats_url or nats.url, env, nats_users=users)
         try:
             supervisor.start_all()
             return _serve(cfg, supervisor, nats, stop, args.ready_timeout)

@@ -8,9 +8,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.runtime import NATS_TOKEN_ENV
+from services.runtime import NATS_PASSWORD_ENV, NATS_USER_ENV
 from services.up.plan import ChildSpec, RestartPolicy
 from shared.proc import child_setup, stop_processes
 
@@ -42,10 +43,20 @@ class Supervisor:
         nats_url: str,
         env: dict[str, str],
         policy: RestartPolicy | None = None,
+        nats_users: Mapping[str, str] | None = None,  # role -> password of its NATS user
     ):
         self.specs, self.nats_url, self.env = specs, nats_url, env
+        self.nats_users = dict(nats_users or {})
         self.policy = policy or RestartPolicy()
         self.children: dict[str, Child] = {}
+
+    def _env(self, spec: ChildSpec) -> dict[str, str]:
+        """The child's environment: with users on tison up's nats-server, its role's (the
+        subcommand: scheduler, gateway, prefill, decode, colocated)."""
+        role = spec.args[0]
+        if role not in self.nats_users:
+            return self.env
+        return {**self.env, NATS_USER_ENV: role, NATS_PASSWORD_ENV: self.nats_users[role]}
 
     def start_all(self) -> None:
         for spec in self.specs:
@@ -54,7 +65,7 @@ class Supervisor:
     def _start(self, spec: ChildSpec) -> None:
         proc = subprocess.Popen(
             spec.argv(self.nats_url),
-            env=self.env,
+            env=self._env(spec),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -114,10 +125,6 @@ def _forward(child: Child, stream) -> None:
     stream.close()
 
 
-def child_env(kv_secret: str, nats_token: str = "") -> dict[str, str]:
-    """The children's environment: the KV transport's secret and, for a nats-server that
-    `tison up` started, its token (secrets in the environment, not in argv)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TISON_KV_SECRET=kv_secret)
-    if nats_token:
-        env[NATS_TOKEN_ENV] = nats_token
-    return env
+def child_env(kv_secret: str) -> dict[str, str]:
+    """The children's environment: the KV transport's secret (in the environment, not argv)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", TISON_KV_SECRET=kv_secret)
