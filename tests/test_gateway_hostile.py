@@ -264,3 +264,38 @@ def test_an_api_key_guards_the_v1_routes(tmp_path, tiny_llama):
             assert status == 401 and reply["error"]["code"] == "invalid_api_key", reply
         status, reply = post(s, "/v1/completions", body, {"Authorization": "Bearer sesame"})
         assert status == 200 and reply["choices"][0]["text"], reply
+
+
+# --- the OpenAPI document ----------------------------------------------------------------------
+
+
+def test_the_openapi_document_covers_every_route_and_fuzzed_field(cluster, tiny_llama):
+    from services.gateway.app import build_app
+    from services.gateway.completions import CompletionService
+    from services.gateway.config import GatewayConfig
+    from services.gateway.control import ControlPlane
+    from services.gateway.metrics import GatewayMetrics
+    from shared.tokenizer.tokenizer import Tokenizer
+
+    with urllib.request.urlopen(cluster.base_url + "/openapi.json", timeout=10) as resp:
+        doc = json.loads(resp.read())
+    assert doc["openapi"].startswith("3.1") and tiny_llama.name in doc["info"]["description"]
+    metrics = GatewayMetrics()
+    control = ControlPlane("gw-doc", "nats://127.0.0.1:1", metrics, 3, 1.0)  # never started
+    service = CompletionService(
+        GatewayConfig(model_dir=tiny_llama), Tokenizer.from_dir(tiny_llama), control, metrics
+    )
+    routes = {
+        (r.method.lower(), r.resource.canonical)
+        for r in build_app(service).router.routes()
+        if r.method != "HEAD"
+    }
+    documented = {(m, path) for path, item in doc["paths"].items() for m in item}
+    assert routes == documented
+
+    def fields(path: str) -> set[str]:
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        return set(body["schema"]["properties"])
+
+    assert set(FIELDS) <= fields("/v1/chat/completions") | fields("/v1/completions")
+    assert set(RESPONSES_FIELDS) <= fields("/v1/responses")

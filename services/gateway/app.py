@@ -14,6 +14,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.control import ControlPlane
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_request import parse_chat, parse_completion
+from services.gateway.openapi import document
 from services.gateway.responses import ResponsesService
 from services.gateway.tokenize import detokenize, tokenize
 from shared.errors import InvalidRequestError
@@ -105,6 +106,10 @@ async def detokenize_route(request: web.Request) -> web.Response:
     return web.json_response(detokenize(service, await _body(request)))
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(document(request.app[SERVICE].config.served_model_name))
+
+
 async def models(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     model = {
@@ -146,6 +151,7 @@ def build_app(service: CompletionService) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get(HEALTH_PATH, health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 
