@@ -90,11 +90,14 @@ class CompletionService:
         return list(parsed.prompt)
 
     def sampling(self, parsed: ParsedRequest, prompt_ids: list[int]) -> SamplingParams:
-        """The request's SamplingParams, checked against the context and the vocabulary."""
+        """The request's SamplingParams, checked against the context and the vocabulary; special
+        tokens kept in the text when its tool-call parser reads them."""
         sampling = build_sampling(parsed, len(prompt_ids), self.max_model_len())
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise InvalidRequestError("logit_bias", f"token ids must be < {vocab}")
+        if getattr(self.output(parsed).parser, "skip_special_tokens", True) is False:
+            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
         return sampling
 
     def model_error(self, model: str) -> web.Response | None:
@@ -144,9 +147,6 @@ class CompletionService:
         # chat templates and tokenizers take their time on long inputs: not on the event loop
         prompt_ids = await asyncio.to_thread(self.tokenize, parsed)
         sampling = self.sampling(parsed, prompt_ids)
-        parser = self.output(parsed).parser
-        if getattr(parser, "skip_special_tokens", True) is False:
-            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
         prefix = "chatcmpl" if parsed.kind == CHAT else "cmpl"
         gens = self.generations(request, parsed, prompt_ids, sampling, timing, prefix)
         fmt = ResponseFormat.for_request(
@@ -163,7 +163,7 @@ class CompletionService:
             with self.metrics.running.track_inprogress():
                 if parsed.stream:
                     return await self._stream(request, parsed, fmt, choices, echo)
-                return await self._collect(parsed, fmt, choices, echo, len(prompt_ids))
+                return await self._collect(parsed, fmt, choices, echo)
         finally:
             await choices.close()
 
@@ -217,7 +217,7 @@ class CompletionService:
         await resp.write_eof()
         return resp
 
-    async def _collect(self, parsed, fmt, choices: Choices, echo: str, num_prompt: int):
+    async def _collect(self, parsed, fmt, choices: Choices, echo: str):
         count = len(choices.generations)
         texts: list[list[str]] = [[] for _ in range(count)]
         logprobs: list[list] = [[] for _ in range(count)]

@@ -3,7 +3,6 @@ OpenAI's Responses API (responses_format.py); its conversation is stored for a l
 `previous_response_id` unless `store` is false."""
 
 import asyncio
-import dataclasses
 import json
 import time
 
@@ -48,8 +47,6 @@ class ResponsesService:
         timing = Timing(time.monotonic(), config.queue_timeout_s, config.request_timeout_s)
         prompt_ids = await asyncio.to_thread(svc.tokenize, chat)
         sampling = svc.sampling(chat, prompt_ids)
-        if getattr(svc.output(chat).parser, "skip_special_tokens", True) is False:
-            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
         choices = Choices(svc.generations(request, chat, prompt_ids, sampling, timing, "resp"))
         response = ResponseObject(chat.model, req.echo, req.previous_response_id, chat.max_tokens)
         metrics = svc.metrics
