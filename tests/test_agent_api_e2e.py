@@ -134,11 +134,6 @@ async def test_n_choices_each_honour_their_seed(client, cluster, llm, agent_mode
     await wait_pages_free(cluster)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race, under investigation: a decode worker computing a cached prompt itself "
-    "sometimes publishes output index 2 before 1 (503 protocol error); see the #22 note",
-)
 async def test_the_other_choices_reuse_the_first_ones_prompt_pages(client, cluster, agent_model):
     """n = 4 computes the prompt once: choices 1..3 are submitted after choice 0's first token,
     and the prefix caches hold its pages by then."""
@@ -190,11 +185,6 @@ async def test_echo_leads_with_the_prompt(client, llm, agent_model):
     assert all(v <= 0 for v in lp.token_logprobs[1:])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race, under investigation: a decode worker computing a cached prompt itself "
-    "sometimes publishes output index 2 before 1 (503 protocol error); see the #22 note",
-)
 async def test_prompt_logprobs_equal_offline(client, llm, agent_model):
     prompt = "The quick brown fox"
     ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]

@@ -1,5 +1,6 @@
-"""The worker's EngineLoop with a real engine: commands run between steps, and a burst of
-messages handled `in_tasks` joins the batch at the next step together, not one per step."""
+"""The worker's EngineLoop with a real engine: commands run between steps, a burst of
+messages handled `in_tasks` joins the batch at the next step together, not one per step, and a
+decode worker numbers its items right when a step overtakes one of its handlers."""
 
 import asyncio
 import functools
@@ -7,12 +8,21 @@ import functools
 import nats
 
 from services.scheduler.kv_index import KVIndex
+from services.worker.decode import DecodeRole
 from services.worker.kv_events import KVEventsPublisher
 from services.worker.loop import EngineLoop
 from shared import protocol, subjects
 from shared.kv.block_hash import page_hashes
 from shared.nats_server import NatsServer
-from shared.protocol import KVEventsMsg, KVSnapshotAskMsg
+from shared.protocol import (
+    DecodeAssignMsg,
+    DecodeAssignReplyMsg,
+    KVEventsMsg,
+    KVPool,
+    KvReadyMsg,
+    KVSnapshotAskMsg,
+    TokensMsg,
+)
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import new_engine
@@ -99,4 +109,60 @@ async def test_the_engines_kv_events_reach_an_index_over_nats(tiny_llama, tmp_pa
             await nc.close()
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
+            engine.close()
+
+
+class StepBeforeTheCallerResumes(EngineLoop):
+    """Runs each command, then a step, before the caller of `call` resumes; the step's outputs
+    are handled after it. The real loop interleaves so whenever a handler's task is slow to
+    resume (a loaded machine): here every time."""
+
+    async def call(self, fn, *args):
+        result = fn(*args)
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        self.handlers.spawn(self.on_outputs(outputs))
+        return result
+
+
+async def test_a_decode_worker_numbers_its_items_when_a_step_overtakes_a_handler(
+    tiny_llama, tmp_path
+):
+    """The KV arrives; the first token leaves; the next step decodes the request's last token
+    before the handler resumes. The gateway must get indices 0 and 1 (the finish), nothing else:
+    the handler once read the request after the step and sent index 2, a protocol error."""
+    engine = new_engine(tiny_llama)
+    roles = []
+    loop = StepBeforeTheCallerResumes(engine, lambda outputs: roles[0].on_outputs(outputs))
+    got: list = []
+    with NatsServer(tmp_path / "nats") as server:
+        nc = await nats.connect(server.url)
+        try:
+            role = DecodeRole(nc, loop, "d0", KVPool(engine.kv_spec.layout, "host", ()))
+            roles.append(role)
+            await role.subscribe()
+
+            async def on_tokens(msg) -> None:
+                got.extend(protocol.decode(msg.data, TokensMsg).items)
+
+            await nc.subscribe(subjects.gateway_tokens("g0"), cb=on_tokens)
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            assign = DecodeAssignMsg("r", "g0", "p0", (5, 6, 7, 8), params)
+            reply = await nc.request(subjects.assign("decode", "d0"), protocol.encode(assign), 10)
+            assert protocol.decode(reply.data, DecodeAssignReplyMsg).accepted
+            ready = KvReadyMsg("r", "p0", ok=True, first_token_id=9)
+            await nc.publish(subjects.decode_kv("d0"), protocol.encode(ready))
+
+            async def finished() -> bool:
+                return any(item.finish_reason for item in got)
+
+            await until(finished, 30, "the request's last item")
+            await asyncio.sleep(0.2)  # anything sent after it would have come by now
+            assert [(i.index, len(i.token_ids), i.finish_reason) for i in got] == [
+                (0, 1, None),
+                (1, 1, "length"),
+            ]
+            assert engine.num_pages_used == 0
+        finally:
+            await nc.close()
+            await loop.handlers.cancel_all()
             engine.close()

@@ -132,21 +132,33 @@ class DecodeRole:
             return  # cancelled meanwhile
         error = (ready.error or "prefill failed") if not ready.ok else self._missing_kv(rid)
         if error:
-            req = self.engine.requests.get(rid)
-            await self.loop.call(self.engine.finish, rid, FinishReason.ERROR)
-            if req is not None:
-                await self._publish_items([(rid, token_item(req, [], [], error))])
+            failed = await self.loop.call(self._fail, rid, error)
+            if failed is not None:
+                await self._publish_items([(rid, failed)])
             return
         # The first token leaves now, not after the step running meanwhile (time to first token).
         token, logprob = ready.first_token_id, ready.first_logprob
         logprobs = () if logprob is None else (logprob,)
         first = TokenItem(rid, 0, (token,), logprobs, prompt_logprobs=ready.prompt_logprobs)
         await self._publish_items([(rid, first)])
-        req = await self.loop.call(
-            self.engine.start_remote, rid, token, logprob, ready.prompt_logprobs
-        )
-        if req is not None and req.finished:  # the first token already ended it
-            await self._publish_items([(rid, token_item(req, [], []))])
+        ended = await self.loop.call(self._start, rid, token, logprob, ready.prompt_logprobs)
+        if ended is not None:
+            await self._publish_items([(rid, ended)])
+
+    # The two below run on the engine between steps: the item they return is the request's state
+    # then. Read after the await, a step running meanwhile may have decoded (and ended) it: its
+    # own item would then come with an index the gateway has not reached.
+
+    def _fail(self, request_id: str, error: str) -> TokenItem | None:
+        """Ends the request with an error; its last item, None if it is gone."""
+        req = self.engine.requests.get(request_id)
+        self.engine.finish(request_id, FinishReason.ERROR)
+        return None if req is None else token_item(req, [], [], error)
+
+    def _start(self, request_id: str, token: int, logprob, prompt_logprobs) -> TokenItem | None:
+        """Decodes the request from its first token on; its last item if that token ended it."""
+        req = self.engine.start_remote(request_id, token, logprob, prompt_logprobs)
+        return token_item(req, [], []) if req is not None and req.finished else None
 
     def _missing_kv(self, request_id: str) -> str:
         """Over TCP each prefill rank streams its own part: all of the prompt's KV must have
