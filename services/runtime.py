@@ -2,37 +2,13 @@
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
-
-import nats
 
 from shared.errors import TisonError
 from shared.proc import process_age_s
 
 log = logging.getLogger(__name__)
-
-
-NATS_TOKEN_ENV = "TISON_NATS_TOKEN"  # a token for an external nats-server
-# a user of an authenticated nats-server: tison up's gives each role its own (nats_auth.py)
-NATS_USER_ENV, NATS_PASSWORD_ENV = "TISON_NATS_USER", "TISON_NATS_PASSWORD"
-
-
-async def connect_nats(url: str, name: str):
-    """A NATS connection that never stops reconnecting (nats-py's default gives up after 60
-    tries, ~2 minutes): `tison up` restarts a dead nats-server on the same port, and every
-    service finds it again however long it took. With $TISON_NATS_USER and
-    $TISON_NATS_PASSWORD, or $TISON_NATS_TOKEN, it authenticates (never in argv, where `ps`
-    shows it)."""
-    credentials = dict(
-        user=os.environ.get(NATS_USER_ENV) or None,
-        password=os.environ.get(NATS_PASSWORD_ENV) or None,
-        token=os.environ.get(NATS_TOKEN_ENV) or None,
-    )
-    return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=1.0, **credentials
-    )
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log_level: str = "INFO") -> int:

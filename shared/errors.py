@@ -50,3 +50,11 @@ class ProtocolError(TisonError):
 
 class ProcessStartError(TisonError):
     """A helper process (the nats-server binary, a service) is missing or did not start."""
+
+
+class NatsOptionsError(TisonError):
+    """A service's NATS credential or TLS option cannot be used (a missing file, half a pair)."""
+
+    def __init__(self, flag: str, reason: str):
+        super().__init__(f"{flag}: {reason}")
+        self.flag = flag

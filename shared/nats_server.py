@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ProcessStartError
@@ -38,6 +39,22 @@ def find_binary() -> Path:
     )
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """The server's certificate and key (PEM); with client_ca, clients must present a
+    certificate that CA signed (mutual TLS)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def args(self) -> list[str]:
+        args = ["--tls", "--tlscert", str(self.cert), "--tlskey", str(self.key)]
+        if self.client_ca is not None:
+            args += ["--tlsverify", "--tlscacert", str(self.client_ca)]
+        return args
+
+
 class NatsServer:
     """One nats-server process with JetStream, its store in `state_dir`; a context manager."""
 
@@ -48,9 +65,11 @@ class NatsServer:
         monitor: bool = False,
         cores: tuple[int, ...] = (),
         users: Mapping[str, str] | None = None,  # role -> password (nats_auth.py); None: open
+        tls: ServerTls | None = None,  # clients must speak TLS; None: plain TCP
     ):
         self.state_dir = Path(state_dir)
         self.users = dict(users or {})
+        self.tls = tls
         self.cores = cores  # run on these CPUs; (): any
         self.host = host
         self.monitor = monitor  # also serve the HTTP monitoring endpoints (/varz) on a free port
@@ -71,6 +90,8 @@ class NatsServer:
         args += ["-sd", str(self.state_dir / "jetstream"), "--ports_file_dir", str(self.state_dir)]
         if self.monitor:
             args += ["-m", "-1"]
+        if self.tls is not None:
+            args += self.tls.args()
         if self.users:  # in a file only its owner reads, not in argv (/proc/*/cmdline)
             conf = self.state_dir / "auth.conf"
             conf.touch(mode=0o600)

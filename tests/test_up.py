@@ -313,6 +313,39 @@ def test_up_s_nats_server_refuses_clients_without_credentials(tiny_llama, tmp_pa
         assert up.stop() == 0
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_up_s_nats_server_speaks_tls_only_when_given_a_certificate(tiny_llama, tmp_path):
+    """For services on other hosts: with --nats-tls-cert/--nats-tls-key the nats-server that
+    `tison up` starts refuses plain TCP, and its own services trust its CA and serve."""
+    import asyncio
+
+    import nats
+    from tls_certs import make_pki
+
+    pki = make_pki(tmp_path)
+    up = Up(
+        tiny_llama, free_port(), "--state-dir", str(tmp_path / "nats"),
+        "--nats-tls-cert", str(pki / "server.pem"), "--nats-tls-key", str(pki / "server.key"),
+        "--nats-tls-ca", str(pki / "ca.pem"),
+    )  # fmt: skip
+    try:
+        up.wait_serving()
+        up.complete(tiny_llama.name)
+        (ports,) = (tmp_path / "nats").glob("nats-server_*.ports")
+        url = json.loads(ports.read_text())["nats"][0]
+
+        async def plain() -> None:
+            nc = await nats.connect(
+                url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=3
+            )
+            await nc.close()
+
+        with pytest.raises(Exception):  # noqa: B017 - nats-py's error differs by version
+            asyncio.run(plain())
+    finally:
+        assert up.stop() == 0
+
+
 def test_a_child_failing_twice_alike_at_start_stops_the_supervisor(tmp_path):
     """A gateway whose model folder lacks a tokenizer fails at start with the same error each
     time: the second time the supervisor gives up, naming the child and the error, instead of

@@ -5,6 +5,7 @@ import importlib
 import sys
 
 from kernels.cpu import isa
+from shared.errors import NatsOptionsError
 from shared.huge_pages import restart_with_huge_pages
 
 # Subcommand -> the module under services/cli that adds it (each defines register(subparsers)),
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tison: {e}", file=sys.stderr)
         return 2
     args = build_parser(argv).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except NatsOptionsError as e:  # a flag the command could not use: one line, not a trace
+        print(f"tison: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

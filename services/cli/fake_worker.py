@@ -4,6 +4,7 @@ import argparse
 import functools
 from pathlib import Path
 
+from services import nats_client
 from services.fake_worker.config import ROLES, FakeWorkerConfig
 from services.fake_worker.worker import run_fake_worker
 from services.runtime import run_service
@@ -16,6 +17,7 @@ def register(subparsers) -> None:
     p.add_argument("--role", choices=ROLES, required=True)
     p.add_argument("--model", type=Path, required=True, help="model folder (config, tokenizer)")
     p.add_argument("--nats-url", default=D.nats_url)
+    nats_client.add_flags(p)
     p.add_argument("--worker-id", default="")
     p.add_argument("--served-model-name", default="")
     p.add_argument("--num-pages", type=int, default=D.num_pages)
@@ -40,6 +42,7 @@ def main(args: argparse.Namespace) -> int:
         role=args.role,
         model_dir=args.model,
         nats_url=args.nats_url,
+        nats=nats_client.NatsClientOptions.from_args(args),
         worker_id=args.worker_id,
         served_model_name=args.served_model_name,
         num_pages=args.num_pages,

@@ -5,6 +5,7 @@ import functools
 import os
 from pathlib import Path
 
+from services import nats_client
 from services.gateway.app import run_gateway
 from services.gateway.config import GatewayConfig
 from services.runtime import run_service
@@ -19,6 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--host", default=D.host)
     p.add_argument("--port", type=int, default=D.port)
     p.add_argument("--nats-url", default=D.nats_url)
+    nats_client.add_flags(p)
     p.add_argument("--queue-timeout", type=float, default=D.queue_timeout_s)
     p.add_argument("--request-timeout", type=float, default=D.request_timeout_s)
     p.add_argument("--miss-limit", type=int, default=D.miss_limit)
@@ -47,6 +49,7 @@ def main(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         nats_url=args.nats_url,
+        nats=nats_client.NatsClientOptions.from_args(args),
         queue_timeout_s=args.queue_timeout,
         request_timeout_s=args.request_timeout,
         miss_limit=args.miss_limit,

@@ -2,6 +2,7 @@
 
 import argparse
 
+from services import nats_client
 from services.runtime import run_service
 from services.scheduler.routing import MODES, RoutingConfig
 from services.scheduler.service import Scheduler, SchedulerConfig
@@ -12,6 +13,7 @@ R = RoutingConfig
 def register(subparsers) -> None:
     p = subparsers.add_parser("scheduler", help="run the scheduler (admission + routing)")
     p.add_argument("--nats-url", default=SchedulerConfig.nats_url)
+    nats_client.add_flags(p)
     p.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting)
     p.add_argument(
         "--max-waiting-tokens", type=int, default=SchedulerConfig.max_waiting_tokens,
@@ -62,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
     )
     config = SchedulerConfig(
         nats_url=args.nats_url,
+        nats=nats_client.NatsClientOptions.from_args(args),
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
         retry_after_s=args.retry_after,

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from services.cli.generate import add_model_options, cpulist_arg, resolve_model
+from services.nats_client import TLS_ENV
 from services.scheduler import routing
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
@@ -21,7 +22,7 @@ from services.up.supervisor import StartupFailure, Supervisor, child_env
 from shared import nats_auth
 from shared.errors import ModelFolderError, TisonError, UnsupportedArchitectureError
 from shared.models.registry import supported_architectures
-from shared.nats_server import NatsServer
+from shared.nats_server import NatsServer, ServerTls
 from shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("tison.up")
@@ -47,6 +48,16 @@ def register(subparsers) -> None:
     p.add_argument("--cores-prefill", type=cpulist_arg, default=(), help="CPUs of prefill workers")
     p.add_argument("--cores-decode", type=cpulist_arg, default=(), help="CPUs of decode workers")
     p.add_argument("--nats-url", default="", help="use this NATS instead of starting one")
+    p.add_argument(
+        "--nats-tls-cert", type=Path, default=None,
+        help="the NATS server it starts speaks TLS only, with this certificate (PEM; valid for "
+        "127.0.0.1 and the addresses other hosts use)",
+    )  # fmt: skip
+    p.add_argument("--nats-tls-key", type=Path, default=None, help="its private key (PEM)")
+    p.add_argument(
+        "--nats-tls-ca", type=Path, default=None,
+        help="the CA that signed it, which the services trust (default: the certificate itself)",
+    )  # fmt: skip
     p.add_argument(
         "--state-dir", type=Path, default=None, help="NATS JetStream store (default: a temp dir)"
     )
@@ -107,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
         )
         check_model_folder(cfg.model_dir)
+        tls = _server_tls(args)
         where = placement(cfg)
         _check_port_free(cfg.host, cfg.port)
     except (TisonError, ValueError, OSError) as e:
@@ -120,8 +132,10 @@ def main(args: argparse.Namespace) -> int:
         if not cfg.nats_url:  # ours: a user per role, its password only in that role's env
             users = {role: secrets.token_hex(16) for role in nats_auth.ROLES}
             state = args.state_dir or Path(tmp) / "nats"
-            nats = NatsServer(state, cores=where.services, users=users).start()
+            nats = NatsServer(state, cores=where.services, users=users, tls=tls).start()
         env = child_env(secrets.token_hex(16))
+        if tls is not None:  # the services trust the server's certificate
+            env[TLS_ENV["ca"]] = str(args.nats_tls_ca or tls.cert)
         supervisor = Supervisor(plan(cfg, where), cfg.nats_url or nats.url, env, nats_users=users)
         try:
             supervisor.start_all()
@@ -134,6 +148,26 @@ def main(args: argparse.Namespace) -> int:
             if nats is not None:
                 nats.stop()
             log.info("stopped")
+
+
+def _server_tls(args: argparse.Namespace) -> ServerTls | None:
+    """TLS for the nats-server that `tison up` starts (the services then trust its CA)."""
+    if args.nats_tls_cert is None and args.nats_tls_key is None:
+        return None
+    if args.nats_url:
+        raise ValueError(
+            "--nats-tls-cert: only for the NATS server tison up starts, not --nats-url"
+        )
+    if args.nats_tls_cert is None or args.nats_tls_key is None:
+        raise ValueError("--nats-tls-cert and --nats-tls-key: give both")
+    for flag, path in (
+        ("--nats-tls-cert", args.nats_tls_cert),
+        ("--nats-tls-key", args.nats_tls_key),
+        ("--nats-tls-ca", args.nats_tls_ca),
+    ):
+        if path is not None and not path.is_file():
+            raise ValueError(f"{flag}: no such file: {path}")
+    return ServerTls(args.nats_tls_cert.resolve(), args.nats_tls_key.resolve())
 
 
 def check_model_folder(model_dir: Path) -> None:

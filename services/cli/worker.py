@@ -5,6 +5,7 @@ import functools
 import os
 from pathlib import Path
 
+from services import nats_client
 from services.cli.generate import (
     add_model_options,
     add_parallel_options,
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
         p = subparsers.add_parser(role, help=text)
         add_model_options(p)
         p.add_argument("--nats-url", default=os.environ.get("TISON_NATS_URL", D.nats_url))
+        nats_client.add_flags(p)
         p.add_argument("--worker-id", default="")
         p.add_argument("--served-model-name", default="")
         p.add_argument("--kv-cache-bytes", type=int, default=D.kv_cache_bytes)
@@ -80,6 +82,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         model_dir=Path(resolve_model(args.model)),
         dtype=args.dtype,
         nats_url=args.nats_url,
+        nats=nats_client.NatsClientOptions.from_args(args),
         worker_id=args.worker_id,
         served_model_name=args.served_model_name,
         kv_cache_bytes=args.kv_cache_bytes,

@@ -6,6 +6,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.nats_client import NatsClientOptions
+
 ROLES = ("prefill", "decode", "both")
 
 
@@ -22,6 +24,7 @@ class FakeWorkerConfig:
     role: str  # "prefill", "decode" or "both" (one of each in this process)
     model_dir: Path
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment
     worker_id: str = ""  # "" → default_worker_id(role); "both" appends -prefill / -decode
     served_model_name: str = ""  # "" → the model folder's name
     num_pages: int = 4096  # KV pool size of each role

@@ -9,7 +9,7 @@ from services.fake_worker.config import FakeWorkerConfig
 from services.fake_worker.decode import FakeDecode
 from services.fake_worker.prefill import FakePrefill
 from services.fake_worker.tokens import FakeModelInfo
-from services.runtime import connect_nats
+from services.nats_client import connect_nats
 from services.worker.kv_events import KVEventsPublisher
 from shared import protocol, subjects
 from shared.protocol import HeartbeatMsg, PrefixStats
@@ -21,7 +21,7 @@ ROLE_CLASSES = {"prefill": FakePrefill, "decode": FakeDecode}
 async def run_fake_worker(config: FakeWorkerConfig, stop: asyncio.Event) -> None:
     """Serve the configured roles until `stop` is set."""
     info = FakeModelInfo.from_dir(config.model_dir)
-    nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}")
+    nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}", config.nats)
     roles = [ROLE_CLASSES[r](nc, config, info, wid) for r, wid in config.role_ids().items()]
     publishers = [_kv_publisher(nc, config, role) for role in roles]
     for role, publisher in zip(roles, publishers):

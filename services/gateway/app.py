@@ -176,7 +176,12 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
     tokenizer = Tokenizer.from_dir(config.model_dir)
     gateway_metrics = GatewayMetrics()
     control = ControlPlane(
-        config.gateway_id, config.nats_url, gateway_metrics, config.miss_limit, config.dead_grace_s
+        config.gateway_id,
+        config.nats_url,
+        gateway_metrics,
+        config.miss_limit,
+        config.dead_grace_s,
+        config.nats,
     )
     await control.start()
     parser = tool_parser(config, tokenizer)

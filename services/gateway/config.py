@@ -4,6 +4,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.nats_client import NatsClientOptions
 from shared.registry import DEFAULT_MISS_LIMIT
 
 
@@ -16,6 +17,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment
     gateway_id: str = ""  # "" → a fresh unique id; workers send this gateway's tokens to it
     queue_timeout_s: float = 60.0  # how long a request may wait in the scheduler's queue
     request_timeout_s: float = 600.0  # from arrival to the last token

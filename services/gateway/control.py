@@ -16,7 +16,7 @@ import nats
 from nats.aio.msg import Msg
 
 from services.gateway.metrics import GatewayMetrics
-from services.runtime import connect_nats
+from services.nats_client import NatsClientOptions, connect_nats
 from shared import protocol, subjects
 from shared.errors import ProtocolError
 from shared.protocol import (
@@ -59,9 +59,10 @@ class ControlPlane:
         metrics: GatewayMetrics,
         miss_limit: int,
         dead_grace_s: float,
+        nats_options: NatsClientOptions | None = None,  # None: the environment's
     ):
         self.gateway_id = gateway_id
-        self.nats_url = nats_url
+        self.nats_url, self.nats_options = nats_url, nats_options
         self.metrics = metrics
         self.registry = WorkerRegistry(miss_limit)
         self.dead_grace_s = dead_grace_s  # a worker unseen this long after the reply is dead
@@ -73,7 +74,7 @@ class ControlPlane:
         self._scheduler_lost = asyncio.Event()  # set while the scheduler misses its pings
 
     async def start(self) -> None:
-        self._nc = await connect_nats(self.nats_url, f"tison-{self.gateway_id}")
+        self._nc = await connect_nats(self.nats_url, f"tison-{self.gateway_id}", self.nats_options)
         await self._nc.subscribe(subjects.gateway_tokens(self.gateway_id), cb=self._on_tokens)
         await self._nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         self._watchdog = asyncio.create_task(self._watch())

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import nats
 from nats.aio.msg import Msg
 
-from services.runtime import TaskSet, connect_nats
+from services.nats_client import NatsClientOptions, connect_nats
+from services.runtime import TaskSet
 from services.scheduler.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.policy import AdmissionQueue, Choice, Pending, Router
 from services.scheduler.routing import RoutingConfig
@@ -50,6 +51,7 @@ class SchedulerConfig:
     """Scheduler settings (CLI flags)."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment
     max_waiting: int = 256  # admission queue bound; beyond it the gateway answers 429
     max_waiting_tokens: int = 0  # ... and of its prompt tokens (0: none)
     retry_after_s: float = 1.0  # Retry-After suggested with QUEUE_FULL
@@ -88,7 +90,7 @@ class Scheduler:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set."""
-        self._nc = await connect_nats(self.config.nats_url, "tison-scheduler")
+        self._nc = await connect_nats(self.config.nats_url, "tison-scheduler", self.config.nats)
         nc = self._nc
         await nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         await nc.subscribe(subjects.all_kv_events(), cb=self._on_kv_events)

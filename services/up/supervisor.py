@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.runtime import NATS_PASSWORD_ENV, NATS_USER_ENV
+from services.nats_client import NATS_PASSWORD_ENV, NATS_USER_ENV
 from services.up.plan import ChildSpec, RestartPolicy
 from shared.proc import child_setup, stop_processes
 

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.nats_client import NatsClientOptions
 from shared.engine.config import DEFAULT_KV_CACHE_BYTES
 
 ROLES = ("prefill", "decode", "colocated")
@@ -28,6 +29,7 @@ class WorkerConfig:
     model_dir: Path
     dtype: str = "auto"
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment
     worker_id: str = ""  # "" -> default_worker_id(role)
     served_model_name: str = ""  # "" -> the model folder's name
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES

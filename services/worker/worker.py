@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from services.runtime import connect_nats
+from services.nats_client import connect_nats
 from services.worker.config import WorkerConfig
 from services.worker.decode import DecodeRole
 from services.worker.kv_events import KVEventsPublisher
@@ -68,7 +68,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     secret = config.kv_secret.encode() or None
     roles: list = []
     loop = EngineLoop(engine, lambda outputs: _dispatch(roles, outputs))
-    nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}")
+    nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}", config.nats)
     tcp_server = None
     try:
         if "decode" in ids:
