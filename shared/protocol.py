@@ -8,8 +8,10 @@ a service can log and drop a bad message instead of crashing. Unknown extra keys
 
 import functools
 import logging
+import time
 import types
 import typing
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import cache
@@ -163,6 +165,7 @@ class HeartbeatMsg:
     kv_transfer_bytes: int = 0  # worker sets: cumulative KV bytes sent/received; /metrics
     kv_transfer_seconds: float = 0.0  # worker sets: cumulative transfer time; /metrics
     prefix: PrefixStats = PrefixStats()  # worker sets from its engine; gateway /metrics
+    dropped_messages: int = 0  # worker sets: NATS messages it dropped as malformed; /metrics
 
 
 @dataclass(frozen=True)
@@ -457,9 +460,25 @@ def _exact(tp: type) -> Callable:
     return convert
 
 
+DROPPED: Counter[str] = Counter()  # this process's messages dropped as malformed, per kind
+DROP_LOG_S = 10.0  # after a kind's first drop, one log line per this period at most
+_drop_logged: dict[str, float] = {}
+
+
+def dropped(kind: str, subject: str, error: ProtocolError) -> None:
+    """Counts a malformed message; logs it unless a line for its kind was logged within
+    DROP_LOG_S (a flood of garbage must not flood the log)."""
+    DROPPED[kind] += 1
+    now = time.monotonic()
+    if now - _drop_logged.get(kind, -DROP_LOG_S) >= DROP_LOG_S:
+        _drop_logged[kind] = now
+        _log.warning("dropped %s on %s: %s (%d so far)", kind, subject, error, DROPPED[kind])
+
+
 def on_message(cls: type[M]):
     """Decorates an async NATS callback method `handler(self, body: cls, msg)`: a message that
-    does not decode as `cls` is logged and dropped, so garbage never crashes a service."""
+    does not decode as `cls` is dropped and counted (DROPPED), so garbage never crashes a
+    service."""
 
     def wrap(handler):
         @functools.wraps(handler)
@@ -467,7 +486,7 @@ def on_message(cls: type[M]):
             try:
                 body = decode(msg.data, cls)
             except ProtocolError as e:
-                _log.warning("dropped %s on %s: %s", cls.KIND, msg.subject, e)
+                dropped(cls.KIND, msg.subject, e)
                 return
             await handler(self, body, msg)
 

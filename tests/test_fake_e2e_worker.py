@@ -233,6 +233,12 @@ async def test_requests_flow_and_garbage_is_dropped(tmp_path, tiny_llama, info):
             too_long = await c.submit("r2", prompt, max_tokens=4096 * 16)
             assert (too_long.status, too_long.limit) == ("too_long", 4096 * 16)
             await until(lambda: c.pages_used() == 0, 30, "the workers to report their pages free")
+            # counted, and reported (this process runs the workers and the scheduler: 6 drops)
+            await until(
+                lambda: all(b.dropped_messages >= 6 for b in c.beats.values()),
+                30,
+                "heartbeats counting the dropped messages",
+            )
 
 
 async def test_queue_full_and_cancel_frees_pages(tmp_path, tiny_llama):

@@ -195,3 +195,25 @@ def test_a_pool_nested_in_a_plan_round_trips_and_names_a_bad_field():
     plain["ranks"][1]["units"] = "0-1"
     with pytest.raises(ProtocolError, match=r"KVPool\.ranks\.\[\]\.units"):
         protocol.from_plain(KVPool, plain)
+
+
+async def test_a_flood_of_garbage_is_counted_and_logged_once(caplog):
+    """Every malformed message counts in DROPPED; the log gets one line per kind per
+    DROP_LOG_S, not one per message."""
+
+    class Handler:
+        handled = 0
+
+        @protocol.on_message(CancelMsg)
+        async def on_cancel(self, body, msg) -> None:
+            self.handled += 1
+
+    class Msg:
+        subject, data = "tison.v1.gateway.cancel", b"\x93not a message"
+
+    handler, before = Handler(), protocol.DROPPED["cancel"]
+    with caplog.at_level("WARNING", logger="shared.protocol"):
+        for _ in range(100):
+            await handler.on_cancel(Msg())
+    assert protocol.DROPPED["cancel"] - before == 100 and handler.handled == 0
+    assert len([r for r in caplog.records if "dropped cancel" in r.message]) <= 1

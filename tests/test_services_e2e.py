@@ -5,10 +5,13 @@ running the tiny model, driven by the official `openai` client. Outputs must equ
 import asyncio
 
 import aiohttp
+import nats
 import openai
 import pytest
 
+from shared import protocol, subjects
 from shared.engine.llm import LLM
+from shared.protocol import GatewayBeatMsg
 from shared.sampling.params import SamplingParams
 
 from services_harness import (
@@ -257,6 +260,37 @@ async def test_kv_bytes_go_peer_to_peer_not_over_nats(cluster, client, tiny_llam
     (short_nats, short_kv), (long_nats, long_kv) = await measure(10), await measure(210)
     assert (long_nats - short_nats) / 200 <= 8, (short_nats, long_nats)
     assert (long_kv - short_kv) / 200 == 512, (short_kv, long_kv)
+
+
+async def test_malformed_nats_messages_are_dropped_counted_and_served_through(
+    cluster, client, llm, tiny_llama
+):
+    """Garbage on a worker's assignment subject, the KV subject and a gateway's token stream:
+    each process drops it, counts it in /metrics (the workers through their heartbeats), and
+    serves on."""
+    beat = await next_heartbeat(cluster.nats.url, "decode")
+    nc = await nats.connect(cluster.nats.url)
+    try:
+        alive = await nc.subscribe(subjects.all_gateway_heartbeats())
+        gateway = protocol.decode((await alive.next_msg(timeout=10)).data, GatewayBeatMsg)
+        for subject in (
+            subjects.assign("decode", beat.worker_id),
+            subjects.decode_kv(beat.worker_id),
+            subjects.gateway_tokens(gateway.gateway_id),
+        ):
+            await nc.publish(subject, b"\x93not a message")
+        await nc.flush()
+    finally:
+        await nc.close()
+    await wait_metric(
+        cluster, "tison_worker_dropped_messages", lambda n: n >= 2, "decode drops", "decode"
+    )
+    await wait_metric(cluster, "tison_gateway_dropped_messages", lambda n: n >= 1, "gateway drop")
+    text, _, _ = await completions(
+        client, tiny_llama.name, PROMPTS[0], False, max_tokens=4, temperature=0
+    )
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert text == ref.text
 
 
 async def test_client_disconnect_frees_pages_on_both_workers(cluster, tiny_llama):

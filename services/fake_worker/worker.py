@@ -61,6 +61,7 @@ async def _heartbeats(nc, config: FakeWorkerConfig, info: FakeModelInfo, roles) 
                 interval_s=config.heartbeat_s,
                 page_size=config.page_size,
                 prefix=PrefixStats(**role.cache.prefix_stats()),
+                dropped_messages=protocol.DROPPED.total(),
                 **role.load(),
             )
             await nc.publish(subjects.heartbeat(role.role, role.worker_id), protocol.encode(beat))

@@ -4,6 +4,7 @@ from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
+from shared import protocol
 from shared.protocol import HeartbeatMsg, PrefixStats, TokensMsg
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -82,8 +83,21 @@ class GatewayMetrics:
             f.name: Gauge(f"tison_prefix_cache_{f.name}", _PREFIX_DOCS[f.name], _WORKER, registry=r)
             for f in fields(PrefixStats)
         }
+        self.worker_dropped = Gauge(
+            "tison_worker_dropped_messages",
+            "NATS messages a worker dropped as malformed (its cumulative count)",
+            _WORKER,
+            registry=r,
+        )
+        self.dropped = Gauge(
+            "tison_gateway_dropped_messages",
+            "NATS messages this gateway dropped as malformed, by message kind",
+            ("kind",),
+            registry=r,
+        )
         self._per_worker = (
             self.pages_used,
+            self.worker_dropped,
             self.pages_total,
             self.transfer_bytes,
             self.transfer_seconds,
@@ -96,6 +110,7 @@ class GatewayMetrics:
         self.pages_total.labels(*labels).set(beat.total_pages)
         self.transfer_bytes.labels(*labels).set(beat.kv_transfer_bytes)
         self.transfer_seconds.labels(*labels).set(beat.kv_transfer_seconds)
+        self.worker_dropped.labels(*labels).set(beat.dropped_messages)
         for name, gauge in self.prefix.items():
             gauge.labels(*labels).set(getattr(beat.prefix, name))
 
@@ -115,4 +130,6 @@ class GatewayMetrics:
             self.transit.observe(max(0.0, received_at - tokens.sent_at))
 
     def render(self) -> bytes:
+        for kind, count in protocol.DROPPED.items():
+            self.dropped.labels(kind).set(count)
         return generate_latest(self.registry)

@@ -5,6 +5,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.scheduler.policy import Choice
+from shared import protocol
 
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
@@ -34,6 +35,12 @@ class SchedulerMetrics:
             ("worker",),
             registry=r,
         )
+        self.dropped = Gauge(
+            "tison_scheduler_dropped_messages",
+            "NATS messages the scheduler dropped as malformed, by message kind",
+            ("kind",),
+            registry=r,
+        )
         self.snapshot_asks = Counter(
             "tison_scheduler_kv_snapshot_asks",
             "Snapshots asked of workers (a lost KV events message, or a scheduler restart)",
@@ -54,6 +61,8 @@ class SchedulerMetrics:
             pass
 
     def render(self) -> bytes:
+        for kind, count in protocol.DROPPED.items():
+            self.dropped.labels(kind).set(count)
         return generate_latest(self.registry)
 
 

@@ -145,6 +145,7 @@ async def _heartbeats(nc, config: WorkerConfig, engine: LLMEngine, roles, tcp_se
                 kv_transfer_seconds=moved[1],
                 local_prefill=role.role == "decode",
                 prefix=prefix,
+                dropped_messages=protocol.DROPPED.total(),
                 **load,
             )
             await nc.publish(subjects.heartbeat(role.role, role.worker_id), protocol.encode(beat))
