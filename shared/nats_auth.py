@@ -1,15 +1,17 @@
-"""NATS users per service role and the subjects each may use: nats-server's authorization.
+"""NATS users and the subjects each may use: nats-server's authorization.
 
-`tison up` gives every role its own user and password (services/up), so a process holding
-one role's credentials can publish and subscribe only where that role does: a gateway cannot
-publish worker heartbeats or token streams, a worker cannot submit requests or cancel them,
-a prefill worker cannot read the gateways' tokens. Roles, not processes: a decode worker may
-publish any decode worker's heartbeat. Every process replies to requests and receives
-replies on `_INBOX.>` (NATS request/reply; inboxes are random 22-character names). Pure.
+`tison up` gives the gateway and the scheduler a user of their role, and every worker process
+a user of its own (services/up), so a process holding one's credentials can publish and
+subscribe only where it must: a gateway cannot publish worker heartbeats or token streams, a
+worker cannot submit requests or cancel them, a prefill worker cannot read the gateways'
+tokens, and a worker publishes only its own heartbeats and KV events and hears only its own
+assignments (its subjects end in its worker id). Role users (PERMISSIONS) allow any id of
+their role. Every process replies to requests and receives replies on `_INBOX.>` (NATS
+request/reply; inboxes are random 22-character names). Pure.
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared import subjects
@@ -38,17 +40,39 @@ class Permissions:
         )
 
 
-def _worker(role: str) -> Permissions:
-    """A prefill or decode worker: its role's heartbeats, assignments, KV events and snapshot
-    asks; cancels from the gateway."""
-    publish = [f"{P}.{role}.heartbeat.*", f"{P}.{role}.kv_events.*", INBOX]
-    subscribe = [f"{P}.{role}.assign.*", f"{P}.{role}.kv_snapshot.*", subjects.gateway_cancel()]
+def _worker(role: str, worker_id: str = "*") -> Permissions:
+    """A prefill or decode worker (`worker_id`, or any of the role: *): its heartbeats,
+    assignments, KV events and snapshot asks; cancels from the gateway."""
+    own = f"{P}.{role}.%s.{worker_id}"
+    publish = [own % "heartbeat", own % "kv_events", INBOX]
+    subscribe = [own % "assign", own % "kv_snapshot", subjects.gateway_cancel()]
     if role == PREFILL:
-        publish.append(f"{P}.decode.kv.*")  # KvReadyMsg to the decode worker
+        publish.append(f"{P}.decode.kv.*")  # KvReadyMsg to any decode worker
     else:
-        publish.append(f"{P}.gateway.tokens.*")  # every token of a request
-        subscribe += [f"{P}.decode.kv.*", subjects.all_gateway_heartbeats()]
+        publish.append(f"{P}.gateway.tokens.*")  # every token of a request, to its gateway
+        subscribe += [f"{P}.decode.kv.{worker_id}", subjects.all_gateway_heartbeats()]
     return Permissions(tuple(publish), (*subscribe, INBOX))
+
+
+def worker_permissions(ids: Mapping[str, str]) -> Permissions:
+    """A worker process serving these roles under these worker ids (role -> id; a colocated
+    worker serves both, subjects.role_ids)."""
+    rights = Permissions((), ())
+    for role, worker_id in ids.items():
+        rights |= _worker(role, worker_id)
+    return rights
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    password: str
+    rights: Permissions
+
+
+def role_users(passwords: Mapping[str, str]) -> list[User]:
+    """One user per role of `passwords` (role -> password), allowed its role's subjects."""
+    return [User(role, password, PERMISSIONS[role]) for role, password in passwords.items()]
 
 
 PERMISSIONS: dict[str, Permissions] = {
@@ -80,20 +104,17 @@ PERMISSIONS: dict[str, Permissions] = {
 }
 
 
-def authorization(passwords: Mapping[str, str]) -> str:
-    """nats-server's configuration: one user per role of `passwords` (role -> password),
-    allowed only its role's subjects."""
-    users = []
-    for role, password in passwords.items():
-        rights = PERMISSIONS[role]
-        users.append(
-            {
-                "user": role,
-                "password": password,
-                "permissions": {
-                    "publish": {"allow": list(rights.publish)},
-                    "subscribe": {"allow": list(rights.subscribe)},
-                },
-            }
-        )
-    return f"authorization {{ users: {json.dumps(users)} }}\n"
+def authorization(users: Iterable[User]) -> str:
+    """nats-server's configuration: these users, each allowed only its subjects."""
+    entries = [
+        {
+            "user": user.name,
+            "password": user.password,
+            "permissions": {
+                "publish": {"allow": list(user.rights.publish)},
+                "subscribe": {"allow": list(user.rights.subscribe)},
+            },
+        }
+        for user in users
+    ]
+    return f"authorization {{ users: {json.dumps(entries)} }}\n"

@@ -6,20 +6,22 @@ in a ports file, so there is no race between choosing a port and binding it.
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ProcessStartError
-from shared.nats_auth import authorization
+from shared.nats_auth import User, authorization
 from shared.proc import child_setup
 
 BINARY = "nats-server"
+_RELOADED = "Reloaded server configuration"  # what nats-server logs once a SIGHUP is applied
 
 
 def find_binary() -> Path:
@@ -48,11 +50,12 @@ class ServerTls:
     key: Path
     client_ca: Path | None = None
 
-    def args(self) -> list[str]:
-        args = ["--tls", "--tlscert", str(self.cert), "--tlskey", str(self.key)]
+    def conf(self) -> str:
+        """nats-server's tls block (in its configuration file, not flags: a reload keeps it)."""
+        block = {"cert_file": str(self.cert), "key_file": str(self.key)}
         if self.client_ca is not None:
-            args += ["--tlsverify", "--tlscacert", str(self.client_ca)]
-        return args
+            block |= {"ca_file": str(self.client_ca), "verify": True}
+        return f"tls {json.dumps(block)}\n"
 
 
 class NatsServer:
@@ -64,11 +67,11 @@ class NatsServer:
         host: str = "127.0.0.1",
         monitor: bool = False,
         cores: tuple[int, ...] = (),
-        users: Mapping[str, str] | None = None,  # role -> password (nats_auth.py); None: open
+        users: Iterable[User] | None = None,  # who may connect (nats_auth.py); None: anyone
         tls: ServerTls | None = None,  # clients must speak TLS; None: plain TCP
     ):
         self.state_dir = Path(state_dir)
-        self.users = dict(users or {})
+        self.users = list(users or ())
         self.tls = tls
         self.cores = cores  # run on these CPUs; (): any
         self.host = host
@@ -90,14 +93,8 @@ class NatsServer:
         args += ["-sd", str(self.state_dir / "jetstream"), "--ports_file_dir", str(self.state_dir)]
         if self.monitor:
             args += ["-m", "-1"]
-        if self.tls is not None:
-            args += self.tls.args()
-        if self.users:  # in a file only its owner reads, not in argv (/proc/*/cmdline)
-            conf = self.state_dir / "auth.conf"
-            conf.touch(mode=0o600)
-            conf.chmod(0o600)
-            conf.write_text(authorization(self.users))
-            args += ["-c", str(conf)]
+        if self.users or self.tls:  # in a file only its owner reads, not argv (/proc/*/cmdline)
+            args += ["-c", str(self._write_conf())]
         log = open(self.state_dir / "nats-server.log", "ab")
         self._proc = subprocess.Popen(
             args,
@@ -113,6 +110,34 @@ class NatsServer:
             self.stop()
             raise
         return self
+
+    def _write_conf(self) -> Path:
+        conf = self.state_dir / "auth.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        text = authorization(self.users) if self.users else ""
+        conf.write_text(text + (self.tls.conf() if self.tls else ""))
+        return conf
+
+    def set_users(self, users: Iterable[User], timeout_s: float = 10.0) -> None:
+        """Replaces the users of a server started with users, without a restart (SIGHUP:
+        nats-server reloads its configuration; connected clients keep their connection and
+        get their user's new rights). Returns once the server has reloaded (its log says so),
+        or at once while it is down: `restart` reads the new users."""
+        if not self.users:
+            raise ValueError("set_users: the server was started open (no users)")
+        self.users = list(users)
+        self._write_conf()
+        if not self.alive():
+            return
+        log = self.state_dir / "nats-server.log"
+        before = log.read_text(errors="replace").count(_RELOADED)
+        self._proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while log.read_text(errors="replace").count(_RELOADED) <= before:
+            if time.monotonic() > deadline or not self.alive():
+                raise ProcessStartError(f"nats-server did not reload its users; see {log}")
+            time.sleep(0.01)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

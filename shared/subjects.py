@@ -15,6 +15,14 @@ def _check_token(value: str, what: str) -> str:
     return value
 
 
+def role_ids(process_role: str, worker_id: str) -> dict[str, str]:
+    """The worker id under which a worker process of `process_role` (prefill, decode or
+    colocated: both) serves each role, on the subjects below."""
+    if process_role == "colocated":
+        return {"prefill": f"{worker_id}-prefill", "decode": f"{worker_id}-decode"}
+    return {_check_role(process_role): worker_id}
+
+
 def _check_role(role: str) -> str:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")

@@ -1,5 +1,6 @@
-"""NATS users per role on a real nats-server: each role publishes and subscribes only where
-it must, so credentials of one service cannot forge another's messages."""
+"""NATS users on a real nats-server: each role publishes and subscribes only where it must,
+and a worker's own user only on its own worker id's subjects, so credentials of one service
+cannot forge another's messages; users change without a restart."""
 
 import asyncio
 
@@ -8,8 +9,26 @@ import pytest
 
 from shared import nats_auth, subjects
 from shared.nats_server import NatsServer
+from shared.subjects import role_ids
 
 PASSWORDS = {role: f"secret-{role}" for role in nats_auth.ROLES}
+# worker processes' own users (as tison up makes them): user -> the ids it serves
+WORKERS = {
+    "decode-0": role_ids("decode", "d-1"),
+    "decode-1": role_ids("decode", "d-2"),
+    "prefill-0": role_ids("prefill", "p-1"),
+    "colocated-0": role_ids("colocated", "c-1"),
+}
+PASSWORDS |= {name: f"secret-{name}" for name in WORKERS}
+
+
+def users() -> list[nats_auth.User]:
+    roles = nats_auth.role_users({r: PASSWORDS[r] for r in nats_auth.ROLES})
+    own = [
+        nats_auth.User(name, PASSWORDS[name], nats_auth.worker_permissions(ids))
+        for name, ids in WORKERS.items()
+    ]
+    return roles + own
 
 
 async def connect(url: str, role: str, errors: list[str] | None = None):
@@ -52,7 +71,7 @@ async def _received(url: str, listener: str, subject: str, senders: list[tuple[s
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with NatsServer(tmp_path_factory.mktemp("nats"), users=PASSWORDS) as s:
+    with NatsServer(tmp_path_factory.mktemp("nats"), users=users()) as s:
         yield s
 
 
@@ -68,6 +87,11 @@ def server(tmp_path_factory):
         ("scheduler", subjects.scheduler_submit(), "gateway", "decode"),
         ("prefill", subjects.assign("prefill", "d-1"), "scheduler", "gateway"),
         ("decode", subjects.gateway_heartbeat("gw-1"), "gateway", "decode"),
+        ("scheduler", subjects.heartbeat("decode", "d-1"), "decode-0", "decode-1"),
+        ("scheduler", subjects.kv_events("decode", "d-1"), "decode-0", "decode-1"),
+        ("scheduler", subjects.heartbeat("prefill", "c-1-prefill"), "colocated-0", "prefill-0"),
+        ("gateway", subjects.gateway_tokens("gw-1"), "decode-1", "prefill-0"),
+        ("decode", subjects.decode_kv("d-1"), "prefill-0", "decode-1"),
     ],
 )
 async def test_only_the_role_that_owns_a_subject_publishes_there(
@@ -126,8 +150,53 @@ async def test_request_reply_works_for_every_role(server):
         await nc.close()
 
 
+@pytest.mark.parametrize(
+    "user, subject",
+    [
+        ("decode-1", subjects.assign("decode", "d-1")),  # another decode worker's
+        ("decode-1", subjects.decode_kv("d-1")),
+        ("prefill-0", subjects.assign("prefill", "c-1-prefill")),
+        ("colocated-0", subjects.kv_snapshot("decode", "d-1")),
+    ],
+)
+async def test_a_worker_hears_only_its_own_subjects(server, user, subject):
+    errors: list[str] = []
+    nc = await connect(server.url, user, errors)
+    await nc.subscribe(subject)
+    await nc.flush()
+    await asyncio.sleep(0.05)
+    await nc.close()
+    assert any("permissions violation" in e.lower() for e in errors), errors
+
+
+async def test_users_change_without_a_restart(tmp_path):
+    """A worker restarted under a new id: the server reloads its user's rights (SIGHUP);
+    the old id's subjects are closed to it, the new one's open, and a new user may log in."""
+    with NatsServer(tmp_path / "nats", users=users()) as server:
+        got, _ = await _received(
+            server.url, "scheduler", subjects.heartbeat("decode", "d-9"), [("decode-0", "x")]
+        )
+        assert got == []
+        WORKERS["decode-0"] = role_ids("decode", "d-9")
+        WORKERS["decode-5"] = role_ids("decode", "d-5")
+        PASSWORDS["decode-5"] = "secret-decode-5"
+        try:
+            server.set_users(users())
+            for subject, want in ((subjects.heartbeat("decode", "d-9"), [b"x"]),
+                                  (subjects.heartbeat("decode", "d-1"), [])):  # fmt: skip
+                got, _ = await _received(server.url, "scheduler", subject, [("decode-0", "x")])
+                assert got == want
+            got, _ = await _received(
+                server.url, "scheduler", subjects.heartbeat("decode", "d-5"), [("decode-5", "y")]
+            )
+            assert got == [b"y"]
+        finally:
+            WORKERS["decode-0"] = role_ids("decode", "d-1")
+            del WORKERS["decode-5"], PASSWORDS["decode-5"]
+
+
 def test_the_config_names_every_role():
-    text = nats_auth.authorization(PASSWORDS)
+    text = nats_auth.authorization(users())
     assert all(f'"user": "{role}"' in text for role in nats_auth.ROLES)
     colocated = nats_auth.PERMISSIONS["colocated"]
     for role in ("prefill", "decode"):

@@ -107,7 +107,9 @@ async def test_the_services_serve_over_tls_with_their_users(pki, tmp_path, tiny_
     for role, password in passwords.items():
         (tmp_path / f"{role}.pw").write_text(password)
     s = Services(tmp_path, tiny_llama)
-    s.nats = NatsServer(tmp_path / "nats", users=passwords, tls=server_tls(pki))
+    s.nats = NatsServer(
+        tmp_path / "nats", users=nats_auth.role_users(passwords), tls=server_tls(pki)
+    )
 
     def flags(role: str) -> tuple[str, ...]:
         return (

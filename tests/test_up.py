@@ -309,6 +309,35 @@ def test_up_s_nats_server_refuses_clients_without_credentials(tiny_llama, tmp_pa
         with pytest.raises(Exception, match="(?i)authorization"):
             asyncio.run(forge())
         up.complete(tiny_llama.name)  # the services authenticated
+        # the decode worker's own user: its id's heartbeats, not another decode worker's
+        pid = worker_pids(up)["decode"]
+        env = dict(
+            kv.split("=", 1)
+            for kv in (Path("/proc") / str(pid) / "environ").read_bytes().decode().split("\0")
+            if "=" in kv
+        )
+        args = cmdline(pid)
+        own = args[args.index("--worker-id") + 1]
+
+        async def heartbeats(worker_id: str) -> list[str]:
+            errors = []
+
+            async def on_error(e) -> None:
+                errors.append(str(e))
+
+            nc = await nats.connect(
+                url, user=env["TISON_NATS_USER"], password=env["TISON_NATS_PASSWORD"],
+                error_cb=on_error, allow_reconnect=False, max_reconnect_attempts=0,
+            )  # fmt: skip
+            await nc.publish(f"tison.v1.decode.heartbeat.{worker_id}", b"not a beat")
+            await nc.flush()
+            await asyncio.sleep(0.1)  # the server's -ERR comes after the flush
+            await nc.close()
+            return errors
+
+        assert env["TISON_NATS_USER"] != "decode" and own.startswith(env["TISON_NATS_USER"])
+        assert asyncio.run(heartbeats(own)) == []
+        assert any("permissions violation" in e.lower() for e in asyncio.run(heartbeats("x")))
     finally:
         assert up.stop() == 0
 

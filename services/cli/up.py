@@ -16,10 +16,10 @@ from pathlib import Path
 from services.cli.generate import add_model_options, cpulist_arg, resolve_model
 from services.nats_client import TLS_ENV
 from services.scheduler import routing
+from services.up.identities import NatsIdentities
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
 from services.up.supervisor import StartupFailure, Supervisor, child_env
-from shared import nats_auth
 from shared.errors import ModelFolderError, TisonError, UnsupportedArchitectureError
 from shared.models.registry import supported_architectures
 from shared.nats_server import NatsServer, ServerTls
@@ -128,15 +128,16 @@ def main(args: argparse.Namespace) -> int:
         log.info("placement: %s", line)
     stop = _stop_on_signals()
     with tempfile.TemporaryDirectory(prefix="tison-") as tmp:
-        nats, users = None, {}
-        if not cfg.nats_url:  # ours: a user per role, its password only in that role's env
-            users = {role: secrets.token_hex(16) for role in nats_auth.ROLES}
+        specs, nats, identities = plan(cfg, where), None, None
+        if not cfg.nats_url:  # ours: a user per service, its password only in its env
+            identities = NatsIdentities(specs)
             state = args.state_dir or Path(tmp) / "nats"
-            nats = NatsServer(state, cores=where.services, users=users, tls=tls).start()
+            nats = NatsServer(state, cores=where.services, users=identities.users(), tls=tls)
+            identities.server = nats.start()
         env = child_env(secrets.token_hex(16))
         if tls is not None:  # the services trust the server's certificate
             env[TLS_ENV["ca"]] = str(args.nats_tls_ca or tls.cert)
-        supervisor = Supervisor(plan(cfg, where), cfg.nats_url or nats.url, env, nats_users=users)
+        supervisor = Supervisor(specs, cfg.nats_url or nats.url, env, identities=identities)
         try:
             supervisor.start_all()
             return _serve(cfg, supervisor, nats, stop, args.ready_timeout)

@@ -8,10 +8,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.nats_client import NATS_PASSWORD_ENV, NATS_USER_ENV
+from services.up.identities import NatsIdentities
 from services.up.plan import ChildSpec, RestartPolicy
 from shared.proc import child_setup, stop_processes
 
@@ -43,29 +42,22 @@ class Supervisor:
         nats_url: str,
         env: dict[str, str],
         policy: RestartPolicy | None = None,
-        nats_users: Mapping[str, str] | None = None,  # role -> password of its NATS user
+        identities: NatsIdentities | None = None,  # on tison up's own nats-server
     ):
         self.specs, self.nats_url, self.env = specs, nats_url, env
-        self.nats_users = dict(nats_users or {})
+        self.identities = identities
         self.policy = policy or RestartPolicy()
         self.children: dict[str, Child] = {}
-
-    def _env(self, spec: ChildSpec) -> dict[str, str]:
-        """The child's environment: with users on tison up's nats-server, its role's (the
-        subcommand: scheduler, gateway, prefill, decode, colocated)."""
-        role = spec.args[0]
-        if role not in self.nats_users:
-            return self.env
-        return {**self.env, NATS_USER_ENV: role, NATS_PASSWORD_ENV: self.nats_users[role]}
 
     def start_all(self) -> None:
         for spec in self.specs:
             self._start(spec)
 
     def _start(self, spec: ChildSpec) -> None:
+        flags, env = self.identities.start(spec) if self.identities else ([], {})
         proc = subprocess.Popen(
-            spec.argv(self.nats_url),
-            env=self._env(spec),
+            spec.argv(self.nats_url) + flags,
+            env={**self.env, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.nats_client import NatsClientOptions
+from shared import subjects
 from shared.engine.config import DEFAULT_KV_CACHE_BYTES
 
 ROLES = ("prefill", "decode", "colocated")
@@ -68,9 +69,7 @@ class WorkerConfig:
 
     def role_ids(self) -> dict[str, str]:
         """Worker id per role this process serves."""
-        if self.role == "colocated":
-            return {"prefill": f"{self.worker_id}-prefill", "decode": f"{self.worker_id}-decode"}
-        return {self.role: self.worker_id}
+        return subjects.role_ids(self.role, self.worker_id)
 
     @property
     def name(self) -> str:
