@@ -12,6 +12,7 @@ from aiohttp.web_log import AccessLogger
 from services.gateway.completions import CompletionService, json_error
 from services.gateway.config import GatewayConfig
 from services.gateway.control import ControlPlane
+from services.gateway.memory import HeapTrimmer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_request import parse_chat, parse_completion
 from services.gateway.openapi import document
@@ -24,6 +25,7 @@ from shared.tool_calls import detect_parser, parser_for
 log = logging.getLogger(__name__)
 SERVICE = web.AppKey("service", CompletionService)
 RESPONSES = web.AppKey("responses", ResponsesService)
+TRIMMER = web.AppKey("trimmer", HeapTrimmer)
 HEALTH_PATH = "/health"
 _KEYED = ("/v1/", "/tokenize", "/detokenize")  # what an API key guards
 
@@ -63,6 +65,13 @@ async def api_key(request: web.Request, handler):
             message = "Incorrect API key provided (Authorization: Bearer <key>)."
             return json_error(401, message, "invalid_request_error", code="invalid_api_key")
     return await handler(request)
+
+
+@web.middleware
+async def release_memory(request: web.Request, handler):
+    """A large request gives the heap it freed back to the system when it ends (memory.py)."""
+    async with request.app[TRIMMER].request(request.content_length or 0):
+        return await handler(request)
 
 
 async def _body(request: web.Request):
@@ -140,8 +149,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(service: CompletionService) -> web.Application:
     limit = service.config.body_limit(service.max_model_len())
-    app = web.Application(middlewares=[openai_errors, api_key], client_max_size=limit)
+    app = web.Application(
+        middlewares=[release_memory, openai_errors, api_key], client_max_size=limit
+    )
     app[SERVICE] = service
+    app[TRIMMER] = HeapTrimmer()
     app[RESPONSES] = ResponsesService(service)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
