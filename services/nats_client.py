@@ -15,8 +15,11 @@ $TISON_NATS_TLS_CERT, $TISON_NATS_TLS_KEY.
 """
 
 import argparse
+import logging
 import os
 import ssl
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +30,8 @@ from shared.errors import NatsOptionsError
 NATS_TOKEN_ENV = "TISON_NATS_TOKEN"
 # a user of an authenticated nats-server: tison up's gives each role its own (nats_auth.py)
 NATS_USER_ENV, NATS_PASSWORD_ENV = "TISON_NATS_USER", "TISON_NATS_PASSWORD"
+log = logging.getLogger(__name__)
+ERROR_LOG_S = 10.0  # while NATS is unreachable, one line per this period, not per attempt
 TLS_ENV = {"ca": "TISON_NATS_TLS_CA", "cert": "TISON_NATS_TLS_CERT", "key": "TISON_NATS_TLS_KEY"}
 
 
@@ -136,15 +141,73 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-tls-key", default="", help="its private key (PEM)")
 
 
-async def connect_nats(url: str, name: str, options: NatsClientOptions | None = None):
+class _ConnectionLog:
+    """What a service logs of its NATS connection: one line when it is lost, one when it is
+    back (with how long it took), and the errors in between at most once per ERROR_LOG_S, each
+    as a line (nats-py's default logs a traceback per reconnect attempt, every second)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.lost_at = 0.0
+        self._logged_at = -ERROR_LOG_S
+        self.errors = 0
+
+    async def error(self, e: Exception) -> None:
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._logged_at >= ERROR_LOG_S:
+            self._logged_at = now
+            log.warning("%s: NATS: %s (%d errors so far)", self.name, e or type(e).__name__,
+                        self.errors)  # fmt: skip
+
+    def lost(self) -> None:
+        self.lost_at = time.monotonic()
+        log.warning("%s: NATS connection lost; reconnecting", self.name)
+
+    def back(self) -> None:
+        log.warning("%s: NATS connection back after %.1f s", self.name,
+                    time.monotonic() - self.lost_at)  # fmt: skip
+
+
+Callback = Callable[[], Awaitable[None]]
+
+
+async def connect_nats(
+    url: str,
+    name: str,
+    options: NatsClientOptions | None = None,
+    on_lost: Callback | None = None,
+    on_back: Callback | None = None,
+):
     """A NATS connection that never stops reconnecting (nats-py's default gives up after 60
     tries, ~2 minutes): `tison up` restarts a dead nats-server on the same port, and every
-    service finds it again however long it took. Options default to the environment's."""
+    service finds it again however long it took. Options default to the environment's.
+    on_lost and on_back run when the connection drops and when it is back (NATS does not keep
+    what was published to a subscriber meanwhile)."""
     options = options if options is not None else NatsClientOptions.from_env()
-    return await nats.connect(
+    history = _ConnectionLog(name)
+
+    async def lost() -> None:
+        if nc.is_closed:  # closed by its owner (shutdown), not lost
+            return
+        history.lost()
+        if on_lost is not None:
+            await on_lost()
+
+    async def back() -> None:
+        history.back()
+        if on_back is not None:
+            await on_back()
+
+    nc = nats.NATS()
+    await nc.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=1.0,
+        error_cb=history.error,
+        disconnected_cb=lost,
+        reconnected_cb=back,
         **options.connect_kwargs(),
     )
+    return nc

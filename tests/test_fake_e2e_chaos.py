@@ -150,3 +150,36 @@ async def test_kill_prefill_mid_prompt_fails_its_requests_then_recovers(cluster,
     assert out.usage.completion_tokens == 3
     await wait_pages_free(cluster)
     await client.close()
+
+
+async def test_kill_nats_mid_stream_fails_streams_saying_so_then_recovers(cluster, tiny_llama):
+    """kill -9 of the nats-server under 4 streams: each ends within FAILURE_BOUND_S with an
+    error naming NATS (not a worker, which only fell silent); the server back on its port,
+    every service reconnects by itself and serves again, and no page stays reserved."""
+    client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+    starts = [asyncio.Event() for _ in range(4)]
+    tasks = [
+        asyncio.create_task(stream_until_error(client, tiny_llama.name, s, max_tokens=200))
+        for s in starts
+    ]
+    await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 10)
+    cluster.nats._proc.kill()
+    killed_at = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), FAILURE_BOUND_S + 5)
+    for ended_at, error in results:
+        assert error is not None and "NATS" in error, error
+        assert ended_at - killed_at < FAILURE_BOUND_S
+    cluster.nats.restart()
+
+    async def serves() -> bool:
+        try:
+            out = await client.completions.create(
+                model=tiny_llama.name, prompt="hello", max_tokens=5
+            )
+        except openai.APIStatusError:
+            return False
+        return out.usage.completion_tokens == 5
+
+    await until(serves, 15, "a completion after NATS came back")
+    await wait_pages_free(cluster)
+    await client.close()

@@ -3,7 +3,9 @@
 Every open request has a queue that this module fills with its TokenItems (demultiplexed by
 request id from the gateway's token subject). A watchdog fails a request whose decode worker
 died, or whose prefill worker died before decode took over, by queueing an error item: nothing
-waits on a dead worker for longer than its missed heartbeats plus one grace period.
+waits on a dead worker for longer than its missed heartbeats plus one grace period. When the
+gateway's own NATS connection drops, every open request fails at once, saying so: NATS does
+not replay what was published to it meanwhile, so its tokens cannot be complete.
 """
 
 import asyncio
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 WATCHDOG_S = 0.1
 GATEWAY_BEAT_S = 1.0  # decode workers cancel a gateway's requests after 3 missed beats
 SCHEDULER_PING_S, PING_MISSES = 1.0, 3  # the scheduler is lost after 3 missed pings
+# After NATS is back, the cancels of the requests its loss failed go out again at these
+# delays: a worker that reconnects after the gateway did must still hear them.
+RECANCEL_AFTER_S = (0.0, 1.0, 2.0, 4.0, 8.0)
 
 
 @dataclass
@@ -72,9 +77,18 @@ class ControlPlane:
         self._beats: asyncio.Task | None = None
         self._pings: asyncio.Task | None = None
         self._scheduler_lost = asyncio.Event()  # set while the scheduler misses its pings
+        self._nats_lost = asyncio.Event()  # set while the connection to NATS is down
+        self._lost_with_nats: set[str] = set()  # requests failed by it: cancel them when back
+        self._recancels: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._nc = await connect_nats(self.nats_url, f"tison-{self.gateway_id}", self.nats_options)
+        self._nc = await connect_nats(
+            self.nats_url,
+            f"tison-{self.gateway_id}",
+            self.nats_options,
+            on_lost=self._on_nats_lost,
+            on_back=self._on_nats_back,
+        )
         await self._nc.subscribe(subjects.gateway_tokens(self.gateway_id), cb=self._on_tokens)
         await self._nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
         self._watchdog = asyncio.create_task(self._watch())
@@ -82,7 +96,7 @@ class ControlPlane:
         self._pings = asyncio.create_task(self._ping_scheduler())
 
     async def close(self) -> None:
-        for task in (self._watchdog, self._beats, self._pings):
+        for task in (self._watchdog, self._beats, self._pings, self._recancels):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -115,19 +129,28 @@ class ControlPlane:
         """Ask the scheduler to run the request; a NO_WORKERS reply if it does not answer, at
         once when the scheduler stops answering pings while the request waits (it died with
         the request in its queue: no reply will come)."""
+        if not self._nc.is_connected:
+            reason = "NATS is unreachable from the gateway"
+            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
         asked = asyncio.ensure_future(
             self._nc.request(
                 subjects.scheduler_submit(), protocol.encode(submit), timeout=timeout_s
             )
         )
-        lost = asyncio.ensure_future(self._scheduler_lost.wait())
+        hopeless = {
+            asyncio.ensure_future(self._scheduler_lost.wait()): "the scheduler stopped "
+            "answering while the request waited",
+            asyncio.ensure_future(self._nats_lost.wait()): "the gateway lost its connection "
+            "to NATS while the request waited",
+        }
         try:
-            await asyncio.wait([asked, lost], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([asked, *hopeless], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            lost.cancel()
+            for waiter in hopeless:
+                waiter.cancel()
         if not asked.done():
             asked.cancel()
-            reason = "the scheduler stopped answering while the request waited"
+            reason = next(r for w, r in hopeless.items() if w.done() and not w.cancelled())
             return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
         try:
             reply = protocol.decode(asked.result().data, SubmitReplyMsg)
@@ -162,6 +185,35 @@ class ControlPlane:
                 continue  # finished or cancelled here already
             request.decode_started = True  # every item comes from the decode worker
             request.items.put_nowait(item)
+
+    async def _on_nats_lost(self) -> None:
+        """Fails every open request: what was published to this gateway while it is away is
+        gone, so no stream could be completed. Their cancels leave once NATS is back."""
+        self._nats_lost.set()
+        error = "the gateway lost its connection to NATS (its tokens cannot be complete)"
+        for request in self._open.values():
+            if not request.failed:
+                request.failed = True
+                item = TokenItem(
+                    request.request_id, 0, finish_reason=protocol.FINISH_ERROR, error=error
+                )
+                request.items.put_nowait(item)
+                self._lost_with_nats.add(request.request_id)
+
+    async def _on_nats_back(self) -> None:
+        self._nats_lost.clear()
+        ids, self._lost_with_nats = self._lost_with_nats, set()
+        if ids:
+            self._recancels = asyncio.create_task(self._recancel(ids))
+
+    async def _recancel(self, request_ids: set[str]) -> None:
+        """The workers keep decoding what nobody reads until a cancel reaches them."""
+        waited = 0.0
+        for at in RECANCEL_AFTER_S:
+            await asyncio.sleep(at - waited)
+            waited = at
+            for request_id in request_ids:
+                await self.cancel(request_id, "the gateway lost its connection to NATS")
 
     @protocol.on_message(HeartbeatMsg)
     async def _on_heartbeat(self, beat: HeartbeatMsg, msg: Msg) -> None:
