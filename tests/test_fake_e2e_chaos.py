@@ -14,6 +14,17 @@ from waiting import until
 FAILURE_BOUND_S = 10.0
 
 
+async def streaming(client, model: str, count: int) -> list[asyncio.Task]:
+    """`count` streams of 200 tokens, once each has its first token: tasks that return when
+    and how it ended."""
+    starts = [asyncio.Event() for _ in range(count)]
+    tasks = [
+        asyncio.create_task(stream_until_error(client, model, s, max_tokens=200)) for s in starts
+    ]
+    await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 10)
+    return tasks
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
     with Services(tmp_path_factory.mktemp("chaos"), tiny_llama) as s:
@@ -53,12 +64,7 @@ async def test_full_queue_answers_429_with_retry_after(cluster, tiny_llama):
 async def test_kill_decode_mid_stream_fails_streams_then_recovers(cluster, tiny_llama):
     client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
 
-    starts = [asyncio.Event() for _ in range(4)]
-    tasks = [
-        asyncio.create_task(stream_until_error(client, tiny_llama.name, s, max_tokens=200))
-        for s in starts
-    ]
-    await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 10)
+    tasks = await streaming(client, tiny_llama.name, 4)
     cluster.kill("decode")
     killed_at = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*tasks), FAILURE_BOUND_S + 5)
@@ -157,12 +163,7 @@ async def test_kill_nats_mid_stream_fails_streams_saying_so_then_recovers(cluste
     error naming NATS (not a worker, which only fell silent); the server back on its port,
     every service reconnects by itself and serves again, and no page stays reserved."""
     client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
-    starts = [asyncio.Event() for _ in range(4)]
-    tasks = [
-        asyncio.create_task(stream_until_error(client, tiny_llama.name, s, max_tokens=200))
-        for s in starts
-    ]
-    await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 10)
+    tasks = await streaming(client, tiny_llama.name, 4)
     cluster.nats._proc.kill()
     killed_at = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*tasks), FAILURE_BOUND_S + 5)
