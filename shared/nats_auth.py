@@ -84,11 +84,22 @@ PERMISSIONS: dict[str, Permissions] = {
             subjects.all_gateway_heartbeats(),
             INBOX,
         ),
-        subscribe=(f"{P}.gateway.tokens.*", subjects.all_heartbeats(), INBOX),
+        subscribe=(
+            f"{P}.gateway.tokens.*",
+            subjects.all_heartbeats(),
+            subjects.all_scheduler_heartbeats(),
+            INBOX,
+        ),
     ),
     SCHEDULER: Permissions(
         # cancels too: one that overtook a request's placement, repeated once it is placed
-        publish=(f"{P}.*.assign.*", f"{P}.*.kv_snapshot.*", subjects.gateway_cancel(), INBOX),
+        publish=(
+            f"{P}.*.assign.*",
+            f"{P}.*.kv_snapshot.*",
+            subjects.gateway_cancel(),
+            subjects.all_scheduler_heartbeats(),
+            INBOX,
+        ),
         subscribe=(
             subjects.scheduler_submit(),
             subjects.scheduler_ping(),

@@ -32,6 +32,7 @@ QUEUE_FULL = "queue_full"  # 429 + Retry-After
 NO_WORKERS = "no_workers"  # 503
 TOO_LONG = "too_long"  # 400: no decode worker's KV pool can ever hold it
 EXPIRED = "expired"  # 503: the deadline passed while queued
+QUEUED = "queued"  # not an outcome: scheduler_id holds it; the outcome follows on the same inbox
 
 # TokenItem.finish_reason values.
 FINISH_STOP = "stop"  # EOS or a stop token (or, decided by the gateway, a stop string)
@@ -79,6 +80,7 @@ class SubmitMsg:
     deadline: float  # gateway sets (unix time); scheduler drops it if still queued then
     session_id: str = ""  # gateway sets (x-session-affinity, else the body's session_id or
     # user); "" → none. The scheduler keeps a session on the workers it last used
+    acknowledge: bool = False  # sender sets: a QUEUED reply first (SubmitReplyMsg.scheduler_id)
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,23 @@ class SubmitReplyMsg:
 
     KIND: ClassVar[str] = "submit_reply"
     request_id: str  # scheduler copies from SubmitMsg
-    status: str  # scheduler sets: ACCEPTED, QUEUE_FULL, NO_WORKERS, TOO_LONG or EXPIRED
+    status: str  # scheduler sets: QUEUED first, then ACCEPTED, QUEUE_FULL, NO_WORKERS, ...
     reason: str = ""  # scheduler sets when not accepted; gateway puts it in the error message
     retry_after_s: float = 0.0  # scheduler sets with QUEUE_FULL; gateway sends Retry-After
     limit: int = 0  # scheduler sets with TOO_LONG: the most tokens any decode worker can hold
     prefill_worker: str = ""  # scheduler sets with ACCEPTED; gateway watches its heartbeats
     decode_worker: str = ""  # scheduler sets with ACCEPTED; gateway watches its heartbeats
+    scheduler_id: str = ""  # scheduler sets with QUEUED; gateway watches its beats
+
+
+@dataclass(frozen=True)
+class SchedulerBeatMsg:
+    """Scheduler → gateways, every interval_s: a submit acknowledged by a scheduler that stops
+    beating fails at once (it died holding the request)."""
+
+    KIND: ClassVar[str] = "scheduler_beat"
+    scheduler_id: str  # scheduler sets: unique per process
+    interval_s: float  # scheduler sets: seconds between beats
 
 
 @dataclass(frozen=True)

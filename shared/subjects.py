@@ -30,7 +30,8 @@ def _check_role(role: str) -> str:
 
 
 def scheduler_submit() -> str:
-    """Gateway → scheduler request/reply (queue group SCHEDULER_QUEUE_GROUP)."""
+    """Gateway → scheduler (queue group SCHEDULER_QUEUE_GROUP), two replies: QUEUED at once,
+    then the outcome."""
     return f"{PREFIX}.scheduler.submit"
 
 
@@ -38,6 +39,15 @@ def scheduler_ping() -> str:
     """Gateway → scheduler request/reply (queue group SCHEDULER_QUEUE_GROUP), empty both ways:
     the gateway's /health asks whether a scheduler answers."""
     return f"{PREFIX}.scheduler.ping"
+
+
+def scheduler_heartbeat(scheduler_id: str) -> str:
+    """Scheduler → gateways: this scheduler still holds the requests it acknowledged."""
+    return f"{PREFIX}.scheduler.alive.{_check_token(scheduler_id, 'scheduler_id')}"
+
+
+def all_scheduler_heartbeats() -> str:
+    return f"{PREFIX}.scheduler.alive.*"
 
 
 def gateway_cancel() -> str:

@@ -14,6 +14,12 @@ from waiting import until
 FAILURE_BOUND_S = 10.0
 
 
+async def queue_full(cluster) -> bool:
+    """4 requests running, 2 waiting in the scheduler's queue (its --max-waiting)."""
+    running = await metric(cluster, "tison_requests_running")
+    return (running, await metric(cluster, "tison_requests_waiting")) == (4, 2)
+
+
 async def streaming(client, model: str, count: int) -> list[asyncio.Task]:
     """`count` streams of 200 tokens, once each has its first token: tasks that return when
     and how it ended."""
@@ -45,11 +51,7 @@ async def test_full_queue_answers_429_with_retry_after(cluster, tiny_llama):
     async with aiohttp.ClientSession() as http:
         streams = [asyncio.create_task(http.post(url, json=body)) for _ in range(6)]
 
-        async def queue_full() -> bool:
-            running = await metric(cluster, "tison_requests_running")
-            return (running, await metric(cluster, "tison_requests_waiting")) == (4, 2)
-
-        await until(queue_full, 30, "4 requests running and 2 waiting in the scheduler")
+        await until(lambda: queue_full(cluster), 30, "4 running and 2 waiting in the scheduler")
         async with http.post(url, json=body) as resp:
             assert resp.status == 429 and resp.headers["Retry-After"] == "2"
             error = (await resp.json())["error"]
@@ -103,11 +105,7 @@ async def test_a_dead_scheduler_fails_its_queue_fast_and_health_says_so(cluster,
 
         requests = [asyncio.create_task(status()) for _ in range(6)]
 
-        async def queue_full() -> bool:
-            running = await metric(cluster, "tison_requests_running")
-            return (running, await metric(cluster, "tison_requests_waiting")) == (4, 2)
-
-        await until(queue_full, 30, "4 requests running and 2 waiting in the scheduler")
+        await until(lambda: queue_full(cluster), 30, "4 running and 2 waiting in the scheduler")
         cluster.kill("scheduler")
         killed_at = time.monotonic()
         results = await asyncio.gather(*requests)
@@ -184,3 +182,33 @@ async def test_kill_nats_mid_stream_fails_streams_saying_so_then_recovers(cluste
     await until(serves, 15, "a completion after NATS came back")
     await wait_pages_free(cluster)
     await client.close()
+
+
+async def test_a_scheduler_restarted_at_once_fails_what_it_held_fast(cluster, tiny_llama):
+    """A scheduler killed and replaced before the gateway's pings miss it (tison up restarts
+    one within ~1.5 s): the 2 requests the dead one queued fail within FAILURE_BOUND_S, the
+    error naming it (they acknowledged by it, and its beats stop), not at the 60 s queue
+    timeout; the new scheduler serves."""
+    body = {"model": tiny_llama.name, "prompt": [100] * 240, "max_tokens": 16}
+    url = cluster.base_url + "/v1/completions"
+    async with aiohttp.ClientSession() as http:
+
+        async def outcome() -> tuple[int, str, float]:
+            async with http.post(url, json=body) as resp:
+                text = await resp.text()
+                return resp.status, text, time.monotonic()
+
+        requests = [asyncio.create_task(outcome()) for _ in range(6)]
+
+        await until(lambda: queue_full(cluster), 30, "4 running and 2 waiting in the scheduler")
+        cluster.kill("scheduler")
+        killed_at = time.monotonic()
+        cluster.scheduler("--max-waiting", "2", "--retry-after", "2")
+        results = await asyncio.gather(*requests)
+    failed = [(at - killed_at, text) for code, text, at in results if code == 503]
+    assert len(failed) == 2, results
+    for after, text in failed:
+        assert after < FAILURE_BOUND_S and "died holding the request" in text, (after, text)
+    assert sum(code == 200 for code, _, _ in results) == 4
+    await until(lambda: cluster.health() == 200, 30, "/health 200 with the new scheduler")
+    await wait_pages_free(cluster)

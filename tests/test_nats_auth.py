@@ -87,6 +87,7 @@ def server(tmp_path_factory):
         ("scheduler", subjects.scheduler_submit(), "gateway", "decode"),
         ("prefill", subjects.assign("prefill", "d-1"), "scheduler", "gateway"),
         ("decode", subjects.gateway_heartbeat("gw-1"), "gateway", "decode"),
+        ("gateway", subjects.scheduler_heartbeat("s-1"), "scheduler", "gateway"),
         ("scheduler", subjects.heartbeat("decode", "d-1"), "decode-0", "decode-1"),
         ("scheduler", subjects.kv_events("decode", "d-1"), "decode-0", "decode-1"),
         ("scheduler", subjects.heartbeat("prefill", "c-1-prefill"), "colocated-0", "prefill-0"),

@@ -18,9 +18,9 @@ import nats
 from nats.aio.msg import Msg
 
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.scheduler_link import SchedulerLink
 from services.nats_client import NatsClientOptions, connect_nats
 from shared import protocol, subjects
-from shared.errors import ProtocolError
 from shared.protocol import (
     CancelMsg,
     GatewayBeatMsg,
@@ -35,7 +35,6 @@ from shared.registry import WorkerRegistry
 log = logging.getLogger(__name__)
 WATCHDOG_S = 0.1
 GATEWAY_BEAT_S = 1.0  # decode workers cancel a gateway's requests after 3 missed beats
-SCHEDULER_PING_S, PING_MISSES = 1.0, 3  # the scheduler is lost after 3 missed pings
 # After NATS is back, the cancels of the requests its loss failed go out again at these
 # delays: a worker that reconnects after the gateway did must still hear them.
 RECANCEL_AFTER_S = (0.0, 1.0, 2.0, 4.0, 8.0)
@@ -76,8 +75,7 @@ class ControlPlane:
         self._watchdog: asyncio.Task | None = None
         self._beats: asyncio.Task | None = None
         self._pings: asyncio.Task | None = None
-        self._scheduler_lost = asyncio.Event()  # set while the scheduler misses its pings
-        self._nats_lost = asyncio.Event()  # set while the connection to NATS is down
+        self.schedulers: SchedulerLink | None = None  # once connected
         self._lost_with_nats: set[str] = set()  # requests failed by it: cancel them when back
         self._recancels: asyncio.Task | None = None
 
@@ -91,9 +89,11 @@ class ControlPlane:
         )
         await self._nc.subscribe(subjects.gateway_tokens(self.gateway_id), cb=self._on_tokens)
         await self._nc.subscribe(subjects.all_heartbeats(), cb=self._on_heartbeat)
+        self.schedulers = SchedulerLink(self._nc)
+        await self.schedulers.subscribe()
         self._watchdog = asyncio.create_task(self._watch())
         self._beats = asyncio.create_task(self._beat())
-        self._pings = asyncio.create_task(self._ping_scheduler())
+        self._pings = asyncio.create_task(self.schedulers.ping_forever())
 
     async def close(self) -> None:
         for task in (self._watchdog, self._beats, self._pings, self._recancels):
@@ -105,14 +105,7 @@ class ControlPlane:
                 await self._nc.drain()
 
     async def scheduler_answers(self, timeout_s: float = 1.0) -> bool:
-        """Whether NATS is reachable and a scheduler answers a ping within `timeout_s`."""
-        if self._nc is None or not self._nc.is_connected:
-            return False
-        try:
-            await self._nc.request(subjects.scheduler_ping(), b"", timeout=timeout_s)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            return False
-        return True
+        return self.schedulers is not None and await self.schedulers.answers(timeout_s)
 
     def alive(self, role: str) -> list[HeartbeatMsg]:
         return self.registry.alive(role, time.time())
@@ -126,40 +119,9 @@ class ControlPlane:
         self._open.pop(request_id, None)
 
     async def submit(self, submit: SubmitMsg, timeout_s: float) -> SubmitReplyMsg:
-        """Ask the scheduler to run the request; a NO_WORKERS reply if it does not answer, at
-        once when the scheduler stops answering pings while the request waits (it died with
-        the request in its queue: no reply will come)."""
-        if not self._nc.is_connected:
-            reason = "NATS is unreachable from the gateway"
-            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
-        asked = asyncio.ensure_future(
-            self._nc.request(
-                subjects.scheduler_submit(), protocol.encode(submit), timeout=timeout_s
-            )
-        )
-        hopeless = {
-            asyncio.ensure_future(self._scheduler_lost.wait()): "the scheduler stopped "
-            "answering while the request waited",
-            asyncio.ensure_future(self._nats_lost.wait()): "the gateway lost its connection "
-            "to NATS while the request waited",
-        }
-        try:
-            await asyncio.wait([asked, *hopeless], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in hopeless:
-                waiter.cancel()
-        if not asked.done():
-            asked.cancel()
-            reason = next(r for w, r in hopeless.items() if w.done() and not w.cancelled())
-            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
-        try:
-            reply = protocol.decode(asked.result().data, SubmitReplyMsg)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
-            reason = f"the scheduler did not answer ({type(e).__name__})"
-            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=reason)
-        except ProtocolError as e:
-            log.warning("bad submit reply: %s", e)
-            return SubmitReplyMsg(submit.request_id, protocol.NO_WORKERS, reason=str(e))
+        """Ask a scheduler to run the request (scheduler_link.py: a NO_WORKERS reply as soon
+        as no answer can come)."""
+        reply = await self.schedulers.submit(submit, timeout_s)
         request = self._open.get(submit.request_id)
         if reply.status == protocol.ACCEPTED and request is not None:
             request.prefill_worker, request.decode_worker = (
@@ -189,7 +151,8 @@ class ControlPlane:
     async def _on_nats_lost(self) -> None:
         """Fails every open request: what was published to this gateway while it is away is
         gone, so no stream could be completed. Their cancels leave once NATS is back."""
-        self._nats_lost.set()
+        if self.schedulers is not None:
+            self.schedulers.nats_losses += 1  # the submits waiting fail
         error = "the gateway lost its connection to NATS (its tokens cannot be complete)"
         for request in self._open.values():
             if not request.failed:
@@ -201,7 +164,6 @@ class ControlPlane:
                 self._lost_with_nats.add(request.request_id)
 
     async def _on_nats_back(self) -> None:
-        self._nats_lost.clear()
         ids, self._lost_with_nats = self._lost_with_nats, set()
         if ids:
             self._recancels = asyncio.create_task(self._recancel(ids))
@@ -220,21 +182,6 @@ class ControlPlane:
         if self.registry.observe(beat, time.time()):
             log.info("%s worker %s joined", beat.role, beat.worker_id)
         self.metrics.observe_worker(beat)
-
-    async def _ping_scheduler(self) -> None:
-        """Every SCHEDULER_PING_S: the scheduler lost after PING_MISSES missed pings in a row
-        (requests waiting on it fail at once), found again at its first answer."""
-        missed = 0
-        while True:
-            await asyncio.sleep(SCHEDULER_PING_S)
-            if await self.scheduler_answers():
-                missed = 0
-                self._scheduler_lost.clear()
-            else:
-                missed += 1
-                if missed >= PING_MISSES and not self._scheduler_lost.is_set():
-                    log.warning("the scheduler does not answer; failing the requests it holds")
-                    self._scheduler_lost.set()
 
     async def _beat(self) -> None:
         """Tells decode workers this gateway still streams its requests."""

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import nats
@@ -37,6 +38,7 @@ from shared.protocol import (
     KVEventsMsg,
     KVSnapshotAskMsg,
     PrefillAssignMsg,
+    SchedulerBeatMsg,
     SubmitMsg,
     SubmitReplyMsg,
 )
@@ -44,6 +46,7 @@ from shared.registry import DEFAULT_MISS_LIMIT, WorkerRegistry
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # dispatch loop wake-up period without events (deadlines, dead workers)
+BEAT_S = 0.5  # gateways fail the submits this scheduler acknowledged after 3 missed beats
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class Scheduler:
         # Requests being placed (chosen, reservation under way) → cancelled meanwhile?
         self._placing: dict[str, bool] = {}
         self._placements = TaskSet("placing a request")
+        self.scheduler_id = f"sched-{uuid.uuid4().hex[:12]}"  # a restart is a new scheduler
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set."""
@@ -109,13 +113,17 @@ class Scheduler:
             served = await serve_metrics(self.metrics, host, port)
             log.info("routing metrics at http://%s:%d/metrics", host, port)
         dispatcher = asyncio.create_task(self._dispatch_loop())
+        beats = asyncio.create_task(self._beat())
         try:
             await stop.wait()
         finally:
             if served is not None:
                 await served.cleanup()
             dispatcher.cancel()
-            await asyncio.gather(dispatcher, self._placements.cancel_all(), return_exceptions=True)
+            beats.cancel()
+            await asyncio.gather(
+                dispatcher, beats, self._placements.cancel_all(), return_exceptions=True
+            )
             with contextlib.suppress(Exception):  # NATS may be gone already at shutdown
                 await nc.drain()
 
@@ -155,6 +163,9 @@ class Scheduler:
         status, limit = self.router.admission_status(submit, now)
         if status == protocol.NO_WORKERS and self._starting(now):
             status = protocol.ACCEPTED  # workers are up but not heard from yet: wait for them
+        if status == protocol.ACCEPTED and submit.acknowledge:
+            # Held from here on: the gateway fails the request at once should we die.
+            await self._reply(pending, dict(status=protocol.QUEUED, scheduler_id=self.scheduler_id))
         if status == protocol.ACCEPTED:
             # Placed at once when nothing waits ahead of it; only the rest counts against
             # the queue bound, so a burst that fits the workers is never refused.
@@ -164,6 +175,13 @@ class Scheduler:
                 return
             status = protocol.QUEUE_FULL
         await self._reply(pending, self._refusal(status, limit))
+
+    async def _beat(self) -> None:
+        beat = protocol.encode(SchedulerBeatMsg(self.scheduler_id, BEAT_S))
+        while True:
+            if self._nc.is_connected:
+                await self._nc.publish(subjects.scheduler_heartbeat(self.scheduler_id), beat)
+            await asyncio.sleep(BEAT_S)
 
     def _refusal(self, status: str, limit: int) -> dict:
         if status == protocol.QUEUE_FULL:
