@@ -201,10 +201,13 @@ class Scheduler:
 
     async def _dispatch_loop(self) -> None:
         while True:
+            # Not asyncio.wait_for: before Python 3.12 it swallows a cancel that comes as the
+            # event is set (heartbeats set it often), and the scheduler then never stopped.
+            woken = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait_for(self._wake.wait(), TICK_S)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait([woken], timeout=TICK_S)
+            finally:
+                woken.cancel()
             self._wake.clear()
             try:
                 await self._dispatch()
