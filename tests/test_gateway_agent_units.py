@@ -266,6 +266,7 @@ def test_responses_input_becomes_chat_history():
     for fields, where in [
         ({"input": []}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"role": [], "content": ""}]}, "input[0].role"),  # the fuzz found it
         ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),

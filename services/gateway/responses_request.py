@@ -105,7 +105,8 @@ def input_messages(items: Any) -> list[dict]:
             raise InvalidRequestError(where, "must be an object")
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise InvalidRequestError(f"{where}.role", f"must be one of {sorted(_ROLES)}")
             messages.append({"role": role, "content": _content(item.get("content"), where)})
