@@ -1,27 +1,25 @@
 """The wire contract: every NATS payload as a frozen dataclass, msgpack-encoded here and only here.
 
 Each body is a msgpack map carrying `v` (SCHEMA_VERSION) and `t` (the message's KIND) besides
-its fields. `decode` checks both plus every field's type and raises ProtocolError otherwise, so
-a service can log and drop a bad message instead of crashing. Unknown extra keys are ignored
-(a newer peer may add optional fields). Messages carry ids, counts and page numbers, never tensors.
+its fields. `decode` checks both plus every field's type (shared/wire.py) and raises
+ProtocolError otherwise, so a service can log and drop a bad message instead of crashing.
+Unknown extra keys are ignored (a newer peer may add optional fields). Messages carry ids,
+counts and page numbers, never tensors.
 """
 
 import functools
 import logging
 import time
-import types
-import typing
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields, is_dataclass
-from functools import cache
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 import msgpack
 
-from shared.errors import InvalidRequestError, ProtocolError
+from shared.errors import ProtocolError
 from shared.sampling.logprobs import TokenLogprob  # on the wire as is, like SamplingParams
 from shared.sampling.params import SamplingParams
+from shared.wire import from_plain, to_plain
 
 SCHEMA_VERSION = 1
 _log = logging.getLogger(__name__)
@@ -301,7 +299,7 @@ M = TypeVar("M")
 
 def encode(msg: Message) -> bytes:
     """msgpack bytes of a message, tagged with SCHEMA_VERSION and its KIND."""
-    body = _to_wire(msg)
+    body = to_plain(msg)
     body["v"] = SCHEMA_VERSION
     body["t"] = msg.KIND
     return msgpack.packb(body, use_bin_type=True)
@@ -320,157 +318,7 @@ def decode(data: bytes, cls: type[M]) -> M:
         raise ProtocolError(kind, f"schema version {body.get('v')!r} != {SCHEMA_VERSION}")
     if body.get("t") != kind:
         raise ProtocolError(kind, f"kind is {body.get('t')!r}")
-    return _from_wire(cls, body, kind)
-
-
-def to_plain(value: Any) -> Any:
-    """A dataclass of this module as msgpack-ready lists and maps (to nest in other payloads)."""
-    return _to_wire(value)
-
-
-def from_plain(cls: type[M], value: Any) -> M:
-    """The inverse of to_plain, with decode's checks; ProtocolError naming the bad field."""
-    return _from_wire(cls, value, cls.__name__)
-
-
-def _to_wire(value: Any) -> Any:
-    if is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, (tuple, list)):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
-    return value
-
-
-class _Bad(Exception):
-    """A value of the wrong shape. The field path is collected as it propagates, so the happy
-    path builds no strings."""
-
-    def __init__(self, problem: str):
-        super().__init__(problem)
-        self.problem = problem
-        self.where: list[str] = []
-
-
-def _from_wire(cls: type, body: Any, kind: str) -> Any:
-    try:
-        return _converter(cls)(body)
-    except _Bad as e:
-        path = ".".join([kind, *reversed(e.where)])
-        raise ProtocolError(path, e.problem) from None
-
-
-@cache
-def _converter(tp: Any) -> Callable[[Any], Any]:
-    """A function checking and converting a msgpack value to `tp`, built once per type."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = _converter(next(a for a in args if a is not type(None)))
-        return lambda v: None if v is None else inner(v)
-    if origin is tuple and args[-1] is Ellipsis:
-        return _sequence(_converter(args[0]))
-    if origin is tuple:  # fixed length: tuple[int, float]
-        return _fixed(tuple(_converter(a) for a in args))
-    if origin is dict:
-        return _mapping(_converter(args[1]))
-    if is_dataclass(tp):
-        return _record(tp)
-    if tp is float:
-        return _number
-    return _exact(tp)
-
-
-def _sequence(item: Callable) -> Callable:
-    def convert(value):
-        if type(value) is not list:
-            raise _Bad(f"expected a list, got {type(value).__name__}")
-        try:
-            return tuple(map(item, value))
-        except _Bad as e:
-            e.where.append("[]")
-            raise
-
-    return convert
-
-
-def _fixed(items: tuple[Callable, ...]) -> Callable:
-    def convert(value):
-        if type(value) is not list or len(value) != len(items):
-            raise _Bad(f"expected a list of {len(items)}, got {type(value).__name__}")
-        out = []
-        for i, (item, v) in enumerate(zip(items, value)):
-            try:
-                out.append(item(v))
-            except _Bad as e:
-                e.where.append(f"[{i}]")
-                raise
-        return tuple(out)
-
-    return convert
-
-
-def _mapping(item: Callable) -> Callable:
-    def convert(value):
-        if type(value) is not dict or not all(type(k) is str for k in value):
-            raise _Bad(f"expected a map with string keys, got {type(value).__name__}")
-        out = {}
-        for k, v in value.items():
-            try:
-                out[k] = item(v)
-            except _Bad as e:
-                e.where.append(k)
-                raise
-        return out
-
-    return convert
-
-
-def _record(cls: type) -> Callable:
-    hints = typing.get_type_hints(cls)
-    specs = [
-        (f.name, _converter(hints[f.name]), f.default is MISSING and f.default_factory is MISSING)
-        for f in fields(cls)
-    ]
-
-    def convert(body):
-        if type(body) is not dict:
-            raise _Bad(f"expected a map for {cls.__name__}, got {type(body).__name__}")
-        kwargs = {}
-        for name, field_converter, required in specs:
-            if name in body:
-                try:
-                    kwargs[name] = field_converter(body[name])
-                except _Bad as e:
-                    e.where.append(name)
-                    raise
-            elif required:
-                raise _Bad(f"missing field {name!r}")
-        try:
-            return cls(**kwargs)
-        except InvalidRequestError as e:  # SamplingParams validates itself
-            raise _Bad(str(e)) from None
-
-    return convert
-
-
-def _number(value):
-    if type(value) is float:
-        return value
-    if type(value) is int:
-        return float(value)
-    raise _Bad(f"expected a number, got {type(value).__name__}")
-
-
-def _exact(tp: type) -> Callable:
-    """int, str, bool: the exact type (a bool is not an int here)."""
-
-    def convert(value):
-        if type(value) is not tp:
-            raise _Bad(f"expected {tp.__name__}, got {type(value).__name__}")
-        return value
-
-    return convert
+    return from_plain(cls, body, kind)
 
 
 DROPPED: Counter[str] = Counter()  # this process's messages dropped as malformed, per kind

@@ -13,12 +13,12 @@ import torch
 from shared.engine.prompt_logprobs import PromptLogprobChunk
 from shared.engine.request import PromptTargets
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
-from shared.protocol import from_plain, to_plain
 from shared.sampling.batch import SamplingRow
 from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import SamplerOutput
 from shared.sampling.token_mask import TokenMasks
+from shared.wire import from_plain, to_plain
 
 PLAN_VERSION = 2
 

@@ -15,13 +15,13 @@ import logging
 import time
 from pathlib import Path
 
-from shared import protocol
 from shared.kv.cache import KVCache
 from shared.kv.spec import KVSpec
 from shared.parallel.shape import ParallelConfig
 from shared.protocol import KVPool
 from shared.transfer import shm, tcp
 from shared.transfer.base import KVSender, KVTarget, LayerKV, host_id
+from shared.wire import from_plain, to_plain
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", shm.NAME, tcp.NAME)
@@ -103,7 +103,7 @@ class KVHandoff:
         self.targets[request_id] = target
         self._sent[request_id] = (held, held)
         if self.announces:
-            self._new[request_id] = [list(page_ids), protocol.to_plain(pool), held]
+            self._new[request_id] = [list(page_ids), to_plain(pool), held]
 
     def plan_extras(self, out) -> dict:
         """Rank 0: what the other ranks learn with this step's plan."""
@@ -117,7 +117,7 @@ class KVHandoff:
             self.targets.pop(rid, None)
             self._sent.pop(rid, None)
         for rid, (pages, plain, held) in push.get("new", {}).items():
-            pool = protocol.from_plain(KVPool, plain)
+            pool = from_plain(KVPool, plain)
             self._sent[rid] = (held, held)
             try:
                 self.targets[rid] = KVTarget(rid, tuple(pages), pool, self.transport_to(pool))
