@@ -15,6 +15,7 @@ $TISON_NATS_TLS_CERT, $TISON_NATS_TLS_KEY.
 """
 
 import argparse
+import asyncio
 import logging
 import os
 import ssl
@@ -170,6 +171,15 @@ class _ConnectionLog:
 
 
 Callback = Callable[[], Awaitable[None]]
+
+
+async def beat_forever(nc: nats.NATS, subject: str, beat: bytes, interval_s: float) -> None:
+    """Publishes `beat` every interval_s while connected (a liveness signal: the listeners
+    count a publisher gone after a few missed intervals)."""
+    while True:
+        if nc.is_connected:
+            await nc.publish(subject, beat)
+        await asyncio.sleep(interval_s)
 
 
 async def connect_nats(

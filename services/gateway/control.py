@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_link import SchedulerLink
-from services.nats_client import NatsClientOptions, connect_nats
+from services.nats_client import NatsClientOptions, beat_forever, connect_nats
 from shared import protocol, subjects
 from shared.protocol import (
     CancelMsg,
@@ -92,7 +92,10 @@ class ControlPlane:
         self.schedulers = SchedulerLink(self._nc)
         await self.schedulers.subscribe()
         self._watchdog = asyncio.create_task(self._watch())
-        self._beats = asyncio.create_task(self._beat())
+        # decode workers cancel the requests of a gateway that stops beating (orphans)
+        beat = protocol.encode(GatewayBeatMsg(self.gateway_id, GATEWAY_BEAT_S))
+        subject = subjects.gateway_heartbeat(self.gateway_id)
+        self._beats = asyncio.create_task(beat_forever(self._nc, subject, beat, GATEWAY_BEAT_S))
         self._pings = asyncio.create_task(self.schedulers.ping_forever())
 
     async def close(self) -> None:
@@ -182,14 +185,6 @@ class ControlPlane:
         if self.registry.observe(beat, time.time()):
             log.info("%s worker %s joined", beat.role, beat.worker_id)
         self.metrics.observe_worker(beat)
-
-    async def _beat(self) -> None:
-        """Tells decode workers this gateway still streams its requests."""
-        beat = protocol.encode(GatewayBeatMsg(self.gateway_id, GATEWAY_BEAT_S))
-        while True:
-            if self._nc.is_connected:
-                await self._nc.publish(subjects.gateway_heartbeat(self.gateway_id), beat)
-            await asyncio.sleep(GATEWAY_BEAT_S)
 
     async def _watch(self) -> None:
         while True:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import nats
 from nats.aio.msg import Msg
 
-from services.nats_client import NatsClientOptions, connect_nats
+from services.nats_client import NatsClientOptions, beat_forever, connect_nats
 from services.runtime import TaskSet
 from services.scheduler.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.policy import AdmissionQueue, Choice, Pending, Router
@@ -113,7 +113,9 @@ class Scheduler:
             served = await serve_metrics(self.metrics, host, port)
             log.info("routing metrics at http://%s:%d/metrics", host, port)
         dispatcher = asyncio.create_task(self._dispatch_loop())
-        beats = asyncio.create_task(self._beat())
+        beat = protocol.encode(SchedulerBeatMsg(self.scheduler_id, BEAT_S))
+        subject = subjects.scheduler_heartbeat(self.scheduler_id)
+        beats = asyncio.create_task(beat_forever(nc, subject, beat, BEAT_S))
         try:
             await stop.wait()
         finally:
@@ -175,13 +177,6 @@ class Scheduler:
                 return
             status = protocol.QUEUE_FULL
         await self._reply(pending, self._refusal(status, limit))
-
-    async def _beat(self) -> None:
-        beat = protocol.encode(SchedulerBeatMsg(self.scheduler_id, BEAT_S))
-        while True:
-            if self._nc.is_connected:
-                await self._nc.publish(subjects.scheduler_heartbeat(self.scheduler_id), beat)
-            await asyncio.sleep(BEAT_S)
 
     def _refusal(self, status: str, limit: int) -> dict:
         if status == protocol.QUEUE_FULL:
