@@ -28,6 +28,7 @@ from pathlib import Path
 import aiohttp
 import nats
 import openai
+from nats_sync import subscribed
 
 from shared import protocol, subjects
 from shared.nats_server import NatsServer
@@ -234,7 +235,7 @@ async def nats_bytes_per_request(cluster, send) -> int:
             counted.append(len(msg.data))
 
     await nc.subscribe(">", cb=count)
-    await nc.flush()
+    await subscribed(nc)
     await send()
     # Every message of those requests reached the server before their answers did, so before
     # this marker; NATS delivers to a subscriber in the order the server took messages in.

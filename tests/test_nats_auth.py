@@ -6,6 +6,7 @@ import asyncio
 
 import nats
 import pytest
+from nats_sync import subscribed
 
 from shared import nats_auth, subjects
 from shared.nats_server import NatsServer
@@ -57,7 +58,7 @@ async def _received(url: str, listener: str, subject: str, senders: list[tuple[s
         got.append(msg.data)
 
     await sub.subscribe(subject, cb=keep)
-    await sub.flush()
+    await subscribed(sub)
     for role, payload in senders:
         nc = await connect(url, role, errors)
         await nc.publish(subject, payload.encode())
@@ -136,7 +137,7 @@ async def test_request_reply_works_for_every_role(server):
         await scheduler.publish(msg.reply, b"pong")
 
     await scheduler.subscribe(subjects.scheduler_ping(), cb=pong)
-    await scheduler.flush()
+    await subscribed(scheduler)
     assert (await gateway.request(subjects.scheduler_ping(), b"", timeout=2)).data == b"pong"
     decode = await connect(server.url, "decode")
 
@@ -144,7 +145,7 @@ async def test_request_reply_works_for_every_role(server):
         await decode.publish(msg.reply, b"pages")
 
     await decode.subscribe(subjects.assign("decode", "d-1"), cb=reserve)
-    await decode.flush()
+    await subscribed(decode)
     reply = await scheduler.request(subjects.assign("decode", "d-1"), b"", timeout=2)
     assert reply.data == b"pages"
     for nc in (scheduler, gateway, decode):
