@@ -39,10 +39,14 @@ def assert_close_to_reference(y: torch.Tensor, x, weight, bias=None) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100])
-@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 96), (80, 64), (1280, 768)])
+@pytest.mark.parametrize(
+    "out_features,in_features", [(16, 32), (48, 96), (80, 64), (1280, 768), (24, 2080)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_reference(rows, out_features, in_features, with_bias):
-    """Every row count (partial tiles and row blocks) and output count (a last group of 16)."""
+    """Every row count (partial tiles and row blocks; from 16 rows the vector tiers widen the
+    weights first), output count (a last group of 16) and input count (2080: widened in
+    chunks of 1024, the last one short)."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     weight = (torch.randn(out_features, in_features, generator=g) / 8).bfloat16()
@@ -84,8 +88,8 @@ def test_output_counts_off_the_group_size(tier):
     if tier == "amx":
         pytest.skip("the AMX kernel takes multiples of 16 outputs (linear_fits says so)")
     g = torch.Generator().manual_seed(7)
-    for out_features in (1, 3, 5, 7):
-        x = torch.randn(6, 64, generator=g).bfloat16()
+    for out_features, rows in [(1, 6), (3, 6), (5, 6), (7, 6), (5, 20)]:
+        x = torch.randn(rows, 64, generator=g).bfloat16()
         weight = torch.randn(out_features, 64, generator=g).bfloat16()
         bias = torch.randn(out_features, generator=g).bfloat16()
         assert_close_to_reference(linear_bf16(x, weight, bias), x, weight, bias)

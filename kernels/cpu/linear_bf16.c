@@ -10,6 +10,8 @@
  * - avx512 / avx2: a 32-bit lane of w holds two bf16 (k even in the low half): lane << 16 and
  *   lane & 0xffff0000 are those two as float32 with no other work, so x is laid out once per
  *   call as float32 in that order (the even k of a block, then the odd k) and fed to FMAs;
+ *   on avx2, from WIDE_ROWS rows of x on, each group is widened to float32 once instead
+ *   (wide_group: the shifts and masks of every block would take the FMAs' ports);
  * - portable: plain C on x as float32 that the compiler vectorizes for any target.
  */
 #include <stdint.h>
@@ -48,6 +50,7 @@ static inline vec w_odd(__m512i p) {
 typedef __m256 vec;
 #define vzero _mm256_setzero_ps
 #define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
 #define vfma _mm256_fmadd_ps
 static inline float vsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -59,6 +62,12 @@ static inline vec w_odd(__m256i p) {
     return _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u)));
 }
 #define wload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define MW 3 /* rows of x a block on widened weights: 12 accumulators, 3 x, 1 w of 16 */
+/* 8 bf16 at p (in order) -> float32 */
+static inline vec widen(const bf16 *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 #else
 #define MB 2
 #define XF32 1
@@ -76,16 +85,20 @@ static inline void store_sums(const float sums[R][MB], const bf16 *bias, int64_t
 }
 
 #if XF32
-/* x (M, K; row stride xs) -> xf (M, K) float32, each block of 2 * VW k as its VW even k then
- * its VW odd k (the order w_even / w_odd give the weights in). */
-static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf) {
+/* x (M, K; row stride xs) -> xf (M, K) float32: in order when `natural` (for widened weights),
+ * else each block of 2 * VW k as its VW even k then its VW odd k (the order w_even / w_odd give
+ * the weights in). */
+static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf, int natural) {
 #pragma omp for
     for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < K; k += 2 * VW)
-            for (int i = 0; i < VW; i++) {
-                xf[m * K + k + i] = bf16_to_f32(x[m * xs + k + 2 * i]);
-                xf[m * K + k + VW + i] = bf16_to_f32(x[m * xs + k + 2 * i + 1]);
-            }
+        if (natural)
+            for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * xs + k]);
+        else
+            for (int64_t k = 0; k < K; k += 2 * VW)
+                for (int i = 0; i < VW; i++) {
+                    xf[m * K + k + i] = bf16_to_f32(x[m * xs + k + 2 * i]);
+                    xf[m * K + k + VW + i] = bf16_to_f32(x[m * xs + k + 2 * i + 1]);
+                }
 }
 #endif
 
@@ -128,15 +141,17 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
         for (int m = 0; m < mb; m++) acc[r][m] = vzero();
     for (int64_t k = 0; k < K; k += 2 * VW) {
         if ((k & 31) == 0) prefetch_step(ahead == NULL ? NULL : ahead + k * 2 * R);
-        vec we[R], wo[R];
-        for (int r = 0; r < R; r++) {
-            __typeof__(wload(w[r])) p = wload(w[r] + k);
-            we[r] = w_even(p), wo[r] = w_odd(p);
-        }
+        vec xe[MB], xo[MB];
         for (int m = 0; m < mb; m++) {
             const float *xm = x + (m0 + m) * xstride + k;
-            vec xe = vload(xm), xo = vload(xm + VW);
-            for (int r = 0; r < R; r++) acc[r][m] = vfma(xo, wo[r], vfma(xe, we[r], acc[r][m]));
+            xe[m] = vload(xm), xo[m] = vload(xm + VW);
+        }
+        for (int r = 0; r < R; r++) {
+            __typeof__(wload(w[r])) p = wload(w[r] + k);
+            vec we = w_even(p);
+            for (int m = 0; m < mb; m++) acc[r][m] = vfma(xe[m], we, acc[r][m]);
+            vec wo = w_odd(p);
+            for (int m = 0; m < mb; m++) acc[r][m] = vfma(xo[m], wo, acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -179,6 +194,70 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     }
 }
 
+#if defined(MW)
+/* avx2, from WIDE_ROWS rows of x on: converting each weight vector again for every block of
+ * x rows costs more than the FMAs it feeds (measured on Zen 3: ~62 GFLOP/s on 2 cores at 32
+ * rows, ~85 this way), so a group's weights are widened to float32 once, KC k at a time, into
+ * L1, and blocks of MW rows of x (in order) run plain FMAs on them: R x MW accumulators, one
+ * FMA each a step, the weight a memory operand. Below WIDE_ROWS the widening costs more than
+ * it saves. */
+#define WIDE_ROWS 16
+#define KC 1024 /* R x KC float32: 16 KiB */
+#define KS (KC + 16) /* their stride: rows 4 KiB apart would share L1 sets */
+
+/* Widened rows wf[r] (r < R, KS floats apart) against x rows m0.. m0 + mb over kc k (x already
+ * at the chunk's first k, row stride xstride): adds the sums to sums[r * M + m]. */
+__attribute__((always_inline)) static inline void wide_block(const float *wf, int64_t kc,
+                                                             const float *x, int64_t xstride,
+                                                             int64_t m0, int mb, float *sums,
+                                                             int64_t M) {
+    vec acc[R][MW];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mb; m++) acc[r][m] = vzero();
+    for (int64_t k = 0; k < kc; k += VW) {
+        vec xv[MW];
+        for (int m = 0; m < mb; m++) xv[m] = vload(x + (m0 + m) * xstride + k);
+        for (int r = 0; r < R; r++) {
+            vec wv = vload(wf + r * KS + k);
+            for (int m = 0; m < mb; m++) acc[r][m] = vfma(xv[m], wv, acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mb; m++) sums[r * M + m0 + m] += vsum(acc[r][m]);
+}
+
+/* group() on widened weights; x (M, K) float32 in order. */
+static void wide_group(const bf16 *w, const bf16 *bias, const float *x, int64_t M, int64_t N,
+                       int64_t K, int64_t n0, bf16 *y) {
+    int rows = N - n0 < R ? (int)(N - n0) : R;
+    const bf16 *wr[R];
+    for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
+    float wf[R * KS] __attribute__((aligned(64)));
+    float sums[R * M];
+    for (int64_t i = 0; i < R * M; i++) sums[i] = 0.0f;
+    const char *ahead = (const char *)(w + n0 * K) + AHEAD; /* the group's rows lie in a row */
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t kc = K - k0 < KC ? K - k0 : KC;
+        for (int r = 0; r < R; r++)
+            for (int64_t k = 0; k < kc; k += VW) {
+                if (k % 32 == 0) __builtin_prefetch(ahead + (r * K + k0 + k) * 2, 0, 1);
+                vstore(wf + r * KS + k, widen(wr[r] + k0 + k));
+            }
+        int64_t m0 = 0;
+        for (; m0 + MW <= M; m0 += MW) wide_block(wf, kc, x + k0, K, m0, MW, sums, M);
+        for (; m0 + 2 <= M; m0 += 2) wide_block(wf, kc, x + k0, K, m0, 2, sums, M);
+        if (m0 < M) wide_block(wf, kc, x + k0, K, m0, 1, sums, M);
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int r = 0; r < rows; r++)
+            y[m * N + n0 + r] = f32_to_bf16(
+                sums[r * M + m] + (bias == NULL ? 0.0f : bf16_to_f32(bias[n0 + r])));
+}
+#define WIDE(M) ((M) >= WIDE_ROWS)
+#else
+#define WIDE(M) 0
+#endif
+
 /* Bytes of scratch vec_linear_team needs for x of M rows of K. */
 int64_t vec_linear_scratch(int64_t M, int64_t K) { return XF32 ? M * K * 4 : 0; }
 
@@ -187,8 +266,9 @@ int64_t vec_linear_scratch(int64_t M, int64_t K) { return XF32 ? M * K * 4 : 0; 
  * (kernels.h): the team lays out x, then shares out the groups. */
 void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                      int64_t N, int64_t K, bf16 *y, void *scratch) {
+    int wide = WIDE(M);
 #if XF32
-    spread_x(x, xs, M, K, (float *)scratch);
+    spread_x(x, xs, M, K, (float *)scratch, wide);
     const void *xv = scratch;
     int64_t xstride = K;
 #else
@@ -205,6 +285,12 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
                 __builtin_prefetch(p, 0, 1);
         }
         previous = g;
+#if defined(MW)
+        if (wide) {
+            wide_group(w, bias, (const float *)xv, M, N, K, g * R, y);
+            continue;
+        }
+#endif
         group(w, bias, xv, xstride, M, N, K, g * R, y);
     }
 }
@@ -225,8 +311,9 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
                         y + first * N, scratch);
     }
 #else
+    int wide = count > 0 && WIDE(start[E] / count); /* rows an active expert, on average */
 #if XF32
-    spread_x(x, K, start[E], K, (float *)scratch);
+    spread_x(x, K, start[E], K, (float *)scratch, wide);
     const float *xv = (const float *)scratch;
 #else
     (void)scratch;
@@ -236,6 +323,13 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < count * groups; g++) {
         int64_t e = active[g / groups], first = start[e];
+#if defined(MW)
+        if (wide) {
+            wide_group(w + e * w_stride, NULL, xv + first * K, start[e + 1] - first, N, K,
+                       g % groups * R, y + first * N);
+            continue;
+        }
+#endif
         group(w + e * w_stride, NULL, xv + first * K, K, start[e + 1] - first, N, K,
               g % groups * R, y + first * N);
     }
