@@ -17,14 +17,13 @@ import aiohttp
 import jsonschema
 import openai
 import pytest
-from test_services_e2e import cluster_for
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.sampling.params import SamplingParams
 from shared.tokenizer.tokenizer import Tokenizer
 
-from services_harness import metric, wait_metric, wait_pages_free
+from services_harness import cluster_for, metric, wait_metric, wait_pages_free
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 TOOLS = [

@@ -5,9 +5,8 @@ import asyncio
 import time
 
 import openai
-from test_services_e2e import cluster_for
 
-from services_harness import metric, stream_until_error, wait_pages_free
+from services_harness import cluster_for, metric, stream_until_error, wait_pages_free
 
 FAILURE_BOUND_S = 10.0
 

@@ -15,7 +15,7 @@ from shared.protocol import GatewayBeatMsg
 from shared.sampling.params import SamplingParams
 
 from services_harness import (
-    Services,
+    cluster_for,
     metric,
     nats_bytes_per_request,
     next_heartbeat,
@@ -24,31 +24,6 @@ from services_harness import (
 )
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"]
-
-
-def start_workers(s: Services, model_dir, layout: str, *extra: str) -> None:
-    common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2", *extra]
-    if layout == "colocated":
-        s.start("colocated", "colocated", *common)
-    else:
-        s.start(
-            "prefill", "prefill", *common, *(["--kv-transport", layout] if layout != "auto" else [])
-        )
-        s.start("decode", "decode", *common)
-
-
-def cluster_for(tmp_path_factory, model_dir, layout: str, monkeypatch_env=None):
-    s = Services(tmp_path_factory.mktemp(f"cluster-{layout}"), model_dir)
-    s.__enter__()
-    try:
-        s.scheduler()
-        start_workers(s, model_dir, layout)
-        s.gateway()
-        s.wait_healthy(90)
-    except BaseException:
-        s.stop_all()  # the caller gets no cluster to stop
-        raise
-    return s
 
 
 @pytest.fixture(scope="module")
