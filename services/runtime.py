@@ -53,6 +53,14 @@ class TaskSet:
         task.add_done_callback(self._done)
         return task
 
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait_any(self, timeout: float) -> None:
+        """Until one of the tasks ends, or `timeout` seconds."""
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:

@@ -1,13 +1,14 @@
 """NATS users and the subjects each may use: nats-server's authorization.
 
-`tison up` gives the gateway and the scheduler a user of their role, and every worker process
-a user of its own (services/up), so a process holding one's credentials can publish and
-subscribe only where it must: a gateway cannot publish worker heartbeats or token streams, a
-worker cannot submit requests or cancel them, a prefill worker cannot read the gateways'
-tokens, and a worker publishes only its own heartbeats and KV events and hears only its own
-assignments (its subjects end in its worker id). Role users (PERMISSIONS) allow any id of
-their role. Every process replies to requests and receives replies on `_INBOX.>` (NATS
-request/reply; inboxes are random 22-character names). Pure.
+`tison up` gives the gateway and the scheduler a user of their role, every worker process a user
+of its own (services/up), and batch clients (`tison batch`) the batch role's, so a process
+holding one's credentials can publish and subscribe only where it must: a gateway cannot publish
+worker heartbeats or token streams, a worker cannot submit requests or cancel them, a prefill
+worker cannot read the gateways' tokens, and a worker publishes only its own heartbeats and KV
+events and hears only its own assignments (its subjects end in its worker id), and a batch
+client reaches only JetStream's batch streams. Role users (PERMISSIONS) allow any id of their
+role. Every process replies to requests and receives replies on `_INBOX.>` (NATS request/reply;
+inboxes are random 22-character names). Pure.
 """
 
 import json
@@ -18,14 +19,15 @@ from shared import subjects
 
 P = subjects.PREFIX
 INBOX = "_INBOX.>"
-GATEWAY, SCHEDULER, PREFILL, DECODE, COLOCATED = (
+GATEWAY, SCHEDULER, PREFILL, DECODE, COLOCATED, BATCH = (
     "gateway",
     "scheduler",
     "prefill",
     "decode",
     "colocated",
+    "batch",
 )
-ROLES = (GATEWAY, SCHEDULER, PREFILL, DECODE, COLOCATED)
+ROLES = (GATEWAY, SCHEDULER, PREFILL, DECODE, COLOCATED, BATCH)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,21 @@ def role_users(passwords: Mapping[str, str]) -> list[User]:
     return [User(role, password, PERMISSIONS[role]) for role, password in passwords.items()]
 
 
+# Batches over JetStream (services/batch): the gateways' batch API and runners, and batch
+# clients (`tison batch`, BATCH). JetStream's API, acks, the status bucket and the file store,
+# and the batch streams' subjects. The API subjects cover every stream: they are all Tison's.
+JETSTREAM = Permissions(
+    publish=(
+        "$JS.API.>",
+        "$JS.ACK.>",
+        "$KV.TISON_BATCHES.>",
+        "$O.TISON_FILES.>",
+        f"{P}.batch.>",
+        INBOX,
+    ),
+    subscribe=(INBOX,),
+)
+
 PERMISSIONS: dict[str, Permissions] = {
     GATEWAY: Permissions(
         publish=(
@@ -90,7 +107,8 @@ PERMISSIONS: dict[str, Permissions] = {
             subjects.all_scheduler_heartbeats(),
             INBOX,
         ),
-    ),
+    )
+    | JETSTREAM,
     SCHEDULER: Permissions(
         # cancels too: one that overtook a request's placement, repeated once it is placed
         publish=(
@@ -112,6 +130,7 @@ PERMISSIONS: dict[str, Permissions] = {
     PREFILL: _worker(PREFILL),
     DECODE: _worker(DECODE),
     COLOCATED: _worker(PREFILL) | _worker(DECODE),  # both roles in one engine
+    BATCH: JETSTREAM,
 }
 
 

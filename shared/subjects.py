@@ -102,3 +102,34 @@ def all_kv_events() -> str:
 def kv_snapshot(role: str, worker_id: str) -> str:
     """Scheduler → one worker: send your whole set of page hashes (KVSnapshotAskMsg)."""
     return f"{PREFIX}.{_check_role(role)}.kv_snapshot.{_check_token(worker_id, 'worker id')}"
+
+
+def batch_work(batch_id: str) -> str:
+    """Batch client → batch runners (JetStream work stream): a batch's request lines."""
+    return f"{PREFIX}.batch.work.{_check_token(batch_id, 'batch_id')}"
+
+
+def all_batch_work() -> str:
+    return f"{PREFIX}.batch.work.*"
+
+
+def batch_result(batch_id: str, key: str) -> str:
+    """Batch runner → results stream: how one line of a batch ended (one message at most)."""
+    return f"{PREFIX}.batch.result.{_check_token(batch_id, 'batch_id')}.{_check_token(key, 'key')}"
+
+
+def batch_results(batch_id: str) -> str:
+    return f"{PREFIX}.batch.result.{_check_token(batch_id, 'batch_id')}.*"
+
+
+def batch_failed(batch_id: str, key: str) -> str:
+    """Results stream: marks a line whose result is a failure (so failures count alone)."""
+    return f"{PREFIX}.batch.failed.{_check_token(batch_id, 'batch_id')}.{_check_token(key, 'key')}"
+
+
+def batch_failures(batch_id: str) -> str:
+    return f"{PREFIX}.batch.failed.{_check_token(batch_id, 'batch_id')}.*"
+
+
+def all_batch_results() -> list[str]:
+    return [f"{PREFIX}.batch.result.*.*", f"{PREFIX}.batch.failed.*.*"]

@@ -30,7 +30,7 @@ def test_an_unknown_subcommand_is_refused_with_every_choice_listed(capsys):
     assert "'gateway'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["up", "gateway", "scheduler", "fake-worker"])
+@pytest.mark.parametrize("command", ["up", "gateway", "scheduler", "fake-worker", "batch"])
 def test_services_without_a_model_do_not_import_torch(command):
     code = (
         "import sys; from services.cli import build_parser; "

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "inspect": "codec",
     "plan": "plan",
     "gateway": "gateway",
+    "batch": "batch",
     "scheduler": "scheduler",
     "fake-worker": "fake_worker",
     "prefill": "worker",

@@ -38,6 +38,10 @@ def register(subparsers) -> None:
         help="how tool calls are read from the output: llama3_json, hermes, mistral, "
         "deepseek_v3, kimi_k2, auto (from the chat template; default) or none",
     )  # fmt: skip
+    p.add_argument(
+        "--batch-runners", type=int, default=D.batch_runners,
+        help="batch lines (/v1/batches, tison batch) this gateway runs at once; 0: none",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=main)
 
@@ -57,5 +61,6 @@ def main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
+        batch_runners=args.batch_runners,
     )
     return run_service(functools.partial(run_gateway, config), args.log_level)

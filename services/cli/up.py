@@ -16,7 +16,7 @@ from pathlib import Path
 from services.cli.generate import add_model_options, cpulist_arg, resolve_model
 from services.nats_client import TLS_ENV
 from services.scheduler import routing
-from services.up.identities import NatsIdentities
+from services.up.identities import NatsIdentities, write_batch_password
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
 from services.up.supervisor import StartupFailure, Supervisor, child_env
@@ -134,6 +134,13 @@ def main(args: argparse.Namespace) -> int:
             state = args.state_dir or Path(tmp) / "nats"
             nats = NatsServer(state, cores=where.services, users=identities.users(), tls=tls)
             identities.server = nats.start()
+            secret = write_batch_password(identities, state)
+            log.info(
+                "batch clients: tison batch submit FILE.jsonl --nats-url %s --nats-user batch "
+                "--nats-password-file %s",
+                nats.url,
+                secret,
+            )
         env = child_env(secrets.token_hex(16))
         if tls is not None:  # the services trust the server's certificate
             env[TLS_ENV["ca"]] = str(args.nats_tls_ca or tls.cert)

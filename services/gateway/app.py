@@ -9,6 +9,7 @@ import time
 from aiohttp import web
 from aiohttp.web_log import AccessLogger
 
+from services.gateway.batches import BatchService, add_routes, batch_errors
 from services.gateway.completions import CompletionService, json_error
 from services.gateway.config import GatewayConfig
 from services.gateway.control import ControlPlane
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 SERVICE = web.AppKey("service", CompletionService)
 RESPONSES = web.AppKey("responses", ResponsesService)
 TRIMMER = web.AppKey("trimmer", HeapTrimmer)
+BATCHES = web.AppKey("batches", BatchService)
 HEALTH_PATH = "/health"
 _KEYED = ("/v1/", "/tokenize", "/detokenize")  # what an API key guards
 
@@ -147,10 +149,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
-def build_app(service: CompletionService) -> web.Application:
+def build_app(service: CompletionService, batches: BatchService | None = None) -> web.Application:
     limit = service.config.body_limit(service.max_model_len())
     app = web.Application(
-        middlewares=[release_memory, openai_errors, api_key], client_max_size=limit
+        middlewares=[release_memory, openai_errors, api_key, batch_errors], client_max_size=limit
     )
     app[SERVICE] = service
     app[TRIMMER] = HeapTrimmer()
@@ -164,6 +166,9 @@ def build_app(service: CompletionService) -> web.Application:
     app.router.add_get(HEALTH_PATH, health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    if batches is not None:
+        app[BATCHES] = batches
+        add_routes(app, batches)
     return app
 
 
@@ -198,8 +203,11 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
     await control.start()
     parser = tool_parser(config, tokenizer)
     service = CompletionService(config, tokenizer, control, gateway_metrics, parser)
+    batches = BatchService(config)
     runner = web.AppRunner(
-        build_app(service), handler_cancellation=True, access_log_class=QuietHealthAccessLogger
+        build_app(service, batches),
+        handler_cancellation=True,
+        access_log_class=QuietHealthAccessLogger,
     )
     await runner.setup()
     try:
@@ -211,7 +219,9 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
             config.host,
             config.port,
         )
+        await batches.start()  # its runner posts to the routes above
         await stop.wait()
     finally:
+        await batches.close()
         await runner.cleanup()
         await control.close()

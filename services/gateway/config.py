@@ -27,6 +27,7 @@ class GatewayConfig:
     api_key: str = field(default="", repr=False)  # "" → no key; else `Authorization: Bearer`
     max_body_bytes: int = 0  # larger bodies get a 413 unread; 0 → sized from the context
     tool_call_parser: str = "auto"  # a shared.tool_calls name, "auto" (detect) or "none"
+    batch_runners: int = 8  # batch lines this gateway runs at once (services/batch); 0: none
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -35,6 +36,8 @@ class GatewayConfig:
             object.__setattr__(self, "gateway_id", f"gw-{uuid.uuid4().hex[:12]}")
         if self.queue_timeout_s <= 0 or self.request_timeout_s <= 0 or self.dead_grace_s < 0:
             raise ValueError("timeouts must be > 0")
+        if self.batch_runners < 0:
+            raise ValueError("batch_runners must be >= 0")
         if self.miss_limit < 1 or self.max_model_len < 0 or self.max_body_bytes < 0:
             raise ValueError("miss_limit must be >= 1, max_model_len and max_body_bytes >= 0")
 
