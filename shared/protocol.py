@@ -16,7 +16,7 @@ from typing import ClassVar, TypeVar
 
 import msgpack
 
-from shared.errors import ProtocolError
+from shared.errors import InvalidRequestError, ProtocolError
 from shared.sampling.logprobs import TokenLogprob  # on the wire as is, like SamplingParams
 from shared.sampling.params import SamplingParams
 from shared.wire import from_plain, to_plain
@@ -31,6 +31,11 @@ NO_WORKERS = "no_workers"  # 503
 TOO_LONG = "too_long"  # 400: no decode worker's KV pool can ever hold it
 EXPIRED = "expired"  # 503: the deadline passed while queued
 QUEUED = "queued"  # not an outcome: scheduler_id holds it; the outcome follows on the same inbox
+
+# SubmitMsg.priority values: the scheduler's admission lane (services/scheduler/admission.py).
+INTERACTIVE = "interactive"  # served first
+BATCH = "batch"  # only idle capacity, capped (x-tison-priority: batch)
+PRIORITIES = (INTERACTIVE, BATCH)
 
 # TokenItem.finish_reason values.
 FINISH_STOP = "stop"  # EOS or a stop token (or, decided by the gateway, a stop string)
@@ -79,6 +84,14 @@ class SubmitMsg:
     session_id: str = ""  # gateway sets (x-session-affinity, else the body's session_id or
     # user); "" → none. The scheduler keeps a session on the workers it last used
     acknowledge: bool = False  # sender sets: a QUEUED reply first (SubmitReplyMsg.scheduler_id)
+    priority: str = INTERACTIVE  # gateway sets (x-tison-priority); the scheduler's lane: a
+    # BATCH request waits while an INTERACTIVE one does and fills idle capacity only
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:  # decode() turns this into a ProtocolError
+            raise InvalidRequestError(
+                "priority", f"must be one of {PRIORITIES}, got {self.priority[:40]!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def _record(cls: type) -> Callable:
                 raise _Bad(f"missing field {name!r}")
         try:
             return cls(**kwargs)
-        except InvalidRequestError as e:  # SamplingParams validates itself
+        except InvalidRequestError as e:  # SamplingParams and SubmitMsg validate themselves
             raise _Bad(str(e)) from None
 
     return convert

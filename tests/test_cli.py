@@ -41,3 +41,22 @@ def test_services_without_a_model_do_not_import_torch(command):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--batch-max-share", "0"),
+        ("--batch-max-share", "1.5"),
+        ("--batch-max-share", "half"),
+        ("--batch-prefill-tokens", "0"),
+        ("--max-waiting-batch", "-1"),
+    ],
+)
+def test_scheduler_batch_flags_are_checked_with_one_line(flag, value, capsys):
+    parser = build_parser(["scheduler"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["scheduler", flag, value])
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+    args = parser.parse_args(["scheduler", "--batch-max-share", "1", "--max-waiting-batch", "0"])
+    assert (args.batch_max_share, args.max_waiting_batch, args.batch_prefill_tokens) == (1, 0, 1024)

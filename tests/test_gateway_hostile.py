@@ -3,15 +3,22 @@ body gets a result or an OpenAI-shaped 4xx, never a 5xx (the cases a tester foun
 property-based fuzz of both endpoints); bodies over the limit get a 413 unread; with an API
 key, the /v1 routes need it (401 otherwise)."""
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
 
+import nats
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nats_sync import subscribed
+
+from shared import protocol, subjects
+from shared.protocol import SubmitMsg
 
 from services_harness import Services
+from waiting import until
 
 MAX_TOKENS = 8  # what the fuzzed bodies ask at most when they ask sensibly
 
@@ -68,6 +75,29 @@ def test_what_used_to_be_a_500_is_a_400_naming_the_field(cluster, tiny_llama, ra
     status, body = post(cluster, "/v1/completions", raw.encode())
     assert_openai_4xx(status, body, param)
     assert cluster.health() == 200
+
+
+async def test_the_priority_header_reaches_the_scheduler_or_gets_a_400(cluster, tiny_llama):
+    body = json.dumps({"model": tiny_llama.name, "prompt": "hi", "max_tokens": 2}).encode()
+    bad = {"x-tison-priority": "urgent"}
+    status, reply = await asyncio.to_thread(post, cluster, "/v1/completions", body, bad)
+    assert_openai_4xx(status, reply, "x-tison-priority")
+    nc = await nats.connect(cluster.nats.url)
+    seen: list[SubmitMsg] = []
+
+    async def keep(msg) -> None:
+        seen.append(protocol.decode(msg.data, SubmitMsg))
+
+    try:
+        await nc.subscribe(subjects.scheduler_submit(), cb=keep)  # a copy: no queue group
+        await subscribed(nc)
+        batch = {"x-tison-priority": "Batch"}
+        status, reply = await asyncio.to_thread(post, cluster, "/v1/completions", body, batch)
+        assert status == 200, reply
+        await until(lambda: seen, 10, "the gateway's submit")
+    finally:
+        await nc.close()
+    assert protocol.BATCH in {s.priority for s in seen}
 
 
 def test_a_body_over_the_limit_is_refused_unread(cluster, tiny_llama):

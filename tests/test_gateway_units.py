@@ -1,23 +1,30 @@
 """Gateway pure parts: OpenAI body parsing, the per-request stream state, response shapes."""
 
+import dataclasses
 import logging
+import time
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from services.gateway.app import QuietHealthAccessLogger
+from services.gateway.completions import CompletionService
+from services.gateway.config import GatewayConfig
+from services.gateway.generation import Generation
 from services.gateway.openai_request import (
     CHAT,
     build_sampling,
     parse_chat,
     parse_completion,
+    priority_of,
     session_of,
 )
 from services.gateway.openai_response import ChoiceResult, ResponseFormat
 from services.gateway.request_state import RequestStream
 from shared.errors import InvalidRequestError, PromptTooLongError
-from shared.protocol import TokenItem, TokenLogprob, Usage
+from shared.protocol import BATCH, INTERACTIVE, TokenItem, TokenLogprob, Usage
 from shared.sampling.params import SamplingParams
 from shared.tokenizer.tokenizer import Tokenizer
 from shared.tool_calls import StreamDelta
@@ -192,3 +199,25 @@ def test_session_affinity_header_then_body_session_id_then_user():
     assert session_of({"x-session-affinity": " s-1 "}, both) == "s-1"
     with pytest.raises(InvalidRequestError):
         parse_completion({**body, "user": 7})
+
+
+def test_the_priority_header_picks_the_lane_and_the_queue_timeout(tokenizer, tiny_llama):
+    assert priority_of({}) == INTERACTIVE
+    assert priority_of({"x-tison-priority": " Batch "}) == BATCH
+    assert priority_of({"x-tison-priority": "INTERACTIVE"}) == INTERACTIVE
+    with pytest.raises(InvalidRequestError) as e:
+        priority_of({"x-tison-priority": "urgent"})
+    assert e.value.field == "x-tison-priority"
+    config = GatewayConfig(tiny_llama, queue_timeout_s=5.0, batch_queue_timeout_s=50.0)
+    control = SimpleNamespace(gateway_id="gw")
+    service = CompletionService(config, tokenizer, control, metrics=None)
+    interactive, batch = service.timing({}), service.timing({"x-tison-priority": "batch"})
+    assert (interactive.queue_timeout_s, interactive.priority) == (5.0, INTERACTIVE)
+    assert (batch.queue_timeout_s, batch.priority) == (50.0, BATCH)
+    short = dataclasses.replace(config, request_timeout_s=20.0)
+    capped = CompletionService(short, tokenizer, control, metrics=None)
+    assert capped.timing({"x-tison-priority": "batch"}).queue_timeout_s == 20.0
+    sampling = SamplingParams(max_tokens=2)
+    gen = Generation(control, None, tokenizer, "r", [1, 2], sampling, "", batch)
+    submit = gen._submit  # what the scheduler gets
+    assert submit.priority == BATCH and 40 < submit.deadline - time.time() <= 50

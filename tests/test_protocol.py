@@ -54,6 +54,7 @@ EXAMPLES = [
     KVSnapshotAskMsg("d1", reason="gap at 4"),
     SubmitMsg("r2", "gw1", (1,), SAMPLING, deadline=1.0, session_id="chat-7"),
     SubmitMsg("r3", "gw1", (1,), CONSTRAINED, deadline=1.0),
+    SubmitMsg("r4", "gw1", (1,), SAMPLING, deadline=1.0, priority=protocol.BATCH),
     DecodeAssignMsg("r1", "gw1", "p1", (5, 6), SAMPLING),
     DecodeAssignReplyMsg("r1", True, page_ids=(4, 9), kv=POOL),
     PrefillAssignMsg("r1", "gw1", (5, 6), SAMPLING, "d1", POOL, (4, 9)),
@@ -120,6 +121,14 @@ def test_nested_fields_are_type_checked():
     ):
         with pytest.raises(ProtocolError):
             protocol.decode(_body(submit, **change), SubmitMsg)
+
+
+def test_an_unknown_priority_is_a_malformed_submit():
+    submit = EXAMPLES[0]
+    assert protocol.decode(protocol.encode(submit), SubmitMsg).priority == protocol.INTERACTIVE
+    for bad, problem in [("urgent", "priority: must be one of"), (1, "expected str")]:
+        with pytest.raises(ProtocolError, match=problem):
+            protocol.decode(_body(submit, priority=bad), SubmitMsg)
 
 
 def test_logit_bias_pairs_are_checked_as_int_then_float():

@@ -1,6 +1,7 @@
 """Scheduler policy without NATS: admission statuses, routing by load, the bounded queue."""
 
-from services.scheduler.policy import AdmissionQueue, Pending, Router
+from services.scheduler.admission import AdmissionQueue, Pending
+from services.scheduler.policy import Router
 from services.scheduler.routing import LOCAL_PREFILL_TOKENS
 from shared import protocol
 from shared.protocol import HeartbeatMsg, SubmitMsg

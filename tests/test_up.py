@@ -236,6 +236,10 @@ def test_plan_and_restart_policy(tiny_llama):
     assert workers and all("--no-prefix-caching" in args for args in workers)
     with pytest.raises(ValueError, match="decode-workers"):
         UpConfig(tiny_llama, decode_workers=0)
+    shared = plan(UpConfig(tiny_llama, batch_max_share=0.3))[0].args
+    assert shared == ("scheduler", "--routing", "kv", "--batch-max-share", "0.3")
+    with pytest.raises(ValueError, match="batch-max-share"):
+        UpConfig(tiny_llama, batch_max_share=0)
     policy = RestartPolicy(base_s=1, max_s=8, healthy_after_s=60)
     assert [policy.delay("d", 1) for _ in range(5)] == [1, 2, 4, 8, 8]
     assert policy.delay("d", 120) == 1  # ran long enough: a fresh failure

@@ -22,6 +22,11 @@ def register(subparsers) -> None:
     p.add_argument("--nats-url", default=D.nats_url)
     nats_client.add_flags(p)
     p.add_argument("--queue-timeout", type=float, default=D.queue_timeout_s)
+    p.add_argument(
+        "--batch-queue-timeout", type=float, default=D.batch_queue_timeout_s,
+        help="seconds a batch request (x-tison-priority: batch) may wait in the scheduler's "
+        "queue (at most --request-timeout)",
+    )  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=D.request_timeout_s)
     p.add_argument("--miss-limit", type=int, default=D.miss_limit)
     p.add_argument("--max-model-len", type=int, default=D.max_model_len)
@@ -55,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
         nats_url=args.nats_url,
         nats=nats_client.NatsClientOptions.from_args(args),
         queue_timeout_s=args.queue_timeout,
+        batch_queue_timeout_s=args.batch_queue_timeout,
         request_timeout_s=args.request_timeout,
         miss_limit=args.miss_limit,
         max_model_len=args.max_model_len,

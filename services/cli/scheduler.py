@@ -10,6 +10,32 @@ from services.scheduler.service import Scheduler, SchedulerConfig
 R = RoutingConfig
 
 
+def share_arg(text: str) -> float:
+    """--batch-max-share: a fraction of a pool, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def count_arg(low: int):
+    """An integer flag of at least `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("scheduler", help="run the scheduler (admission + routing)")
     p.add_argument("--nats-url", default=SchedulerConfig.nats_url)
@@ -18,6 +44,20 @@ def register(subparsers) -> None:
     p.add_argument(
         "--max-waiting-tokens", type=int, default=SchedulerConfig.max_waiting_tokens,
         help="prompt tokens the admission queue holds at most (0: no bound); beyond: 429",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-waiting-batch", type=count_arg(0), default=SchedulerConfig.max_waiting_batch,
+        help="batch requests (x-tison-priority: batch) the queue holds at most; beyond: 429",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-max-share", type=share_arg, default=R.batch_max_share,
+        help="batch requests are placed only while a decode worker's pages in use stay within "
+        "this share of its pool (1: no cap)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-prefill-tokens", type=count_arg(1), default=R.batch_prefill_tokens,
+        help="batch requests are placed only on a computing worker with fewer prompt tokens "
+        "queued than this",
     )  # fmt: skip
     p.add_argument("--retry-after", type=float, default=SchedulerConfig.retry_after_s)
     p.add_argument("--assign-timeout", type=float, default=SchedulerConfig.assign_timeout_s)
@@ -61,12 +101,15 @@ def main(args: argparse.Namespace) -> int:
         kv_overlap_weight=args.kv_overlap_weight,
         local_prefill_tokens=args.local_prefill_tokens,
         max_sessions=args.max_sessions,
+        batch_max_share=args.batch_max_share,
+        batch_prefill_tokens=args.batch_prefill_tokens,
     )
     config = SchedulerConfig(
         nats_url=args.nats_url,
         nats=nats_client.NatsClientOptions.from_args(args),
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
+        max_waiting_batch=args.max_waiting_batch,
         retry_after_s=args.retry_after,
         assign_timeout_s=args.assign_timeout,
         miss_limit=args.miss_limit,

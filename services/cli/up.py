@@ -87,6 +87,11 @@ def register(subparsers) -> None:
         help="the scheduler's routing: kv (prefix-cache aware), load, round-robin",
     )
     p.add_argument(
+        "--batch-max-share", type=float, default=None,
+        help="the scheduler's --batch-max-share: of a decode pool, what batch requests may "
+        "fill, in (0, 1] (default: the scheduler's)",
+    )  # fmt: skip
+    p.add_argument(
         "--tool-call-parser", default="auto",
         help="the gateway's tool-call format (see `tison gateway --help`; default: detected)",
     )  # fmt: skip
@@ -115,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,
             routing=args.routing,
+            batch_max_share=args.batch_max_share,
             tool_call_parser=args.tool_call_parser,
         )
         check_model_folder(cfg.model_dir)

@@ -19,7 +19,13 @@ from services.gateway.config import GatewayConfig
 from services.gateway.control import ControlPlane
 from services.gateway.generation import Generation, Refused, Timing
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_request import CHAT, ParsedRequest, build_sampling, session_of
+from services.gateway.openai_request import (
+    CHAT,
+    ParsedRequest,
+    build_sampling,
+    priority_of,
+    session_of,
+)
 from services.gateway.openai_response import (
     DONE_EVENT,
     ChoiceResult,
@@ -115,6 +121,16 @@ class CompletionService:
             return ChoiceOutput(self.tool_parser(list(parsed.tools)))
         return ChoiceOutput()
 
+    def timing(self, headers) -> Timing:
+        """The limits of a request arriving now. A batch one (x-tison-priority) may queue
+        batch_queue_timeout_s, but no longer than request_timeout_s: placed later, it could
+        only time out."""
+        config, priority = self.config, priority_of(headers)
+        queue_s = config.queue_timeout_s
+        if priority == protocol.BATCH:
+            queue_s = min(config.batch_queue_timeout_s, config.request_timeout_s)
+        return Timing(time.monotonic(), queue_s, config.request_timeout_s, priority)
+
     def generations(
         self, request, parsed: ParsedRequest, prompt_ids, sampling, timing: Timing, prefix: str
     ) -> list[Generation]:
@@ -139,11 +155,7 @@ class CompletionService:
     async def serve(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
         if (error := self.model_error(parsed.model)) is not None:
             return error
-        timing = Timing(
-            time.monotonic(),
-            self.config.queue_timeout_s,
-            self.config.request_timeout_s,
-        )
+        timing = self.timing(request.headers)
         # chat templates and tokenizers take their time on long inputs: not on the event loop
         prompt_ids = await asyncio.to_thread(self.tokenize, parsed)
         sampling = self.sampling(parsed, prompt_ids)

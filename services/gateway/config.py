@@ -20,6 +20,7 @@ class GatewayConfig:
     nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment
     gateway_id: str = ""  # "" → a fresh unique id; workers send this gateway's tokens to it
     queue_timeout_s: float = 60.0  # how long a request may wait in the scheduler's queue
+    batch_queue_timeout_s: float = 3600.0  # ... a batch one (x-tison-priority: batch)
     request_timeout_s: float = 600.0  # from arrival to the last token
     miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
     dead_grace_s: float = 1.5  # an assigned worker never heard of this long is dead too
@@ -34,7 +35,8 @@ class GatewayConfig:
             object.__setattr__(self, "served_model_name", Path(self.model_dir).name)
         if not self.gateway_id:
             object.__setattr__(self, "gateway_id", f"gw-{uuid.uuid4().hex[:12]}")
-        if self.queue_timeout_s <= 0 or self.request_timeout_s <= 0 or self.dead_grace_s < 0:
+        timeouts = (self.queue_timeout_s, self.batch_queue_timeout_s, self.request_timeout_s)
+        if min(timeouts) <= 0 or self.dead_grace_s < 0:
             raise ValueError("timeouts must be > 0")
         if self.batch_runners < 0:
             raise ValueError("batch_runners must be >= 0")

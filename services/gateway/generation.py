@@ -31,11 +31,12 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Timing:
-    """Limits of one request: queueing (scheduler) and arrival to last token."""
+    """Limits of one request: queueing (scheduler) and arrival to last token; and its lane."""
 
     arrived: float  # time.monotonic() at arrival
     queue_timeout_s: float
     request_timeout_s: float
+    priority: str = protocol.INTERACTIVE  # SubmitMsg.priority (x-tison-priority)
 
 
 class Generation:
@@ -62,6 +63,7 @@ class Generation:
             sampling,
             deadline=time.time() + timing.queue_timeout_s,
             session_id=session_id,
+            priority=timing.priority,
         )
         self._opened: OpenRequest | None = None
         self.started = asyncio.Event()  # its first output (or its end) arrived

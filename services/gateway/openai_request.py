@@ -6,7 +6,8 @@ Covers `/v1/chat/completions` and `/v1/completions` with OpenAI's sampling field
 `prompt_logprobs`; tools (tool_choice.py) and structured outputs (structured_request.py) have
 modules of their own. `suffix` is refused with a 400.
 A session for the scheduler's affinity is the x-session-affinity header, else the body's
-`session_id` (an extension) or OpenAI's `user`.
+`session_id` (an extension) or OpenAI's `user`. The x-tison-priority header (`interactive`, the
+default, or `batch`, any case) picks the scheduler's admission lane.
 """
 
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any
 
 from services.gateway.structured_request import forced_json, parse_structured
 from services.gateway.tool_choice import ToolChoice, forced_schema, parse_tools
+from shared import protocol
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.sampling.params import MAX_LOGPROBS, SamplingParams
 from shared.sampling.structured import StructuredOutput
@@ -22,6 +24,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_N = 128  # choices (or best_of candidates) a request may ask for, as vLLM bounds them
 CHAT, COMPLETION = "chat", "completion"
 SESSION_HEADER = "x-session-affinity"
+PRIORITY_HEADER = "x-tison-priority"
 
 # Optional numeric sampling fields copied to SamplingParams as they are (it range-checks them).
 _FLOAT_FIELDS = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -250,6 +253,14 @@ def parse_completion(body: Any) -> ParsedRequest:
 def session_of(headers, parsed: ParsedRequest) -> str:
     """The request's session for affinity: the x-session-affinity header, else the body's."""
     return headers.get(SESSION_HEADER, "").strip() or parsed.session_id
+
+
+def priority_of(headers) -> str:
+    """The request's SubmitMsg.priority: the x-tison-priority header, interactive without it."""
+    value = headers.get(PRIORITY_HEADER, "").strip().lower() or protocol.INTERACTIVE
+    if value not in protocol.PRIORITIES:
+        raise InvalidRequestError(PRIORITY_HEADER, f"must be one of {list(protocol.PRIORITIES)}")
+    return value
 
 
 def build_sampling(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int):

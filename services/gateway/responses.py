@@ -4,14 +4,13 @@ OpenAI's Responses API (responses_format.py); its conversation is stored for a l
 
 import asyncio
 import json
-import time
 
 from aiohttp import web
 
 from services.gateway.choice_output import merge
 from services.gateway.choices import Choices
 from services.gateway.completions import CompletionService, json_error, refusal
-from services.gateway.generation import Refused, Timing
+from services.gateway.generation import Refused
 from services.gateway.responses_format import (
     ResponseEvents,
     ResponseObject,
@@ -43,8 +42,7 @@ class ResponsesService:
         chat, svc = req.chat, self.completions
         if (error := svc.model_error(chat.model)) is not None:
             return error
-        config = svc.config
-        timing = Timing(time.monotonic(), config.queue_timeout_s, config.request_timeout_s)
+        timing = svc.timing(request.headers)
         prompt_ids = await asyncio.to_thread(svc.tokenize, chat)
         sampling = svc.sampling(chat, prompt_ids)
         choices = Choices(svc.generations(request, chat, prompt_ids, sampling, timing, "resp"))

@@ -2,8 +2,15 @@
 
 Admission: a request is refused outright when no prefill or no decode worker is alive, or when
 no decode worker's whole KV pool could ever hold its prompt + max_tokens; otherwise it waits in
-a bounded FIFO queue (full → QUEUE_FULL, the gateway answers 429) until a decode worker would
-accept it now: the page rule of shared/kv/pages.py (room for the prompt and one token).
+a bounded FIFO lane of its priority (admission.py; full → QUEUE_FULL, the gateway answers 429)
+until a decode worker would accept it now: the page rule of shared/kv/pages.py (room for the
+prompt and one token). Interactive requests go first; a batch one (SubmitMsg.priority) is
+offered only while no interactive one waits, and fills idle capacity only: it is placed only
+on a decode worker whose pages in use (heartbeat plus assigned since) stay at most
+`batch_max_share` of its pool once it is placed (or that holds nothing: a prompt larger than
+the share still runs on an idle worker), and only with a computing worker (prefill, or the
+decode worker itself) that has fewer than `batch_prefill_tokens` prompt tokens queued, so
+interactive prompts never queue behind many batch prompts.
 
 Routing, among the decode workers with room and the live prefill workers: the session's pin
 (affinity.py) if it holds, else by the mode (routing.py: the KV cost over what each worker's
@@ -21,7 +28,6 @@ what it already has to compute is at most `local_prefill_tokens`, and either
 The bound means that running streams wait for one short prompt at most.
 """
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler import routing
@@ -107,10 +113,10 @@ class Router:
         return protocol.ACCEPTED, limit
 
     def choose(self, submit: SubmitMsg, now: float) -> Choice | None:
-        """Workers for the request now, or None when no decode worker has room at the moment."""
+        """Workers for the request now, or None when no decode worker has room at the moment
+        (for a batch request: none within the batch caps, see the module's docstring)."""
         prompt_len = len(submit.prompt_token_ids)
-        decoders = [b for b in self.registry.alive("decode", now) if self._fits(b, prompt_len)]
-        prefills = self.registry.alive("prefill", now)
+        decoders, prefills = self._candidates(submit, now)
         if not decoders or not prefills:
             return None
         prompt = PromptPages(submit)
@@ -126,6 +132,7 @@ class Router:
         local = (
             decode.local_prefill
             and mine + uncached <= self.config.local_prefill_tokens
+            and (submit.priority != protocol.BATCH or mine < self.config.batch_prefill_tokens)
             and (
                 (decode.decoding_seqs == 0 and mine < theirs)
                 or (decode_cached > 0 and mine + uncached <= theirs + prompt_len - prefill_cached)
@@ -141,6 +148,17 @@ class Router:
             decode_cached_tokens=decode_cached,
             prefill_cached_tokens=prefill_cached,
         )
+
+    def _candidates(self, submit: SubmitMsg, now: float):
+        """(decode workers with room, live prefill workers) in id order; for a batch request
+        only those within the batch caps."""
+        prompt_len = len(submit.prompt_token_ids)
+        decoders = [b for b in self.registry.alive("decode", now) if self._fits(b, prompt_len)]
+        prefills = self.registry.alive("prefill", now)
+        if submit.priority == protocol.BATCH:
+            decoders = [b for b in decoders if self._within_share(b, prompt_len)]
+            prefills = [b for b in prefills if self._tokens(b) < self.config.batch_prefill_tokens]
+        return decoders, prefills
 
     def _pick(self, role: str, beats: list[HeartbeatMsg], prompt: PromptPages, pinned):
         """(worker, reason, its cached prompt tokens) among `beats` (in id order)."""
@@ -193,6 +211,13 @@ class Router:
         since = self._since.get(beat.worker_id, _SinceBeat())
         return not since.refused and fits(self._free(beat), num_prompt_tokens, beat.page_size)
 
+    def _within_share(self, beat: HeartbeatMsg, num_prompt_tokens: int) -> bool:
+        """A batch request may take pages here: the pages in use once it is placed are at most
+        batch_max_share of the pool, or the worker holds none now."""
+        in_use = beat.total_pages - self._free(beat)
+        after = in_use + pages_to_admit(num_prompt_tokens, beat.page_size)
+        return in_use <= 0 or after <= self.config.batch_max_share * beat.total_pages
+
     def _decode_load(self, beat: HeartbeatMsg) -> tuple:
         return (self._seqs(beat), -self._free(beat), beat.worker_id)
 
@@ -213,83 +238,3 @@ class Router:
 
     def _tokens(self, beat: HeartbeatMsg) -> int:
         return beat.queued_tokens + self._since.get(beat.worker_id, _SinceBeat()).tokens
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A queued request and where to send the scheduler's reply."""
-
-    submit: SubmitMsg
-    reply_to: str
-
-
-def _prompt_tokens(pending: Pending) -> int:
-    return len(pending.submit.prompt_token_ids)
-
-
-@dataclass
-class AdmissionQueue:
-    """Bounded FIFO of requests admitted but not yet placed on workers: at most `max_waiting`
-    requests and `max_waiting_tokens` prompt tokens (0: no token bound), so a burst of long
-    prompts is refused early (429, Retry-After) rather than left to expire in the queue."""
-
-    max_waiting: int
-    max_waiting_tokens: int = 0
-    _queue: deque[Pending] = field(default_factory=deque)
-    tokens: int = 0  # prompt tokens queued
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def push(self, pending: Pending) -> bool:
-        """Queue the request; False when the queue is full (the gateway answers 429)."""
-        over = self.max_waiting_tokens and self.tokens + _prompt_tokens(pending) > (
-            self.max_waiting_tokens
-        )
-        if len(self._queue) >= self.max_waiting or (over and self._queue):
-            return False  # one request alone may exceed the token bound: it waits alone
-        self._append(pending)
-        return True
-
-    def push_front(self, pending: Pending) -> None:
-        """Put back a request that could not be placed, keeping its turn (may exceed the bound)."""
-        self._queue.appendleft(pending)
-        self.tokens += _prompt_tokens(pending)
-
-    def head(self) -> Pending | None:
-        return self._queue[0] if self._queue else None
-
-    def pop(self) -> Pending:
-        pending = self._queue.popleft()
-        self.tokens -= _prompt_tokens(pending)
-        return pending
-
-    def remove(self, request_id: str) -> bool:
-        """Drop a cancelled request; True if it was queued."""
-        for pending in self._queue:
-            if pending.submit.request_id == request_id:
-                self._drop(pending)
-                return True
-        return False
-
-    def take_expired(self, now: float) -> list[Pending]:
-        """Remove and return the requests whose deadline has passed."""
-        expired = [p for p in self._queue if p.submit.deadline <= now]
-        for pending in expired:
-            self._drop(pending)
-        return expired
-
-    def take_all(self) -> list[Pending]:
-        """Remove and return every queued request (e.g. when no worker is left)."""
-        taken = list(self._queue)
-        self._queue.clear()
-        self.tokens = 0
-        return taken
-
-    def _append(self, pending: Pending) -> None:
-        self._queue.append(pending)
-        self.tokens += _prompt_tokens(pending)
-
-    def _drop(self, pending: Pending) -> None:
-        self._queue.remove(pending)
-        self.tokens -= _prompt_tokens(pending)

@@ -23,6 +23,8 @@ from shared.protocol import HeartbeatMsg, SubmitMsg
 KV, LOAD, ROUND_ROBIN = "kv", "load", "round-robin"
 MODES = (KV, LOAD, ROUND_ROBIN)
 LOCAL_PREFILL_TOKENS = 256
+BATCH_MAX_SHARE = 0.5
+BATCH_PREFILL_TOKENS = 1024
 
 # Why a worker was chosen (Choice.*_reason; the scheduler's metrics label).
 BY_KV_OVERLAP = "kv_overlap"  # kv mode, and the worker holds a prefix of the prompt
@@ -40,6 +42,12 @@ class RoutingConfig:
     kv_overlap_weight: float = 1.0  # --kv-overlap-weight: a page to compute vs a page of load
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # --local-prefill-tokens (policy.py)
     max_sessions: int = DEFAULT_MAX_SESSIONS  # --max-sessions: the affinity table's bound
+    # --batch-max-share: of a decode worker's pool, what batch requests may fill (policy.py);
+    # 1.0: all of it
+    batch_max_share: float = BATCH_MAX_SHARE
+    # --batch-prefill-tokens: a computing worker with this many prompt tokens queued takes no
+    # batch request (policy.py)
+    batch_prefill_tokens: int = BATCH_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,6 +56,10 @@ class RoutingConfig:
             raise ValueError("kv_overlap_weight and local_prefill_tokens must be >= 0")
         if self.max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
+        if not 0 < self.batch_max_share <= 1:
+            raise ValueError(f"batch_max_share must be in (0, 1], got {self.batch_max_share}")
+        if self.batch_prefill_tokens < 1:
+            raise ValueError(f"batch_prefill_tokens must be >= 1, got {self.batch_prefill_tokens}")
 
 
 class PromptPages:

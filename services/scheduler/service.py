@@ -1,8 +1,10 @@
-"""The scheduler process: a thin async shell over policy.Router and policy.AdmissionQueue.
+"""The scheduler process: a thin async shell over policy.Router and admission.AdmissionQueue.
 
 Flow per request: the gateway's submit is answered at once when it cannot run (no workers, too
-long, queue full). Otherwise it is placed right away if nothing waits ahead of it and a decode
-worker has room, else it waits in the bounded queue for the dispatch loop. Placing a request
+long, its lane of the queue full). Otherwise it is placed right away if nothing waits ahead of
+it (for a batch request: nothing at all) and the router finds room (for a batch request: within
+the batch caps, policy.py), else it waits in its lane for the dispatch loop, which places
+interactive requests first and batch ones only while no interactive one waits. Placing a request
 (one task each, so placements overlap): pick a decode worker D and a prefill worker P, ask D to
 reserve pages (request/reply), then answer the gateway (accepted on P and D) and send P its
 assignment; if D refuses, the request goes back to the head of the queue. A prefill worker
@@ -25,8 +27,9 @@ from nats.aio.msg import Msg
 
 from services.nats_client import NatsClientOptions, beat_forever, connect_nats
 from services.runtime import TaskSet
+from services.scheduler.admission import DEFAULT_MAX_WAITING_BATCH, AdmissionQueue, Pending
 from services.scheduler.metrics import SchedulerMetrics, serve_metrics
-from services.scheduler.policy import AdmissionQueue, Choice, Pending, Router
+from services.scheduler.policy import Choice, Router
 from services.scheduler.routing import RoutingConfig
 from shared import protocol, subjects
 from shared.errors import ProtocolError
@@ -55,8 +58,9 @@ class SchedulerConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment
-    max_waiting: int = 256  # admission queue bound; beyond it the gateway answers 429
+    max_waiting: int = 256  # interactive lane bound; beyond it the gateway answers 429
     max_waiting_tokens: int = 0  # ... and of its prompt tokens (0: none)
+    max_waiting_batch: int = DEFAULT_MAX_WAITING_BATCH  # the batch lane's bound (admission.py)
     retry_after_s: float = 1.0  # Retry-After suggested with QUEUE_FULL
     assign_timeout_s: float = 5.0  # a decode worker answers reservations between engine steps
     miss_limit: int = DEFAULT_MISS_LIMIT  # missed heartbeats before a worker counts as dead
@@ -66,8 +70,9 @@ class SchedulerConfig:
     metrics_port: int = 0  # /metrics of the routing decisions; 0: not served
 
     def __post_init__(self) -> None:
-        if min(self.max_waiting, self.max_waiting_tokens) < 0 or self.retry_after_s <= 0:
-            raise ValueError("max_waiting(_tokens) must be >= 0 and retry_after_s > 0")
+        bounds = (self.max_waiting, self.max_waiting_tokens, self.max_waiting_batch)
+        if min(bounds) < 0 or self.retry_after_s <= 0:
+            raise ValueError("max_waiting(_tokens, _batch) must be >= 0 and retry_after_s > 0")
         if self.assign_timeout_s <= 0:
             raise ValueError("assign_timeout_s must be > 0")
         if self.miss_limit < 1:
@@ -83,7 +88,9 @@ class Scheduler:
         self.config = config
         self.router = Router(WorkerRegistry(config.miss_limit), config.routing)
         self.metrics = SchedulerMetrics()
-        self.queue = AdmissionQueue(config.max_waiting, config.max_waiting_tokens)
+        self.queue = AdmissionQueue(
+            config.max_waiting, config.max_waiting_tokens, config.max_waiting_batch
+        )
         self._started = float("inf")  # set once heartbeats are heard: the grace counts from then
         self._wake = asyncio.Event()
         self._nc: nats.NATS | None = None
@@ -170,18 +177,21 @@ class Scheduler:
             await self._reply(pending, dict(status=protocol.QUEUED, scheduler_id=self.scheduler_id))
         if status == protocol.ACCEPTED:
             # Placed at once when nothing waits ahead of it; only the rest counts against
-            # the queue bound, so a burst that fits the workers is never refused.
-            if not len(self.queue) and self._start_placing(pending, now):
+            # its lane's bound, so a burst that fits the workers is never refused.
+            if not self.queue.waiting_ahead(submit.priority) and self._start_placing(pending, now):
                 return
             if self.queue.push(pending):
                 return
             status = protocol.QUEUE_FULL
-        await self._reply(pending, self._refusal(status, limit))
+        await self._reply(pending, self._refusal(status, limit, submit.priority))
 
-    def _refusal(self, status: str, limit: int) -> dict:
+    def _refusal(self, status: str, limit: int, priority: str = protocol.INTERACTIVE) -> dict:
         if status == protocol.QUEUE_FULL:
-            queue = self.queue
-            reason = f"the scheduler queue is full ({len(queue)} waiting, {queue.tokens} tokens)"
+            lane = self.queue.lane(priority)
+            reason = (
+                f"the scheduler's {priority} queue is full "
+                f"({len(lane)} waiting, {lane.tokens} tokens)"
+            )
             return dict(status=status, reason=reason, retry_after_s=self.config.retry_after_s)
         if status == protocol.TOO_LONG:
             reason = f"no decode worker can hold more than {limit} tokens"
@@ -231,14 +241,16 @@ class Scheduler:
                 await self._reply(pending, self._refusal(status, limit))
                 continue
             if not self._start_placing(pending, now):
-                return  # wait for pages to free up (next heartbeat)
+                # no room (a batch head: not within the batch caps): wait for the next
+                # heartbeat; an interactive request arriving meanwhile goes ahead of it
+                return
             self.queue.pop()
 
     def _starting(self, now: float) -> bool:
         return now < self._started + self.config.startup_grace_s
 
     def _start_placing(self, pending: Pending, now: float) -> bool:
-        """Pick workers and start placing the request; False when no decode worker has room."""
+        """Pick workers and start placing the request; False when the router finds no room."""
         choice = self.router.choose(pending.submit, now)
         if choice is None:
             return False

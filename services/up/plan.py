@@ -33,6 +33,7 @@ class UpConfig:
     cores_prefill: tuple[int, ...] = ()  # explicit cores of the prefill (or colocated) workers
     cores_decode: tuple[int, ...] = ()
     routing: str = "kv"  # the scheduler's --routing (services/scheduler/routing.py)
+    batch_max_share: float | None = None  # the scheduler's --batch-max-share; None: its default
     tool_call_parser: str = "auto"  # the gateway's --tool-call-parser
 
     def __post_init__(self) -> None:
@@ -41,6 +42,8 @@ class UpConfig:
         for flag in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        if self.batch_max_share is not None and not 0 < self.batch_max_share <= 1:
+            raise ValueError(f"--batch-max-share must be in (0, 1], got {self.batch_max_share}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -90,6 +93,8 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
     prefill = [*worker, "--tp", str(cfg.prefill_tp), "--pp", str(cfg.prefill_pp)]
     decode = [*worker, "--tp", str(cfg.decode_tp), "--pp", str(cfg.decode_pp)]
     scheduler = ("scheduler", "--routing", cfg.routing)
+    if cfg.batch_max_share is not None:
+        scheduler += ("--batch-max-share", str(cfg.batch_max_share))
     children = [ChildSpec("scheduler", scheduler, where.services)]
     for w in where.workers:
         args = [w.role, *(prefill if w.role == "prefill" else decode)]
