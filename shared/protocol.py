@@ -203,6 +203,7 @@ class DecodeAssignMsg:
     prompt_token_ids: tuple[int, ...]  # scheduler copies; decode needs them for penalties
     sampling: SamplingParams  # scheduler copies; decode samples with it
     prefill_here: bool = False  # scheduler sets: the decode worker computes the prompt itself
+    background: bool = False  # scheduler sets: a BATCH request (the engine's Request.background)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ class PrefillAssignMsg:
     decode_kv: KVPool | None  # scheduler copies from DecodeAssignReplyMsg.kv
     page_ids: tuple[int, ...]  # scheduler copies from DecodeAssignReplyMsg.page_ids
     decode_cached_tokens: int = 0  # scheduler copies from DecodeAssignReplyMsg.cached_tokens
+    background: bool = False  # scheduler sets: a BATCH request (the engine's Request.background)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import pytest
 
 from services.batch.store import Batches
 
-from services_harness import REPO_ROOT, cluster_for, wait_pages_free
+from services_harness import REPO_ROOT, cluster_for, metric, wait_pages_free
 
 CHAT = "/v1/chat/completions"
 PROMPTS = [f"Count to {i}:" for i in range(20)]
@@ -92,6 +92,7 @@ async def test_200_requests_through_the_openai_client_equal_interactive(client, 
         assert (choice["message"]["content"], choice["finish_reason"]) == interactive[prompt]
         assert o["response"]["request_id"] == o["response"]["body"]["id"]
     assert len({o["id"] for o in out}) == 200
+    assert await metric(cluster, "tison_batch_lines_total") >= 200  # what the runners did
     await wait_pages_free(cluster)
 
 

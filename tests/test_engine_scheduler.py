@@ -190,3 +190,28 @@ def test_a_reservation_never_takes_the_pages_a_preempted_request_waits_for():
     remote = request("remote", 2, 2)
     assert s.reserve(remote) and len(remote.page_ids) == 1  # its own page only
     assert s.allocator.num_free == 4
+
+
+def test_background_requests_wait_behind_the_others_and_prefill_in_small_steps():
+    """A batch request (Request.background) is admitted after every interactive one waiting,
+    whenever it came, and its prompt takes at most max_background_tokens of a step, so an
+    interactive request that arrives meanwhile waits one short step at most."""
+    s = Scheduler(PageAllocator(64), PAGE, 32, 8, max_background_tokens=6)
+    batch = [request(f"b{i}", 10, i) for i in range(2)]
+    for r in batch:
+        r.background = True
+        s.add(r)
+    first = request("i0", 5, 10)
+    s.add(first)
+    assert [r.request_id for r in s.waiting] == ["i0", "b0", "b1"]
+    out, _ = run_step(s)
+    rows = [(x.request.request_id, x.num_tokens) for x in out.scheduled]
+    assert rows == [("i0", 5), ("b0", 6)]  # the interactive prompt whole, 6 batch tokens
+    late = request("i1", 12, 11)
+    s.add(late)
+    out, _ = run_step(s)
+    rows = [(x.request.request_id, x.num_tokens) for x in out.scheduled]
+    assert rows == [("i0", 1), ("b0", 4), ("i1", 12), ("b1", 2)]
+    out, _ = run_step(s)  # decode rows of background requests are not capped
+    rows = {x.request.request_id: x.num_tokens for x in out.scheduled}
+    assert rows == {"i0": 1, "b0": 1, "i1": 1, "b1": 6}

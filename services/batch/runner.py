@@ -22,6 +22,7 @@ import aiohttp
 import nats.errors
 import nats.js.errors
 from nats.js import api
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.batch.store import ACK_WAIT_S, WORK_STREAM, BatchError, Batches
 from services.runtime import TaskSet
@@ -43,16 +44,38 @@ def backoff_s(attempt: int) -> float:
     return min(30.0, 0.5 * 2 ** (attempt - 1))
 
 
+class RunnerMetrics:
+    """What a runner did, on the gateway's /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        registry = registry if registry is not None else CollectorRegistry()
+        self.lines = Counter(
+            "tison_batch_lines",
+            "Batch lines a runner ended: ok (HTTP 200), failed (any other result), retried "
+            "(sent back to run again), skipped (result there already, or batch cancelled)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.running = Gauge("tison_batch_lines_running", "Batch lines running", registry=registry)
+
+
 class BatchRunner:
-    def __init__(self, batches: Batches, base_url: str, api_key: str, concurrency: int):
+    def __init__(
+        self,
+        batches: Batches,
+        base_url: str,
+        api_key: str,
+        concurrency: int,
+        metrics: RunnerMetrics | None = None,
+    ):
         self.batches, self.base_url, self.concurrency = batches, base_url.rstrip("/"), concurrency
+        self.metrics = metrics or RunnerMetrics()
         self._headers = {PRIORITY_HEADER: "batch"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._records: dict[str, tuple[float, BatchMsg | None]] = {}  # batch id -> (read at, it)
         self._refreshing: set[str] = set()  # batches with a completion check pending
         self._checks = TaskSet("checking a batch's completion")
-        self.lines_run = 0  # lines this runner stored a result for
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take and run lines until `stop` is set; the lines still running then go back."""
@@ -73,10 +96,10 @@ class BatchRunner:
                         continue
                     try:
                         msgs = await sub.fetch(free, timeout=1.0)
-                    except nats.errors.TimeoutError:
+                    except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nothing to run
                         continue
                     except (nats.errors.Error, nats.js.errors.Error, OSError) as e:
-                        log.warning("batch: cannot take lines (%s); trying again", e)
+                        log.warning("batch: cannot take lines (%r); trying again", e)
                         await asyncio.sleep(1.0)
                         continue
                     for msg in msgs:
@@ -87,7 +110,8 @@ class BatchRunner:
 
     async def _line(self, http: aiohttp.ClientSession, msg) -> None:
         try:
-            await self._run(http, msg)
+            with self.metrics.running.track_inprogress():
+                await self._run(http, msg)
         except asyncio.CancelledError:
             await _quietly(msg.nak())  # stopping: another runner takes it now
             raise
@@ -104,10 +128,12 @@ class BatchRunner:
         batches = self.batches
         if await batches.result(item.batch_id, item.key) is not None:
             await msg.ack_sync()  # it ran; its runner died before acking
+            self.metrics.lines.labels("skipped").inc()
             return
         batch = await self._batch(item.batch_id)
         if batch is None or batch.status in (CANCELLING, CANCELLED):
             await msg.ack_sync()
+            self.metrics.lines.labels("skipped").inc()
             return
         if time.time() > batch.expires_at:
             result = _unrun(item, "batch_expired", "the batch's completion window ended")
@@ -117,6 +143,7 @@ class BatchRunner:
             if (status is None or status in RETRY) and attempt < MAX_ATTEMPTS:
                 log.info("batch line %s: %s; again in %.1f s", item.key, status, backoff_s(attempt))
                 await msg.nak(delay=backoff_s(attempt))
+                self.metrics.lines.labels("retried").inc()
                 return
             if status is None:
                 result = _unrun(item, "gateway_unreachable", body)
@@ -124,9 +151,10 @@ class BatchRunner:
                 result = BatchResultMsg(
                     item.batch_id, item.key, item.custom_id, item.line, status, body
                 )
-        if await batches.put_result(result):
-            self.lines_run += 1
+        stored = await batches.put_result(result)
         await msg.ack_sync()
+        outcome = "skipped" if not stored else "failed" if result.failed else "ok"
+        self.metrics.lines.labels(outcome).inc()
         self._check_done_soon(item.batch_id)
 
     async def _post(self, http: aiohttp.ClientSession, msg, item: BatchItemMsg):

@@ -92,6 +92,10 @@ def register(subparsers) -> None:
         "fill, in (0, 1] (default: the scheduler's)",
     )  # fmt: skip
     p.add_argument(
+        "--batch-runners", type=int, default=None,
+        help="the gateway's --batch-runners: batch lines it runs at once (default: its own)",
+    )  # fmt: skip
+    p.add_argument(
         "--tool-call-parser", default="auto",
         help="the gateway's tool-call format (see `tison gateway --help`; default: detected)",
     )  # fmt: skip
@@ -121,6 +125,7 @@ def main(args: argparse.Namespace) -> int:
             cores_decode=args.cores_decode,
             routing=args.routing,
             batch_max_share=args.batch_max_share,
+            batch_runners=args.batch_runners,
             tool_call_parser=args.tool_call_parser,
         )
         check_model_folder(cfg.model_dir)

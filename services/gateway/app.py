@@ -203,7 +203,7 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
     await control.start()
     parser = tool_parser(config, tokenizer)
     service = CompletionService(config, tokenizer, control, gateway_metrics, parser)
-    batches = BatchService(config)
+    batches = BatchService(config, gateway_metrics.registry)
     runner = web.AppRunner(
         build_app(service, batches),
         handler_cancellation=True,

@@ -10,7 +10,7 @@ import nats.errors
 import nats.js.errors
 from aiohttp import web
 
-from services.batch.runner import BatchRunner
+from services.batch.runner import BatchRunner, RunnerMetrics
 from services.batch.store import BatchError, Batches, batch_object, file_object
 from services.gateway.completions import json_error
 from services.gateway.config import GatewayConfig
@@ -24,8 +24,9 @@ class BatchService:
     """The gateway's JetStream connection for batches, its routes' handlers and its runner.
     `batches` is None while JetStream cannot be used (the routes then answer 503)."""
 
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, registry=None):
         self.config = config
+        self.metrics = RunnerMetrics(registry)  # on the gateway's /metrics
         self.batches: Batches | None = None
         self.unavailable = "not started"  # why batches is None
         self.runner: BatchRunner | None = None
@@ -47,7 +48,11 @@ class BatchService:
         self.batches = batches
         if self.config.batch_runners > 0:
             self.runner = BatchRunner(
-                batches, self._own_url(), self.config.api_key, self.config.batch_runners
+                batches,
+                self._own_url(),
+                self.config.api_key,
+                self.config.batch_runners,
+                self.metrics,
             )
             self._task = asyncio.create_task(self.runner.run(self._stop))
 

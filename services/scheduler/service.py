@@ -300,6 +300,7 @@ class Scheduler:
             decode_kv=reservation.kv,
             page_ids=reservation.page_ids,
             decode_cached_tokens=reservation.cached_tokens,
+            background=submit.priority == protocol.BATCH,
         )
         subject = subjects.assign("prefill", choice.prefill.worker_id)
         await self._nc.publish(subject, protocol.encode(assignment))
@@ -312,6 +313,7 @@ class Scheduler:
             prompt_token_ids=submit.prompt_token_ids,
             sampling=submit.sampling,
             prefill_here=choice.local,
+            background=submit.priority == protocol.BATCH,
         )
         subject = subjects.assign("decode", choice.decode.worker_id)
         try:

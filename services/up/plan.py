@@ -35,6 +35,7 @@ class UpConfig:
     routing: str = "kv"  # the scheduler's --routing (services/scheduler/routing.py)
     batch_max_share: float | None = None  # the scheduler's --batch-max-share; None: its default
     tool_call_parser: str = "auto"  # the gateway's --tool-call-parser
+    batch_runners: int | None = None  # the gateway's --batch-runners; None: its default
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -44,6 +45,8 @@ class UpConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
         if self.batch_max_share is not None and not 0 < self.batch_max_share <= 1:
             raise ValueError(f"--batch-max-share must be in (0, 1], got {self.batch_max_share}")
+        if self.batch_runners is not None and self.batch_runners < 0:
+            raise ValueError(f"--batch-runners must be >= 0, got {self.batch_runners}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -104,6 +107,8 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
     gateway = ("gateway", *model, "--host", cfg.host, "--port", str(cfg.port))
     if cfg.tool_call_parser != "auto":
         gateway += ("--tool-call-parser", cfg.tool_call_parser)
+    if cfg.batch_runners is not None:
+        gateway += ("--batch-runners", str(cfg.batch_runners))
     children.append(ChildSpec("gateway", gateway, where.services))
     return children
 

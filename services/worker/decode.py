@@ -75,7 +75,11 @@ class DecodeRole:
         else:
             try:
                 reserved = await self.loop.call(
-                    self.engine.reserve, rid, list(assign.prompt_token_ids), assign.sampling
+                    self.engine.reserve,
+                    rid,
+                    list(assign.prompt_token_ids),
+                    assign.sampling,
+                    assign.background,
                 )
             except TisonError as e:
                 reserved, reason = None, str(e)

@@ -50,7 +50,9 @@ class PrefillRole:
         try:
             self.handoff.add(rid, assign.page_ids, assign.decode_kv, assign.decode_cached_tokens)
             prompt = list(assign.prompt_token_ids)
-            await self.loop.call(self.engine.add_request, rid, prompt, assign.sampling, True)
+            await self.loop.call(
+                self.engine.add_request, rid, prompt, assign.sampling, True, assign.background
+            )
         except Exception as e:  # bad layout, unreachable peer, invalid prompt: fail it alone
             self.handoff.drop(rid)
             await self._kv_ready(assign, KvReadyMsg(rid, self.worker_id, False, error=str(e)))

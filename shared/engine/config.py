@@ -31,6 +31,9 @@ class EngineConfig:
     memory_bytes: int | None = None
     memory_reserve_bytes: int = DEFAULT_MEMORY_RESERVE_BYTES  # activations, workspaces
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill cap)
+    # background (batch) requests' prompt tokens a step at most: a request arriving while they
+    # prefill waits for a short step only
+    max_background_tokens: int = 64
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int | None = None  # prompt + output cap; default: max_position_embeddings
     seed: int = 0  # seeds of requests that set none are drawn from this
@@ -67,7 +70,10 @@ class EngineConfig:
                 "attention_backend",
                 f"must be one of {', '.join(BACKENDS)}; got {self.attention_backend!r}",
             )
-        for name in ("page_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "page_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs",
+            "max_background_tokens",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise InvalidRequestError(name, "must be >= 1")
         if self.num_pages is not None and self.num_pages < 1:

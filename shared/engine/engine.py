@@ -70,6 +70,7 @@ class LLMEngine:
             config.max_num_seqs,
             self.chunk_allocator,
             self.chunk,
+            config.max_background_tokens,
         )
         self._in_flight: set[Request] = set()  # requests whose sampled token is on its way
         self.max_model_len = min(
@@ -88,25 +89,33 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prefill_only: bool = False,
+        background: bool = False,
     ) -> Request:
         """Queues a request; raises (naming the field or limit) if it can never run.
         prefill_only: compute the prompt and sample the first token, then finish (prefill worker).
+        background: a batch request (Request.background).
         """
         req = self._new_request(request_id, prompt_token_ids, params)
-        req.prefill_only = prefill_only
+        req.prefill_only, req.background = prefill_only, background
         self.grammars.add(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        background: bool = False,
     ) -> tuple[list[int], int] | None:
         """Decode side of a handoff: holds pages for the prompt's KV, which a prefill worker
         writes. Returns (the page ids, how many of the prompt's tokens they hold already: its
         cached prefix, which the prefill worker must not write), or None when the pool cannot
-        hold it now."""
+        hold it now. background: a batch request (Request.background), should it compute its
+        prompt here (start_local)."""
         req = self._new_request(request_id, prompt_token_ids, params)
+        req.background = background
         self.grammars.add(req)  # before the pages: it raises on a grammar it cannot compile
         if not self.scheduler.reserve(req):
             self.grammars.drop(request_id)

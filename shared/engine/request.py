@@ -53,6 +53,9 @@ class Request:
     page_hashes: list[int] = field(default_factory=list)
     num_cached_pages: int = 0
     prefill_only: bool = False  # a prefill worker's request: done after its first token
+    # a batch request: admitted after every other waiting one, its prompt in small steps
+    # (EngineConfig.max_background_tokens)
+    background: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -1,14 +1,16 @@
 """Continuous-batching scheduler: pure policy over counters and the page allocator.
 
 Each step is a mixed batch under a token budget: running requests that decode first (a token
-each), then running requests still prefilling (oldest first), each getting the tokens it has
-not computed yet, capped by what is left of the budget (chunked prefill); when pages run out
-the newest running request is preempted (pages freed, recomputed later). Then waiting
-requests are admitted while the budget, the sequence limit and the free pages allow. Pages
-follow the rule of shared/kv/pages.py: a request gets its admission pages at once, then one
-page at a time as it decodes. With a prefix cache (shared/kv/prefix_cache.py) a request starts
-on the cached pages of its longest cached prefix and computes the rest; its pages are named
-as their KV is computed."""
+each), then running requests still prefilling (oldest first), each getting the tokens it has not
+computed yet, capped by what is left of the budget (chunked prefill); when pages run out the
+newest running request is preempted (pages freed, recomputed later). Then waiting requests are
+admitted while the budget, the sequence limit and the free pages allow. Pages follow the rule of
+shared/kv/pages.py: a request gets its admission pages at once, then one page at a time as it
+decodes. Background (batch) requests are admitted after every other waiting request, and their
+prompts take at most max_background_tokens of a step: a request arriving while they prefill
+waits for a short step only. With a prefix cache (shared/kv/prefix_cache.py) a request starts on
+the cached pages of its longest cached prefix and computes the rest; its pages are named as
+their KV is computed."""
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,6 +61,7 @@ class Scheduler:
         max_num_seqs: int,
         chunk_allocator: PageAllocator | None = None,  # capped chunked layers' pool
         chunk: int | None = None,  # ... and their chunk size
+        max_background_tokens: int | None = None,  # background prompt tokens a step; None: all
     ):
         self.allocator = allocator
         self.cache = allocator if isinstance(allocator, PrefixCache) else None
@@ -66,6 +69,9 @@ class Scheduler:
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_background_tokens = max_background_tokens
+        # interactive requests first, then background ones; each in arrival order (preempted
+        # ones at the front)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}  # pages held for a prefill done elsewhere
@@ -100,9 +106,19 @@ class Scheduler:
         del self.reserved[req.request_id]
         if not computed and req.num_computed_tokens and req.needs_prompt_logprobs:
             self._release(req)  # admitted again as a new request
-        (self.running if computed else self.waiting).append(req)
+        if computed:
+            self.running.append(req)
+        else:
+            self.add(req)
 
     def add(self, req: Request) -> None:
+        """Queue req behind the waiting requests of its kind, ahead of every background one
+        when it is not one itself."""
+        if not req.background:
+            for i, other in enumerate(self.waiting):
+                if other.background:
+                    self.waiting.insert(i, req)
+                    return
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -129,6 +145,7 @@ class Scheduler:
         nor preempted; they count against max_num_seqs); `max_requests` caps the batch."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        background = self.max_background_tokens or budget  # background prompt tokens left
         room = max_requests if max_requests is not None else len(self.running) + len(self.waiting)
         for req in sorted(self.running, key=_decodes_first):
             if budget == 0 or len(out.scheduled) == room:
@@ -136,6 +153,11 @@ class Scheduler:
             if req in exclude or req not in self.running:  # in flight, or preempted just now
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.background and n > 1:  # a background prompt chunk (a decode row is not)
+                n = min(n, background)
+                if n == 0:
+                    continue
+                background -= n
             if self._reserve(req, n, out, exclude):
                 out.scheduled.append(ScheduledRequest.of(req, n))
                 budget -= n
@@ -147,8 +169,12 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.background and background == 0:
+                break  # the rest wait too: background requests come last
             cached = self._cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.page_size, budget)
+            if req.background:
+                n = min(n, background)
             extra = max(0, self._admission_pages(req) - len(cached))
             extra_chunk = self._chunk_grow(req, n)
             taken = self.cache.num_free_among(cached) if cached else 0
@@ -162,6 +188,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
+            background -= n if req.background else 0
         return out
 
     def _cached_prefix(self, req: Request, computes_prompt: bool = True) -> list[int]:
