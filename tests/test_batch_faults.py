@@ -6,12 +6,13 @@ sent interactively."""
 import json
 import os
 import signal
-from pathlib import Path
+import subprocess
+import sys
 
 import openai
 from test_up import Up, cmdline, descendants
 
-from services_harness import free_port
+from services_harness import REPO_ROOT, free_port
 from waiting import wait_until
 
 CHAT = "/v1/chat/completions"
@@ -87,6 +88,17 @@ def test_a_batch_survives_kills_of_every_process_exactly_once(tiny_llama, tmp_pa
             prompt = PROMPTS[int(o["custom_id"][1:]) % len(PROMPTS)]
             got = o["response"]["body"]["choices"][0]["message"]["content"]
             assert got == expected[prompt], o["custom_id"]
-        assert Path(tmp_path / "state" / "batch.password").stat().st_mode & 0o077 == 0
+        secret = tmp_path / "state" / "batch.password"
+        assert secret.stat().st_mode & 0o077 == 0
+        # A batch client over NATS alone, as the batch user that `tison up` made
+        (ports,) = (tmp_path / "state").glob("*.ports")
+        url = json.loads(ports.read_text())["nats"][0]
+        login = ["--nats-url", url, "--nats-user", "batch", "--nats-password-file", str(secret)]
+        status = subprocess.run(
+            [sys.executable, "-m", "services.cli", "batch", "status", batch.id, *login],
+            capture_output=True, cwd=REPO_ROOT, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr.decode()
+        assert json.loads(status.stdout)["request_counts"]["completed"] == LINES
     finally:
         assert up.stop() == 0

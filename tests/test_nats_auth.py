@@ -3,11 +3,13 @@ and a worker's own user only on its own worker id's subjects, so credentials of 
 cannot forge another's messages; users change without a restart."""
 
 import asyncio
+import json
 
 import nats
 import pytest
 from nats_sync import subscribed
 
+from services.batch.store import Batches
 from shared import nats_auth, subjects
 from shared.nats_server import NatsServer
 from shared.subjects import role_ids
@@ -94,6 +96,8 @@ def server(tmp_path_factory):
         ("scheduler", subjects.heartbeat("prefill", "c-1-prefill"), "colocated-0", "prefill-0"),
         ("gateway", subjects.gateway_tokens("gw-1"), "decode-1", "prefill-0"),
         ("decode", subjects.decode_kv("d-1"), "prefill-0", "decode-1"),
+        ("scheduler", subjects.scheduler_submit(), "gateway", "batch"),  # a batch client
+        ("gateway", subjects.gateway_tokens("gw-1"), "decode", "batch"),
     ],
 )
 async def test_only_the_role_that_owns_a_subject_publishes_there(
@@ -114,6 +118,23 @@ async def test_roles_cannot_listen_where_they_have_no_business(server):
     await asyncio.sleep(0.05)
     await nc.close()
     assert any("permissions violation" in e.lower() for e in errors), errors
+
+
+async def test_a_batch_client_and_the_gateway_use_the_batch_streams(server):
+    """The batch role (tison batch) and the gateway (its batch API and runners) create and use
+    JetStream's batch streams, bucket and file store; a worker cannot."""
+    for role in ("batch", "gateway"):
+        nc = await connect(server.url, role)
+        batches = Batches(nc)
+        await batches.ensure()
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}
+        batch = await batches.submit(json.dumps(line).encode(), "/v1/completions")
+        assert (await batches.refresh(batch.id))[1].total == 1
+        await nc.close()
+    nc = await connect(server.url, "decode")
+    with pytest.raises(Exception, match="(?i)timeout|permission"):
+        await Batches(nc).ensure()
+    await nc.close()
 
 
 async def test_a_wrong_password_or_none_is_refused(server):
