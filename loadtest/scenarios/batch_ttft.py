@@ -56,12 +56,12 @@ async def probe(http, url: str, model: str, count: int, gap_s: float) -> list[fl
     return list(await asyncio.gather(*tasks))
 
 
-async def start_batch(http, url: str, model: str, lines: int, words: int) -> str:
+async def start_batch(http, url: str, model: str, lines: int, words: int, tokens: int) -> str:
     filler = " ".join(f"word{j % 97}" for j in range(words))  # a long document to work on
     text = "\n".join(
         json.dumps({
             "custom_id": f"b{i}", "method": "POST", "url": CHAT,
-            "body": {"model": model, "max_tokens": 64, "temperature": 0,
+            "body": {"model": model, "max_tokens": tokens, "temperature": 0,
                      "messages": [{"role": "user", "content": f"{filler} Summarize item {i}."}]},
         })
         for i in range(lines)
@@ -86,7 +86,9 @@ async def completed(http, url: str, batch_id: str) -> int:
 
 
 async def with_batch(http, url: str, model: str, args) -> tuple[list[float], int]:
-    batch_id = await start_batch(http, url, model, args.batch_lines, args.batch_prompt_words)
+    batch_id = await start_batch(
+        http, url, model, args.batch_lines, args.batch_prompt_words, args.batch_max_tokens
+    )
     while await completed(http, url, batch_id) < 8:  # the batch is well under way
         await asyncio.sleep(0.5)
     before = await completed(http, url, batch_id)
@@ -140,6 +142,7 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=20, help="interactive requests a probe")
     parser.add_argument("--gap-s", type=float, default=0.5, help="between probe requests")
     parser.add_argument("--batch-lines", type=int, default=2000)
+    parser.add_argument("--batch-max-tokens", type=int, default=64, help="of each batch line")
     parser.add_argument(
         "--batch-prompt-words", type=int, default=0, help="words before each batch question"
     )
