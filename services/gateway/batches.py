@@ -54,7 +54,16 @@ class BatchService:
                 self.config.batch_runners,
                 self.metrics,
             )
-            self._task = asyncio.create_task(self.runner.run(self._stop))
+            self._task = asyncio.create_task(self._keep_running(self.runner))
+
+    async def _keep_running(self, runner: BatchRunner) -> None:
+        """The runner until stop, started again should it fail (NATS gone as it subscribed)."""
+        while not self._stop.is_set():
+            try:
+                await runner.run(self._stop)
+            except Exception:
+                log.exception("batch runner failed; starting it again in 1 s")
+                await asyncio.sleep(1.0)
 
     async def close(self) -> None:
         self._stop.set()
