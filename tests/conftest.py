@@ -10,6 +10,7 @@ from kernels.cpu import isa  # noqa: E402
 
 isa.cap_torch()  # TISON_CPU_ISA=avx2 runs torch and oneDNN as on an AVX2 CPU too
 
+import openai  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -37,3 +38,12 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture
+async def client(cluster):
+    """The official `openai` client on the gateway of the module's `cluster` fixture."""
+    async with openai.AsyncOpenAI(
+        base_url=cluster.base_url + "/v1", api_key="x", max_retries=0
+    ) as c:
+        yield c

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import aiohttp
 import jsonschema
-import openai
 import pytest
 
 from shared.engine.config import EngineConfig
@@ -97,14 +96,6 @@ def cluster(tmp_path_factory, agent_model):
 @pytest.fixture(scope="module")
 def llm(agent_model):
     return LLM(agent_model, dtype="float32")
-
-
-@pytest.fixture
-async def client(cluster):
-    async with openai.AsyncOpenAI(
-        base_url=cluster.base_url + "/v1", api_key="x", max_retries=0
-    ) as c:
-        yield c
 
 
 def literal(text: str) -> str:

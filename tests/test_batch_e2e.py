@@ -28,14 +28,6 @@ def cluster(tmp_path_factory, tiny_llama):
     s.stop_all()
 
 
-@pytest.fixture
-async def client(cluster):
-    async with openai.AsyncOpenAI(
-        base_url=cluster.base_url + "/v1", api_key="x", max_retries=0
-    ) as c:
-        yield c
-
-
 def body(model: str, prompt: str, **kw) -> dict:
     return {
         "model": model,

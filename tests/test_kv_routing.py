@@ -2,6 +2,7 @@
 cost, round robin, session affinity, conditional disaggregation, the fake prefix cache."""
 
 import pytest
+from router_helpers import PAGE, beat
 
 from services.fake_worker.prefix import FakePrefixCache
 from services.scheduler.affinity import Pin, SessionTable
@@ -10,18 +11,8 @@ from services.scheduler.policy import Router
 from services.scheduler.routing import RoutingConfig
 from shared.kv.block_hash import page_hashes
 from shared.kv.events import KVEventStream
-from shared.protocol import HeartbeatMsg, KVEventsMsg, SubmitMsg
+from shared.protocol import KVEventsMsg, SubmitMsg
 from shared.sampling.params import SamplingParams
-
-PAGE = 4
-
-
-def beat(worker_id, role="decode", **load):
-    load.setdefault("page_size", PAGE)
-    if role == "decode":
-        load.setdefault("free_pages", 100)
-        load.setdefault("total_pages", 100)
-    return HeartbeatMsg(worker_id, role, "m", 4096, 0.5, **load)
 
 
 def submit(prompt, request_id="r", session="", salt=""):

@@ -2,24 +2,15 @@
 the router's batch caps (a decode pool's share, a computing worker's queued prompt tokens)."""
 
 import pytest
+from router_helpers import PAGE, beat
 
 from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.policy import Router
 from services.scheduler.routing import RoutingConfig
 from shared.errors import InvalidRequestError
 from shared.kv.block_hash import page_hashes
-from shared.protocol import BATCH, INTERACTIVE, HeartbeatMsg, KVEventsMsg, SubmitMsg
+from shared.protocol import BATCH, INTERACTIVE, KVEventsMsg, SubmitMsg
 from shared.sampling.params import SamplingParams
-
-PAGE = 4
-
-
-def beat(worker_id, role="decode", **load):
-    load.setdefault("page_size", PAGE)
-    if role == "decode":
-        load.setdefault("free_pages", 100)
-        load.setdefault("total_pages", 100)
-    return HeartbeatMsg(worker_id, role, "m", 4096, 0.5, **load)
 
 
 def submit(request_id="r", priority=INTERACTIVE, prompt_len=6, deadline=100.0):

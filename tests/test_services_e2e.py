@@ -38,14 +38,6 @@ def llm(tiny_llama):
     return LLM(tiny_llama, dtype="float32")
 
 
-@pytest.fixture
-async def client(cluster):
-    async with openai.AsyncOpenAI(
-        base_url=cluster.base_url + "/v1", api_key="x", max_retries=0
-    ) as c:
-        yield c
-
-
 async def completions(client, model, prompt, stream: bool, **kw):
     """(text, finish_reason, usage) of one completion, streamed or not."""
     if not stream:

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from loadtest.scenarios.cluster import Cluster
+from loadtest.scenarios.output import emit
 from shared.default_model import default_model_dir
 
 CHAT = "/v1/chat/completions"
@@ -154,11 +155,7 @@ def main() -> None:
     with Cluster(args.workdir) as cluster:
         url = cluster.up(model, *args.up_flags.split())
         result = asyncio.run(run(url, model.name, args))
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

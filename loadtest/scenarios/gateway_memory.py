@@ -10,7 +10,6 @@ RSS from 256 MB to 5.6 GB, held).
 
 import argparse
 import asyncio
-import json
 import platform
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import aiohttp
 
 from loadtest.scenarios.cluster import Cluster, free_port, http_status
 from loadtest.scenarios.health_under_load import big_chat
+from loadtest.scenarios.output import emit
 from shared.default_model import default_model_dir
 
 
@@ -82,11 +82,7 @@ def main() -> None:
         "bursts": rounds,
         "settled_rss_mb": settled["VmRSS"],
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from loadtest.scenarios.cluster import Cluster
+from loadtest.scenarios.output import emit
 from shared.default_model import default_model_dir
 
 BODY_BYTES = (1 << 20) - 4096  # just under the default limit for the bundled model (1 MiB)
@@ -99,11 +100,7 @@ def main() -> None:
         url = cluster.up(model)
         rounds = [one_round(url, model.name, seed) for seed in range(args.rounds)]
     result = {"body_bytes": BODY_BYTES, "rounds": rounds}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

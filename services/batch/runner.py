@@ -25,6 +25,7 @@ from nats.js import api
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.batch.store import ACK_WAIT_S, WORK_STREAM, BatchError, Batches
+from services.gateway.openai_request import PRIORITY_HEADER
 from services.runtime import TaskSet
 from shared import protocol, subjects
 from shared.batch_messages import CANCELLED, CANCELLING, BatchItemMsg, BatchMsg, BatchResultMsg
@@ -36,7 +37,6 @@ CONSUMER = "tison-batch-runners"  # the durable consumer all runners share
 MAX_ATTEMPTS = 20  # deliveries of a line whose failures are not its own, before they are
 RETRY = {429, 500, 502, 503, 504}  # HTTP statuses that are not the line's fault
 BATCH_CACHE_S = 2.0  # how long a batch's record is taken as current (cancels show this late)
-PRIORITY_HEADER = "x-tison-priority"
 
 
 def backoff_s(attempt: int) -> float:
@@ -70,7 +70,7 @@ class BatchRunner:
     ):
         self.batches, self.base_url, self.concurrency = batches, base_url.rstrip("/"), concurrency
         self.metrics = metrics or RunnerMetrics()
-        self._headers = {PRIORITY_HEADER: "batch"}
+        self._headers = {PRIORITY_HEADER: protocol.BATCH}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._records: dict[str, tuple[float, BatchMsg | None]] = {}  # batch id -> (read at, it)
