@@ -166,3 +166,53 @@ async def test_a_decode_worker_numbers_its_items_when_a_step_overtakes_a_handler
             await nc.close()
             await loop.handlers.cancel_all()
             engine.close()
+
+
+class StepsPerAssignment(DecodeRole):
+    """A DecodeRole that counts the engine's steps while each of its assignments is handled."""
+
+    def __init__(self, steps: list, *args):
+        super().__init__(*args)
+        self.steps, self.spans = steps, []
+
+    async def _on_assign(self, msg) -> None:
+        before = len(self.steps)
+        await super()._on_assign(msg)
+        self.spans.append(len(self.steps) - before)
+
+
+async def test_a_decode_reservation_waits_for_one_step_at_most(tiny_llama, tmp_path):
+    """A reservation is on its request's time to first token (the prefill worker starts once
+    it is answered), and every command waits for the step in progress: the assignment must be
+    answered after that one step, not after a second (it once made two calls)."""
+    engine = new_engine(tiny_llama)
+    steps = []
+
+    async def on_outputs(outputs) -> None:
+        steps.append(len(outputs))
+
+    loop = EngineLoop(engine, on_outputs)
+    runner = asyncio.create_task(loop.run())
+    with NatsServer(tmp_path / "nats") as server:
+        nc = await nats.connect(server.url)
+        try:
+            pool = KVPool(engine.kv_spec.layout, "host", ())
+            role = StepsPerAssignment(steps, nc, loop, "d0", pool)
+            await role.subscribe()
+            long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+            await loop.call(engine.add_request, "running", [5, 6, 7], long)
+            await until(lambda: len(steps) >= 3, 30, "the running request's steps")
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            for i in range(5):
+                assign = DecodeAssignMsg(f"r{i}", "g0", "p0", (5, 6, 7, 8), params)
+                reply = await nc.request(
+                    subjects.assign("decode", "d0"), protocol.encode(assign), 10
+                )
+                assert protocol.decode(reply.data, DecodeAssignReplyMsg).accepted
+            assert len(role.spans) == 5 and max(role.spans) <= 1, role.spans
+        finally:
+            await nc.close()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            await loop.handlers.cancel_all()
+            engine.close()

@@ -69,22 +69,11 @@ class DecodeRole:
     @protocol.on_message(DecodeAssignMsg)
     async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:
         rid = assign.request_id
-        reserved, reason = await self.loop.call(self.engine.reservation, rid), "KV pool full"
-        if reserved is not None and self.gateways.get(rid) == assign.gateway_id:
-            log.info("request %s: reserved already, the same pages again", rid)  # a retry
-        else:
-            try:
-                reserved = await self.loop.call(
-                    self.engine.reserve,
-                    rid,
-                    list(assign.prompt_token_ids),
-                    assign.sampling,
-                    assign.background,
-                )
-            except TisonError as e:
-                reserved, reason = None, str(e)
-            if reserved is not None:
-                self.loop.handlers.spawn(self._expire(rid))
+        # One command: each call waits for the step in progress, and a reservation waits
+        # before the prefill worker may start, so it is on the request's time to first token.
+        reserved, new, reason = await self.loop.call(self._reserve, assign)
+        if new:
+            self.loop.handlers.spawn(self._expire(rid))
         if reserved is None:
             reply = DecodeAssignReplyMsg(rid, False, reason=reason)
         else:
@@ -97,6 +86,22 @@ class DecodeRole:
             await self.nc.publish(msg.reply, protocol.encode(reply))
         if reserved is not None and assign.prefill_here:  # its first token leaves with our steps
             await self.loop.call(self.engine.start_local, rid)
+
+    def _reserve(self, assign: DecodeAssignMsg) -> tuple[tuple[list[int], int] | None, bool, str]:
+        """(the reservation (pages, cached tokens) or None, whether it is new, why not); run
+        between two steps. A retry from the same gateway gets the pages it was given before."""
+        rid = assign.request_id
+        reserved = self.engine.reservation(rid)
+        if reserved is not None and self.gateways.get(rid) == assign.gateway_id:
+            log.info("request %s: reserved already, the same pages again", rid)
+            return reserved, False, ""
+        try:
+            reserved = self.engine.reserve(
+                rid, list(assign.prompt_token_ids), assign.sampling, assign.background
+            )
+        except TisonError as e:
+            return None, False, str(e)
+        return reserved, reserved is not None, "" if reserved is not None else "KV pool full"
 
     @protocol.on_message(GatewayBeatMsg)
     async def _on_gateway_beat(self, beat: GatewayBeatMsg, msg: Msg) -> None:
