@@ -4,6 +4,7 @@ decode worker numbers its items right when a step overtakes one of its handlers.
 
 import asyncio
 import functools
+import threading
 
 import nats
 
@@ -216,3 +217,33 @@ async def test_a_decode_reservation_waits_for_one_step_at_most(tiny_llama, tmp_p
             await asyncio.gather(runner, return_exceptions=True)
             await loop.handlers.cancel_all()
             engine.close()
+
+
+async def test_a_reservation_runs_while_the_model_computes(tiny_llama):
+    """call_now takes the engine's lock while a step's forward pass runs: here the forward
+    waits for the reservation, which with `call` (between steps) would never come."""
+    engine = new_engine(tiny_llama)
+    computing, reserved = threading.Event(), threading.Event()
+    launch = engine.executor.launch
+
+    def waiting_launch(out, masks=None) -> None:
+        computing.set()
+        assert reserved.wait(30), "the reservation did not run while the model computed"
+        launch(out, masks)
+
+    engine.executor.launch = waiting_launch
+    loop = EngineLoop(engine, lambda outputs: asyncio.sleep(0))
+    runner = asyncio.create_task(loop.run())
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        await loop.call(engine.add_request, "running", [5, 6, 7], params)
+        await until(computing.is_set, 30, "the step's forward pass to start")
+        got = await loop.call_now(engine.reserve, "reserved", [5, 6, 7, 8], params)
+        reserved.set()
+        assert got is not None and engine.reservation("reserved") == got
+        await until(lambda: not engine.has_unfinished(), 30, "the running request to finish")
+    finally:
+        reserved.set()
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        engine.close()

@@ -69,9 +69,9 @@ class DecodeRole:
     @protocol.on_message(DecodeAssignMsg)
     async def _on_assign(self, assign: DecodeAssignMsg, msg: Msg) -> None:
         rid = assign.request_id
-        # One command: each call waits for the step in progress, and a reservation waits
-        # before the prefill worker may start, so it is on the request's time to first token.
-        reserved, new, reason = await self.loop.call(self._reserve, assign)
+        # The prefill worker starts once this is answered: it is on the request's time to first
+        # token, so it runs while the step computes rather than after it, in one command.
+        reserved, new, reason = await self.loop.call_now(self._reserve, assign)
         if new:
             self.loop.handlers.spawn(self._expire(rid))
         if reserved is None:
@@ -88,8 +88,9 @@ class DecodeRole:
             await self.loop.call(self.engine.start_local, rid)
 
     def _reserve(self, assign: DecodeAssignMsg) -> tuple[tuple[list[int], int] | None, bool, str]:
-        """(the reservation (pages, cached tokens) or None, whether it is new, why not); run
-        between two steps. A retry from the same gateway gets the pages it was given before."""
+        """(the reservation (pages, cached tokens) or None, whether it is new, why not). It adds
+        a request and takes free pages only, as EngineLoop.call_now requires. A retry from the
+        same gateway gets the pages it was given before."""
         rid = assign.request_id
         reserved = self.engine.reservation(rid)
         if reserved is not None and self.gateways.get(rid) == assign.gateway_id:

@@ -1,6 +1,7 @@
 """EngineLoop: the single owner of a worker's engine. NATS callbacks hand it commands, which
 run between steps in arrival order; each step runs in a thread so the event loop stays free
-for heartbeats, assignments and cancels."""
+for heartbeats, assignments and cancels. A reservation need not wait for the step: it runs
+while the model computes (`call_now`)."""
 
 import asyncio
 import time
@@ -40,6 +41,17 @@ class EngineLoop:
         self._commands.append((fn, args, future))
         self._wake.set()
         return await future
+
+    async def call_now(self, fn: Callable, *args):
+        """fn(*args) at once when nothing waits to run between steps and the engine's step is
+        not in its bookkeeping (LLMEngine.lock: free while the model computes); else as `call`.
+        Only for commands that add and free nothing (a reservation): see LLMEngine._computing."""
+        if not self._commands and self.engine.lock.acquire(blocking=False):
+            try:
+                return fn(*args)
+            finally:
+                self.engine.lock.release()
+        return await self.call(fn, *args)
 
     def _apply_commands(self) -> None:
         commands, self._commands = self._commands, []

@@ -1,8 +1,10 @@
 """LLMEngine: requests in, tokens out, one step at a time (continuous batching)."""
 
+import contextlib
 import dataclasses
 import itertools
 import random
+import threading
 from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
@@ -54,6 +56,9 @@ class LLMEngine:
         rank0 = rank_kv_spec(self.kv_spec, shape, 0)
         self.chunk = _capped_chunk(config, cfg)
         num_pages, num_chunk_pages = _pool_sizes(config, cfg, rank0, self.chunk)
+        # Held by `step` except while the model computes (`_computing`): a command that only
+        # adds (a reservation) may take it then, see EngineLoop.call_now.
+        self.lock = threading.Lock()
         self.executor = start_executor(config, cfg, self.kv_spec, num_pages, num_chunk_pages)
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
@@ -263,22 +268,37 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Launches micro-batches until `depth` are in flight, then applies the oldest one's
         results. Without pipeline stages: schedule, run, update, as one step."""
-        while self.executor.num_in_flight < self.executor.depth:
-            out = schedule_micro_batch(self.scheduler, self._in_flight, self.executor.depth)
-            if not out.scheduled:
-                break
-            self._launch(out)
-        if not self.executor.num_in_flight:
-            return []
-        return self._apply(self.executor.collect())
+        with self.lock:
+            while self.executor.num_in_flight < self.executor.depth:
+                out = schedule_micro_batch(self.scheduler, self._in_flight, self.executor.depth)
+                if not out.scheduled:
+                    break
+                self._launch(out)
+            if not self.executor.num_in_flight:
+                return []
+            with self._computing():
+                result = self.executor.collect()
+            return self._apply(result)
 
     def _launch(self, out) -> None:
         masks = self.grammars.masks([s.request for s in out.scheduled if s.samples])
-        self.executor.launch(out, masks)
+        with self._computing():
+            self.executor.launch(out, masks)
         self.allocator.mark_launched()
         early, _ = split_launched(out)
         self.scheduler.update(early, {})  # chunks that sample nothing count as computed now
         self._in_flight.update(s.request for s in out.scheduled if s.samples)
+
+    @contextlib.contextmanager
+    def _computing(self):
+        """The lock let go while the model computes. Whoever takes it meanwhile must leave the
+        launched requests and every page alone but free ones: pages freed now would skip their
+        quarantine, which counts this micro-batch only once it is marked launched."""
+        self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.acquire()
 
     def _apply(self, result: StepResult) -> list[StepOutput]:
         self.allocator.mark_collected()
