@@ -44,10 +44,17 @@ class Permissions:
 
 def _worker(role: str, worker_id: str = "*") -> Permissions:
     """A prefill or decode worker (`worker_id`, or any of the role: *): its heartbeats,
-    assignments, KV events and snapshot asks; cancels from the gateway."""
+        assignments, KV events and snapshot asks; cancels from the gateway; asks for weights
+    from a peer (it asks and answers them)."""
     own = f"{P}.{role}.%s.{worker_id}"
-    publish = [own % "heartbeat", own % "kv_events", INBOX]
-    subscribe = [own % "assign", own % "kv_snapshot", subjects.gateway_cancel()]
+    # weights_ask both ways: a new worker asks who serves its model, a running one answers
+    publish = [own % "heartbeat", own % "kv_events", subjects.weights_ask(), INBOX]
+    subscribe = [
+        own % "assign",
+        own % "kv_snapshot",
+        subjects.gateway_cancel(),
+        subjects.weights_ask(),
+    ]
     if role == PREFILL:
         publish.append(f"{P}.decode.kv.*")  # KvReadyMsg to any decode worker
     else:
