@@ -27,7 +27,7 @@ from shared.parallel.pipeline import PPStage
 from shared.peer import wire
 from shared.transfer import auth
 
-BATCH_BYTES = 32 << 20
+BATCH_BYTES = 8 << 20
 WINDOW_BYTES = 1 << 30
 CONNECT_TIMEOUT_S = 10.0
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # as load_weights finds a tensor's layer

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from shared.checkpoint import INDEX_FILE, Checkpoint
-from shared.codec import CompressedCheckpoint
+from shared.codec import CompressedCheckpoint, native
 from shared.codec.container import MANIFEST, SHARD_SUFFIX
 from shared.codec.format import EncodedTensor
 from shared.codec.tensor import checksum
@@ -70,7 +70,13 @@ class FolderSource:
                 return self.checkpoint.get_encoded(name)
             tensor = self.checkpoint.get(name)
         return EncodedTensor(
-            name, "", tensor.dtype, tuple(tensor.shape), checksum(tensor), None, tensor
+            name,
+            "",
+            tensor.dtype,
+            tuple(tensor.shape),
+            checksum(tensor, native.load()),
+            None,
+            tensor,
         )
 
 
