@@ -3,10 +3,12 @@ it equals the disk load parameter for parameter (raw and compressed folders, a P
 ranks each reading for themselves); a wrong secret is refused and the server serves on; the
 server gives out only the files and tensors its index lists."""
 
+import shutil
 import socket
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from shared.checkpoint import Checkpoint
 from shared.codec.folder import compress_dir
@@ -14,20 +16,36 @@ from shared.engine.llm import LLM
 from shared.errors import ModelFolderError, WeightsPeerError
 from shared.models.config import ModelConfig
 from shared.models.loader import load_model
+from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 from shared.peer import wire
 from shared.peer.client import PeerCheckpoint, connect, fetch_files, for_stage, request
 from shared.peer.server import WeightsServer
 from shared.sampling.params import SamplingParams
 
+from quant_helpers import quantize_fp8
+from waiting import wait_until
+
 SECRET = b"peer-secret"
 
 
 @pytest.fixture(scope="module")
 def folders(tiny_llama, tmp_path_factory):
-    compressed = tmp_path_factory.mktemp("peer") / "compressed"
-    compress_dir(tiny_llama, compressed)
-    return {"raw": tiny_llama, "compressed": compressed}
+    """raw (float32), compressed, a bf16 copy compressed (what checkpoints mostly are), FP8."""
+    out = tmp_path_factory.mktemp("peer")
+    compress_dir(tiny_llama, out / "compressed")
+    bf16 = out / "bf16"
+    shutil.copytree(tiny_llama, bf16, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(tiny_llama / "model.safetensors")
+    save_file({n: t.to(torch.bfloat16) for n, t in tensors.items()}, bf16 / "model.safetensors")
+    compress_dir(bf16, out / "bf16-compressed")
+    quantize_fp8(tiny_llama, out / "fp8", block=(16, 16))
+    return {
+        "raw": tiny_llama,
+        "compressed": out / "compressed",
+        "bf16-compressed": out / "bf16-compressed",
+        "fp8": out / "fp8",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +57,10 @@ def servers(folders):
         s.close()
 
 
-def load(model_dir, weights=None, stage=WHOLE_MODEL):
+def load(model_dir, weights=None, stage=WHOLE_MODEL, tp=SINGLE):
     cfg = ModelConfig.from_dir(model_dir)
-    return load_model(model_dir, cfg, torch.float32, stage=stage, weights=weights)
+    dtype = torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float32
+    return load_model(model_dir, cfg, dtype, tp, stage, weights=weights)
 
 
 def assert_same_parameters(a, b) -> None:
@@ -51,18 +70,32 @@ def assert_same_parameters(a, b) -> None:
         assert p.dtype == pb[name].dtype and torch.equal(p, pb[name]), name
 
 
-@pytest.mark.parametrize("kind", ["raw", "compressed"])
-def test_a_model_from_a_peer_equals_the_disk_load(tiny_llama, servers, kind):
-    server, endpoints = servers
+@pytest.mark.parametrize("kind", ["raw", "compressed", "bf16-compressed", "fp8"])
+def test_a_model_from_a_peer_equals_the_disk_load(folders, servers, kind):
+    """Bit for bit; an FP8 folder's scales come along and dequantize as from disk."""
+    _, endpoints = servers
     peer = PeerCheckpoint(endpoints[kind], SECRET)
-    assert_same_parameters(load(tiny_llama, peer), load(tiny_llama))
-    raw_bytes = sum(
-        t.numel() * t.element_size() for t in map(Checkpoint.open(tiny_llama).get, peer.names())
-    )
-    if kind == "compressed":  # the planes travel as stored, smaller than the tensors
-        assert peer.bytes_received < raw_bytes
+    assert_same_parameters(load(folders[kind], peer), load(folders[kind]))
+    disk = Checkpoint.open(folders[kind])
+    stored = sum(_nbytes(disk.get(name)) for name in peer.names())
+    if "compressed" in kind:  # the planes travel as stored, smaller than the tensors
+        assert peer.bytes_received < stored
     else:
-        assert peer.bytes_received == raw_bytes
+        assert peer.bytes_received == stored
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp_rank_from_a_peer_holds_the_shard_of_the_disk_load(folders, servers, rank):
+    """Each TP rank fetches whole tensors; its weight_loaders narrow them to its shard."""
+    _, endpoints = servers
+    tp = TPGroup(rank, 2)
+    peer = PeerCheckpoint(endpoints["bf16-compressed"], SECRET)
+    on_disk = load(folders["bf16-compressed"], tp=tp)
+    assert_same_parameters(load(folders["bf16-compressed"], peer, tp=tp), on_disk)
 
 
 def test_a_pipeline_stage_reads_only_its_layers(tiny_llama, servers):
@@ -96,7 +129,7 @@ def test_a_wrong_secret_is_refused_and_the_server_serves_on(tiny_llama, servers)
     refused = server["raw"].refused
     with pytest.raises(WeightsPeerError, match="refused the secret"):
         PeerCheckpoint(endpoints["raw"], b"a guess")
-    assert server["raw"].refused == refused + 1
+    wait_until(lambda: server["raw"].refused == refused + 1, 10, "the refusal counted")
     peer = PeerCheckpoint(endpoints["raw"], SECRET)
     assert torch.equal(
         peer.get("model.norm.weight"), Checkpoint.open(tiny_llama).get("model.norm.weight")
