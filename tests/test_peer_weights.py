@@ -1,6 +1,7 @@
 """Weights from a peer (shared/peer) over a real WeightsServer on loopback: a model loaded from
-it equals the disk load parameter for parameter (raw and compressed folders, a PP stage, TP=2
-ranks each reading for themselves); a wrong secret is refused and the server serves on; the
+it equals the disk load parameter for parameter (raw float32, compressed float32 and bf16, FP8
+folders; a PP stage, TP ranks; TP=2 ranks each reading for themselves, generating as from
+disk); a wrong secret is refused and the server serves on; the
 server gives out only the files and tensors its index lists."""
 
 import shutil
