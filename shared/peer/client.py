@@ -30,6 +30,7 @@ from shared.transfer import auth
 BATCH_BYTES = 8 << 20
 WINDOW_BYTES = 1 << 30
 CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 120.0  # a peer silent this long in the middle of an answer is taken for stuck
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # as load_weights finds a tensor's layer
 
 
@@ -52,7 +53,7 @@ def connect(endpoint: str, secret: bytes) -> socket.socket:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         auth.client_handshake(sock, secret, confirm=True)
-        sock.settimeout(None)
+        sock.settimeout(READ_TIMEOUT_S)
     except BaseException:
         sock.close()
         raise
@@ -98,19 +99,28 @@ class PeerCheckpoint:
         self.source = f"weights peer {endpoint}"
         self.num_threads = num_threads
         self.bytes_received = 0
+        self._control = self._connect(secret)  # the index; tensors asked out of order
         try:
-            self._control = connect(endpoint, secret)  # index, and tensors asked out of order
             index, _ = request(self._control, {"op": "index"})
             self._names = [str(n) for n in index["tensors"]]
             self._order = {n: i for i, n in enumerate(n for n in self._names if wanted(n))}
-            stream = connect(endpoint, secret)
+            stream = self._connect(secret)
+        except BaseException as e:
+            self._control.close()
+            if isinstance(e, OSError):
+                raise WeightsPeerError(f"{self.source}: no index of its weights ({e})") from e
+            raise
+        self._stream = _Stream(self, stream, list(self._order), window_bytes)
+
+    def _connect(self, secret: bytes) -> socket.socket:
+        try:
+            return connect(self.endpoint, secret)
         except auth.SecretRefusedError:
             raise WeightsPeerError(
                 f"{self.source} refused the secret (TISON_KV_SECRET differs from its own)"
             ) from None
         except OSError as e:
-            raise WeightsPeerError(f"{self.source}: cannot read its weights ({e})") from e
-        self._stream = _Stream(self, stream, list(self._order), window_bytes)
+            raise WeightsPeerError(f"{self.source}: cannot connect ({e})") from e
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -213,7 +223,7 @@ class _Stream:
 
     def _decode(self) -> None:
         position = 0
-        while (batch := self.batches.get()) is not None:
+        while (batch := self.batches.get()) is not None and not self.closed:
             with self.cond:  # hold back while the reader has enough waiting
                 while self.ready_bytes > self.window and not self.closed:
                     self.cond.wait()
