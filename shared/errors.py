@@ -58,3 +58,8 @@ class NatsOptionsError(TisonError):
     def __init__(self, flag: str, reason: str):
         super().__init__(f"{flag}: {reason}")
         self.flag = flag
+
+
+class WeightsPeerError(TisonError):
+    """Weights from a peer failed: none serves the model, it refused the secret, or it broke
+    off. Names the model and the flag."""

@@ -5,7 +5,8 @@ of its own (services/up), and batch clients (`tison batch`) the batch role's, so
 holding one's credentials can publish and subscribe only where it must: a gateway cannot publish
 worker heartbeats or token streams, a worker cannot submit requests or cancel them, a prefill
 worker cannot read the gateways' tokens, and a worker publishes only its own heartbeats and KV
-events and hears only its own assignments (its subjects end in its worker id), and a batch
+events and hears only its own assignments (its subjects end in its worker id; workers share
+only weights_ask, where a new worker asks which of them serves its model), and a batch
 client reaches only JetStream's batch streams. Role users (PERMISSIONS) allow any id of their
 role. Every process replies to requests and receives replies on `_INBOX.>` (NATS request/reply;
 inboxes are random 22-character names). Pure.
@@ -44,10 +45,17 @@ class Permissions:
 
 def _worker(role: str, worker_id: str = "*") -> Permissions:
     """A prefill or decode worker (`worker_id`, or any of the role: *): its heartbeats,
-    assignments, KV events and snapshot asks; cancels from the gateway."""
+        assignments, KV events and snapshot asks; cancels from the gateway; asks for weights
+    from a peer (it asks and answers them)."""
     own = f"{P}.{role}.%s.{worker_id}"
-    publish = [own % "heartbeat", own % "kv_events", INBOX]
-    subscribe = [own % "assign", own % "kv_snapshot", subjects.gateway_cancel()]
+    # weights_ask both ways: a new worker asks who serves its model, a running one answers
+    publish = [own % "heartbeat", own % "kv_events", subjects.weights_ask(), INBOX]
+    subscribe = [
+        own % "assign",
+        own % "kv_snapshot",
+        subjects.gateway_cancel(),
+        subjects.weights_ask(),
+    ]
     if role == PREFILL:
         publish.append(f"{P}.decode.kv.*")  # KvReadyMsg to any decode worker
     else:

@@ -296,6 +296,26 @@ class KVSnapshotAskMsg:
     reason: str = ""  # scheduler sets (gap at which seq); logged
 
 
+@dataclass(frozen=True)
+class WeightsAskMsg:
+    """New worker → running workers (request/reply on weights_ask()): who serves this model's
+    weights? Workers serving other models stay silent; the first offer wins."""
+
+    KIND: ClassVar[str] = "weights_ask"
+    model: str  # new worker sets: its served model name; a peer answers if it serves it
+
+
+@dataclass(frozen=True)
+class WeightsOfferMsg:
+    """Running worker → the asking worker: its weights server (shared/peer/server.py)."""
+
+    KIND: ClassVar[str] = "weights_offer"
+    worker_id: str  # the peer sets; the new worker logs it
+    model: str  # the peer copies (its served model name)
+    endpoint: str  # the peer sets: host:port of its weights server (TISON_KV_SECRET auth)
+    compressed: bool = False  # the peer sets: it sends compressed planes (else raw bytes)
+
+
 Message = (
     SubmitMsg
     | SubmitReplyMsg
@@ -308,6 +328,8 @@ Message = (
     | TokensMsg
     | KVEventsMsg
     | KVSnapshotAskMsg
+    | WeightsAskMsg
+    | WeightsOfferMsg
 )
 M = TypeVar("M")
 

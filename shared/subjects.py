@@ -104,6 +104,12 @@ def kv_snapshot(role: str, worker_id: str) -> str:
     return f"{PREFIX}.{_check_role(role)}.kv_snapshot.{_check_token(worker_id, 'worker id')}"
 
 
+def weights_ask() -> str:
+    """New worker → running workers, request/reply: a peer serving a model's weights
+    (WeightsAskMsg, answered with WeightsOfferMsg)."""
+    return f"{PREFIX}.weights.ask"
+
+
 def batch_work(batch_id: str) -> str:
     """Batch client → batch runners (JetStream work stream): a batch's request lines."""
     return f"{PREFIX}.batch.work.{_check_token(batch_id, 'batch_id')}"

@@ -173,6 +173,27 @@ async def test_request_reply_works_for_every_role(server):
         await nc.close()
 
 
+async def test_a_new_worker_asks_running_workers_for_weights(server):
+    """weights_ask: a worker's own user asks, another worker's own user (any role) answers on
+    the inbox; the gateway and batch clients may not ask (a worker's weights are the
+    workers' business)."""
+    peer, new = await connect(server.url, "colocated-0"), await connect(server.url, "decode-1")
+
+    async def offer(msg) -> None:
+        await peer.publish(msg.reply, b"host:port")
+
+    await peer.subscribe(subjects.weights_ask(), cb=offer)
+    await subscribed(peer)
+    assert (await new.request(subjects.weights_ask(), b"model", timeout=2)).data == b"host:port"
+    for nc in (peer, new):
+        await nc.close()
+    got, errors = await _received(
+        server.url, "prefill-0", subjects.weights_ask(), [("gateway", "x"), ("decode-0", "y")]
+    )
+    assert got == [b"y"]
+    assert any("permissions violation" in e.lower() for e in errors), errors
+
+
 @pytest.mark.parametrize(
     "user, subject",
     [

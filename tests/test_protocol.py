@@ -27,6 +27,8 @@ from shared.protocol import (
     TokenLogprob,
     TokensMsg,
     Usage,
+    WeightsAskMsg,
+    WeightsOfferMsg,
 )
 from shared.sampling.params import SamplingParams
 from shared.sampling.structured import JSON, StructuredOutput
@@ -52,6 +54,8 @@ EXAMPLES = [
     KVEventsMsg("d1", "decode", 3, stored=(2**64 - 1, 5), evicted=(7,)),
     KVEventsMsg("d1", "decode", 0, stored=(1,), reset=True),
     KVSnapshotAskMsg("d1", reason="gap at 4"),
+    WeightsAskMsg("tiny-llama"),
+    WeightsOfferMsg("d1", "tiny-llama", "10.0.0.2:4711", compressed=True),
     SubmitMsg("r2", "gw1", (1,), SAMPLING, deadline=1.0, session_id="chat-7"),
     SubmitMsg("r3", "gw1", (1,), CONSTRAINED, deadline=1.0),
     SubmitMsg("r4", "gw1", (1,), SAMPLING, deadline=1.0, priority=protocol.BATCH),

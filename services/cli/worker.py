@@ -13,7 +13,7 @@ from services.cli.generate import (
     resolve_model,
 )
 from services.runtime import run_service
-from services.worker.config import WorkerConfig
+from services.worker.config import WEIGHTS_FROM, WorkerConfig
 from services.worker.worker import run_worker
 
 D = WorkerConfig
@@ -67,6 +67,20 @@ def register(subparsers) -> None:
             default=(),
             help="run on these cores (0-3,8), one thread per core; ranks split them",
         )
+        p.add_argument(
+            "--weights-from", choices=WEIGHTS_FROM, default=D.weights_from,
+            help="disk: the --model folder's weights; peer: a running worker's of the same "
+            "model (by served name) over TCP, authenticated with TISON_KV_SECRET; auto: disk "
+            "if the folder exists, else a peer",
+        )  # fmt: skip
+        p.add_argument(
+            "--weights-wait", type=float, default=D.weights_wait_s,
+            help="seconds to wait for a peer to announce the model (--weights-from peer)",
+        )  # fmt: skip
+        p.add_argument(
+            "--cache-dir", type=Path, default=D.cache_dir,
+            help="the small files (config, tokenizer) of a model from a peer go under it",
+        )  # fmt: skip
         add_parallel_options(p)
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=functools.partial(main, role))
@@ -104,5 +118,8 @@ def main(role: str, args: argparse.Namespace) -> int:
         ep=args.ep,
         allow_oversubscribe=args.allow_oversubscribe,
         cpus=args.cpus,
+        weights_from=args.weights_from,
+        weights_wait_s=args.weights_wait,
+        cache_dir=args.cache_dir,
     )
     return run_service(functools.partial(run_worker, config), args.log_level)

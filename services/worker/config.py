@@ -11,6 +11,8 @@ from shared import subjects
 from shared.engine.config import DEFAULT_KV_CACHE_BYTES
 
 ROLES = ("prefill", "decode", "colocated")
+WEIGHTS_FROM = ("auto", "disk", "peer")
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tison"
 # Token budget of a step. A colocated step mixes the decode rows with a prompt chunk, and every
 # stream waits for that chunk: a smaller budget bounds the stall (ITL) at some prefill speed. A
 # prefill worker's chunks of 512 let the first prompts of a burst go to decode while the rest
@@ -54,12 +56,21 @@ class WorkerConfig:
     ep: bool = False  # MoE layers: whole experts spread over the TP ranks
     allow_oversubscribe: bool = False  # more ranks than CPU cores
     cpus: tuple[int, ...] = ()  # cores of this worker's ranks (`tison up` plans them); (): any
+    # disk: model_dir's weights; peer: a running worker's of the same served model name, over
+    # its weights server (shared/peer); auto: disk if model_dir is a folder, else a peer
+    weights_from: str = "auto"
+    weights_wait_s: float = 60.0  # peer: how long to wait for a worker to announce the model
+    cache_dir: Path = DEFAULT_CACHE_DIR  # peer: the small files of a model go under it
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.kv_transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"kv_transport must be auto, shm or tcp, got {self.kv_transport!r}")
+        if self.weights_from not in WEIGHTS_FROM:
+            raise ValueError(
+                f"weights_from must be one of {WEIGHTS_FROM}, got {self.weights_from!r}"
+            )
         if self.heartbeat_s <= 0 or self.reservation_lease_s <= 0:
             raise ValueError("heartbeat_s and reservation_lease_s must be > 0")
         if not self.max_num_batched_tokens:

@@ -15,6 +15,7 @@ from services.worker.config import WorkerConfig
 from services.worker.decode import DecodeRole
 from services.worker.kv_events import KVEventsPublisher
 from services.worker.loop import EngineLoop
+from services.worker.peer_weights import Weights, WeightsAnnouncer, resolve_weights
 from services.worker.prefill import PrefillRole
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
@@ -30,9 +31,9 @@ log = logging.getLogger(__name__)
 SHM_PREFIX = "tison-kv-"
 
 
-def build_engine(config: WorkerConfig, shm_path: Path | None) -> LLMEngine:
+def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) -> LLMEngine:
     engine_config = EngineConfig(
-        model_dir=config.model_dir,
+        model_dir=weights.model_dir,
         dtype=config.dtype,
         page_size=config.page_size,
         kv_cache_bytes=config.kv_cache_bytes,
@@ -52,8 +53,9 @@ def build_engine(config: WorkerConfig, shm_path: Path | None) -> LLMEngine:
         kv_push=config.role != "decode",
         kv_transport=config.kv_transport,
         kv_secret=config.kv_secret,
+        weights_peer=weights.peer,
     )
-    eos = Tokenizer.from_dir(config.model_dir).eos_token_ids
+    eos = Tokenizer.from_dir(weights.model_dir).eos_token_ids
     return LLMEngine(engine_config, extra_eos_ids=eos)
 
 
@@ -64,13 +66,16 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     if "decode" in ids:
         remove_stale_pools(config.shm_dir)
         shm_path = config.shm_dir / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    engine = await asyncio.to_thread(build_engine, config, shm_path)
+    weights = await resolve_weights(config)
+    engine = await asyncio.to_thread(build_engine, config, shm_path, weights)
     secret = config.kv_secret.encode() or None
     roles: list = []
     loop = EngineLoop(engine, lambda outputs: _dispatch(roles, outputs))
     nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}", config.nats)
-    tcp_server = None
+    tcp_server = announcer = None
     try:
+        if secret and not weights.peer:  # weights on disk: served to new workers of the model
+            announcer = await WeightsAnnouncer.start(nc, config, weights.model_dir)
         if "decode" in ids:
             ranks = rank_pools(engine.kv_spec, engine.config.parallel, shm_path)
             if secret:
@@ -102,6 +107,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     finally:
         if tcp_server is not None:
             await tcp_server.close()
+        if announcer is not None:
+            await asyncio.to_thread(announcer.close)
         with contextlib.suppress(Exception):
             await nc.drain()
         await asyncio.to_thread(engine.close)

@@ -46,6 +46,9 @@ class EngineConfig:
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
     kv_transport: str = "auto"  # kv_push: auto | shm | tcp (shared/transfer/handoff.py)
     kv_secret: str = field(default="", repr=False)  # kv_push over TCP; never in to_json_dict
+    # host:port of a running worker's weights server (shared/peer): every rank reads its
+    # tensors from it, authenticated with kv_secret; model_dir holds the small files only
+    weights_peer: str = ""
     cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
     device: str = "cpu"  # the device of every rank's tensors (weights, KV pool, steps)
     attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | torch
@@ -82,6 +85,10 @@ class EngineConfig:
             raise InvalidRequestError("memory_bytes", "must be >= 1")
         if self.memory_reserve_bytes < 0:
             raise InvalidRequestError("memory_reserve_bytes", "must be >= 0")
+        if self.weights_peer and not self.kv_secret:
+            raise InvalidRequestError(
+                "weights_peer", "weights from a peer need the shared secret (TISON_KV_SECRET)"
+            )
         if self.kv_shm_path is not None:
             object.__setattr__(self, "kv_shm_path", Path(self.kv_shm_path))
         object.__setattr__(self, "pp_layers", self.parallel.pp_layers)  # validates the shape

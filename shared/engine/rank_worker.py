@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format=f"%(asctime)s rank{args.rank} %(message)s")
     spec = json.loads(args.spec)
-    config = EngineConfig(**spec["engine"])
+    config = EngineConfig(**spec["engine"], kv_secret=os.environ.get(SECRET_ENV, ""))
     if config.cpus:  # this rank's share of the worker's cores, one thread per core
         pin(rank_cores(config.cpus, config.parallel.world_size, args.rank))
     else:

@@ -18,6 +18,7 @@ from shared.models.loader import load_model
 from shared.parallel.group import TPGroup
 from shared.parallel.pipeline import PPStage
 from shared.parallel.shape import ParallelConfig
+from shared.peer.client import PeerCheckpoint, for_stage
 from shared.protocol import KVRankPool
 
 log = logging.getLogger(__name__)
@@ -76,11 +77,16 @@ def build_shard(
     dtype, device = config.torch_dtype(cfg.torch_dtype), config.torch_device
     attention = select_backend(device, dtype, config.attention_backend)  # once, for all layers
     start = time.perf_counter()
-    model = load_model(config.model_dir, cfg, dtype, tp, stage, device, attention)
+    weights = None
+    if config.weights_peer:  # only this stage's layers; TP ranks fetch whole tensors
+        weights = PeerCheckpoint(config.weights_peer, config.kv_secret.encode(), for_stage(stage))
+    model = load_model(config.model_dir, cfg, dtype, tp, stage, device, attention, weights)
     loaded = time.perf_counter()
+    source = f"from {weights.source}" if weights is not None else "from disk"
     log.info(
-        "rank %d: model loaded in %.2f s (attention: %s)", rank, loaded - start, attention.name
-    )
+        "rank %d: model loaded %s in %.2f s (attention: %s)",
+        rank, source, loaded - start, attention.name,
+    )  # fmt: skip
     spec = rank_kv_spec(model_kv_spec(cfg, config.page_size, dtype), config.parallel, rank)
     if num_chunk_pages is None:
         kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank), device)

@@ -29,14 +29,15 @@ def load_model(
     stage: PPStage = WHOLE_MODEL,
     device: torch.device | str = "cpu",
     attention: AttentionBackend | None = None,  # None: the model's default for the CPU
+    weights=None,  # a checkpoint to read instead of the folder's (shared/peer's PeerCheckpoint)
 ) -> nn.Module:
     """The model's parameters and buffers are made on `device`; the checkpoint's tensors are
-    copied there as they are read."""
+    copied there as they are read. `weights` is closed once loaded, as the folder's is."""
     cls = model_class(cfg.architecture)
     device = torch.device(device)
     with device:  # the default device of every tensor the layers make
         model = cls(cfg, dtype=dtype, tp=tp, stage=stage, attention=attention)
-    checkpoint = open_checkpoint(model_dir, cfg.raw)  # dequantizes quantized linears
+    checkpoint = open_checkpoint(model_dir, cfg.raw, weights)  # dequantizes quantized linears
     try:
         load_weights(model, checkpoint, stage, str(model_dir))
     finally:

@@ -10,10 +10,7 @@ so prefill and decode workers of any shapes meet over it; it counts each request
 the decode worker can tell that every prefill rank's KV arrived."""
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import os
 import socket
 import struct
 import time
@@ -23,6 +20,7 @@ import msgpack
 import torch
 
 from shared.kv.spec import KVSpec
+from shared.transfer import auth
 from shared.transfer.base import KVSender, KVTarget, LayerKV
 from shared.transfer.pools import MappedPool, write_layer
 
@@ -31,10 +29,6 @@ NAME = "tcp"
 ACK = b"\x01"
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 24
-
-
-def _answer(secret: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, nonce, hashlib.sha256).digest()
 
 
 class TcpKVServer:
@@ -73,10 +67,10 @@ class TcpKVServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            nonce = os.urandom(32)
+            nonce = auth.new_nonce()
             writer.write(nonce)
-            answer = await asyncio.wait_for(reader.readexactly(32), timeout=10)
-            if not hmac.compare_digest(answer, _answer(self.secret, nonce)):
+            reply = await asyncio.wait_for(reader.readexactly(auth.NONCE_BYTES), auth.TIMEOUT_S)
+            if not auth.accepts(self.secret, nonce, reply):
                 log.warning("KV peer %s failed authentication", writer.get_extra_info("peername"))
                 return
             while True:
@@ -132,8 +126,7 @@ class TcpSender(KVSender):
             host, port = endpoint.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = _recv_exactly(sock, 32)
-            sock.sendall(_answer(self.secret, nonce))
+            auth.client_handshake(sock, self.secret)
             self._socks[endpoint] = sock
         return self._socks[endpoint]
 
@@ -152,7 +145,7 @@ class TcpSender(KVSender):
     def finish(self, target: KVTarget) -> None:
         sock = self._send(target, {"r": target.request_id, "done": True}, None)
         try:
-            if _recv_exactly(sock, 1) != ACK:
+            if auth.recv_exactly(sock, 1) != ACK:
                 raise ConnectionError("KV peer did not acknowledge")
         except OSError:
             self._drop(target.pool.tcp)
@@ -179,13 +172,3 @@ class TcpSender(KVSender):
     def close(self) -> None:
         for endpoint in list(self._socks):
             self._drop(endpoint)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("KV peer closed the connection")
-        data += chunk
-    return data

@@ -27,11 +27,12 @@ SHAPE = ".weight_shape"  # int4: int32 [out, in]
 ZERO_POINT = ".weight_zero_point"  # asymmetric int4: refused
 
 
-def open_checkpoint(model_dir: str | Path, raw_config: dict):
-    """The folder's weights (Checkpoint.open), dequantized on read if config.json says they
-    are quantized. raw_config: config.json as a dict (ModelConfig.raw)."""
+def open_checkpoint(model_dir: str | Path, raw_config: dict, weights=None):
+    """The folder's weights (Checkpoint.open; or `weights`, a checkpoint read from elsewhere,
+    e.g. a PeerCheckpoint), dequantized on read if config.json says they are quantized.
+    raw_config: config.json as a dict (ModelConfig.raw)."""
     scheme = read_scheme(raw_config, str(Path(model_dir) / "config.json"))
-    checkpoint = Checkpoint.open(model_dir)
+    checkpoint = Checkpoint.open(model_dir) if weights is None else weights
     return checkpoint if scheme is None else QuantizedCheckpoint(checkpoint, scheme)
 
 

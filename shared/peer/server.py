@@ -1,0 +1,160 @@
+"""WeightsServer: a worker serves its model folder, read-only, to peers holding its secret.
+
+It serves only what its index lists, fixed when it starts: the folder's small files (config,
+tokenizer, generation config, chat template: every file but the weights) by their relative
+path, looked up in that list and never joined to the folder, and the checkpoint's tensors by
+name. A compressed folder (`tison compress`) sends its stored planes as they are, so the wire
+carries the compressed bytes and the receiver decodes them; a raw folder sends each tensor's
+bytes (uncompressed), with its CRC-32C. Blocking sockets on threads of their own: reading and
+sending a tensor never holds up the worker's event loop."""
+
+import logging
+import socket
+import socketserver
+import threading
+from pathlib import Path
+
+from shared.checkpoint import INDEX_FILE, Checkpoint
+from shared.codec import CompressedCheckpoint, native
+from shared.codec.container import MANIFEST, SHARD_SUFFIX
+from shared.codec.format import EncodedTensor
+from shared.codec.tensor import checksum
+from shared.peer import wire
+from shared.transfer import auth
+
+log = logging.getLogger(__name__)
+WEIGHT_SUFFIXES = (".safetensors", SHARD_SUFFIX, ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_FILES = (INDEX_FILE, MANIFEST, "pytorch_model.bin.index.json")
+MAX_FILE_BYTES = 256 << 20  # a small file larger than this is not served (a stray blob)
+
+
+def small_files(folder: Path) -> dict[str, Path]:
+    """Relative path -> file, for every file of the folder that is not weights (links to
+    files are followed: a Hugging Face snapshot links its blobs)."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        if path.name in WEIGHT_FILES or path.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if path.stat().st_size <= MAX_FILE_BYTES:
+            files[rel.as_posix()] = path
+    return files
+
+
+class FolderSource:
+    """A folder's files and stored tensors, as the server sends them."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.files = small_files(self.folder)
+        checkpoint = Checkpoint.open(self.folder)
+        self.compressed = isinstance(checkpoint, CompressedCheckpoint)
+        if self.compressed:  # planes unchecked here: the receiver's decoder checks the CRC
+            checkpoint = CompressedCheckpoint(self.folder, verify=False)
+        self.checkpoint = checkpoint
+        self.names = checkpoint.names()
+        self._known = set(self.names)
+        self._lock = threading.Lock()  # the checkpoints' lazily opened handles
+
+    def index(self) -> dict:
+        sizes = [[rel, path.stat().st_size] for rel, path in self.files.items()]
+        return {"files": sizes, "tensors": self.names, "compressed": self.compressed}
+
+    def encoded(self, name: str) -> EncodedTensor:
+        if name not in self._known:
+            raise KeyError(f"no tensor {name!r}")
+        with self._lock:
+            if self.compressed:
+                return self.checkpoint.get_encoded(name)
+            tensor = self.checkpoint.get(name)
+        return EncodedTensor(
+            name,
+            "",
+            tensor.dtype,
+            tuple(tensor.shape),
+            checksum(tensor, native.load()),
+            None,
+            tensor,
+        )
+
+
+class WeightsServer:
+    """Serves `folder` on host:port (0: any free port) to clients answering the challenge."""
+
+    def __init__(self, folder: str | Path, secret: bytes):
+        if not secret:
+            raise ValueError("a weights server needs a secret (TISON_KV_SECRET)")
+        self.source = FolderSource(folder)
+        self.secret = secret
+        self.refused = 0  # connections whose secret was wrong
+        self.bytes_sent = 0
+        self._server: socketserver.ThreadingTCPServer | None = None
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listens; returns the address peers should dial (host:port)."""
+        server = socketserver.ThreadingTCPServer((host, port), self._handler(), False)
+        server.daemon_threads = True
+        server.allow_reuse_address = True
+        server.server_bind()
+        server.server_activate()
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="weights-server", daemon=True).start()
+        bound = server.server_address
+        if bound[0] in ("0.0.0.0", "::"):  # listening everywhere: advertise a routable address
+            return f"{socket.gethostbyname(socket.gethostname())}:{bound[1]}"
+        return f"{bound[0]}:{bound[1]}"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _handler(self):
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer._serve(self.request)
+
+        return Handler
+
+    def _serve(self, sock: socket.socket) -> None:
+        peer = sock.getpeername()
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not auth.server_handshake(sock, self.secret, confirm=True):
+                self.refused += 1
+                log.warning("weights peer %s failed authentication", peer)
+                return
+            while True:
+                header, _ = wire.recv_frame(sock)
+                self._answer(sock, header)
+        except (ConnectionError, TimeoutError, OSError):
+            pass  # the peer went away
+        except Exception as e:  # a bad request ends this connection, never the worker
+            log.warning("weights peer %s: %s", peer, e)
+            try:
+                wire.send_frame(sock, {"error": str(e)})
+            except OSError:
+                pass
+
+    def _answer(self, sock: socket.socket, header: dict) -> None:
+        op = header.get("op")
+        if op == "index":
+            wire.send_frame(sock, self.source.index())
+        elif op == "file":
+            path = self.source.files.get(str(header.get("path")))
+            if path is None:
+                raise KeyError(f"no file {header.get('path')!r} in the served folder")
+            data = path.read_bytes()
+            wire.send_frame(sock, {"path": header["path"]}, [data])
+            self.bytes_sent += len(data)
+        elif op == "tensors":
+            for name in header.get("names", []):
+                frame, parts = wire.tensor_frame(self.source.encoded(str(name)))
+                wire.send_frame(sock, frame, parts)
+                self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
+        else:
+            raise ValueError(f"unknown request {op!r}")

@@ -1,0 +1,177 @@
+"""Weights from a peer (shared/peer) over a real WeightsServer on loopback: a model loaded from
+it equals the disk load parameter for parameter (raw float32, compressed float32 and bf16, FP8
+folders; a PP stage, TP ranks; TP=2 ranks each reading for themselves, generating as from
+disk); a wrong secret is refused and the server serves on; the
+server gives out only the files and tensors its index lists."""
+
+import shutil
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.checkpoint import Checkpoint
+from shared.codec.folder import compress_dir
+from shared.engine.llm import LLM
+from shared.errors import ModelFolderError, WeightsPeerError
+from shared.models.config import ModelConfig
+from shared.models.loader import load_model
+from shared.parallel.group import SINGLE, TPGroup
+from shared.parallel.pipeline import WHOLE_MODEL, PPStage
+from shared.peer import wire
+from shared.peer.client import PeerCheckpoint, connect, fetch_files, for_stage, request
+from shared.peer.server import WeightsServer
+from shared.sampling.params import SamplingParams
+
+from quant_helpers import quantize_fp8
+from waiting import wait_until
+
+SECRET = b"peer-secret"
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_llama, tmp_path_factory):
+    """raw (float32), compressed, a bf16 copy compressed (what checkpoints mostly are), FP8."""
+    out = tmp_path_factory.mktemp("peer")
+    compress_dir(tiny_llama, out / "compressed")
+    bf16 = out / "bf16"
+    shutil.copytree(tiny_llama, bf16, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(tiny_llama / "model.safetensors")
+    save_file({n: t.to(torch.bfloat16) for n, t in tensors.items()}, bf16 / "model.safetensors")
+    compress_dir(bf16, out / "bf16-compressed")
+    quantize_fp8(tiny_llama, out / "fp8", block=(16, 16))
+    return {
+        "raw": tiny_llama,
+        "compressed": out / "compressed",
+        "bf16-compressed": out / "bf16-compressed",
+        "fp8": out / "fp8",
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(folders):
+    started = {kind: WeightsServer(path, SECRET) for kind, path in folders.items()}
+    endpoints = {kind: s.start() for kind, s in started.items()}
+    yield started, endpoints
+    for s in started.values():
+        s.close()
+
+
+def load(model_dir, weights=None, stage=WHOLE_MODEL, tp=SINGLE):
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype = torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float32
+    return load_model(model_dir, cfg, dtype, tp, stage, weights=weights)
+
+
+def assert_same_parameters(a, b) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name, p in pa.items():
+        assert p.dtype == pb[name].dtype and torch.equal(p, pb[name]), name
+
+
+@pytest.mark.parametrize("kind", ["raw", "compressed", "bf16-compressed", "fp8"])
+def test_a_model_from_a_peer_equals_the_disk_load(folders, servers, kind):
+    """Bit for bit; an FP8 folder's scales come along and dequantize as from disk."""
+    _, endpoints = servers
+    peer = PeerCheckpoint(endpoints[kind], SECRET)
+    assert_same_parameters(load(folders[kind], peer), load(folders[kind]))
+    disk = Checkpoint.open(folders[kind])
+    stored = sum(_nbytes(disk.get(name)) for name in peer.names())
+    if "compressed" in kind:  # the planes travel as stored, smaller than the tensors
+        assert peer.bytes_received < stored
+    else:
+        assert peer.bytes_received == stored
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp_rank_from_a_peer_holds_the_shard_of_the_disk_load(folders, servers, rank):
+    """Each TP rank fetches whole tensors; its weight_loaders narrow them to its shard."""
+    _, endpoints = servers
+    tp = TPGroup(rank, 2)
+    peer = PeerCheckpoint(endpoints["bf16-compressed"], SECRET)
+    on_disk = load(folders["bf16-compressed"], tp=tp)
+    assert_same_parameters(load(folders["bf16-compressed"], peer, tp=tp), on_disk)
+
+
+def test_a_pipeline_stage_reads_only_its_layers(tiny_llama, servers):
+    _, endpoints = servers
+    stage = PPStage(rank=1, size=2, start_layer=1, end_layer=None)
+    peer = PeerCheckpoint(endpoints["compressed"], SECRET, for_stage(stage))
+    assert_same_parameters(load(tiny_llama, peer, stage), load(tiny_llama, stage=stage))
+    whole = PeerCheckpoint(endpoints["compressed"], SECRET)
+    whole.get_many(whole.names())
+    assert 0 < peer.bytes_received < whole.bytes_received
+    whole.close()
+
+
+def test_two_tp_ranks_read_from_the_peer_and_generate_as_from_disk(tiny_llama, servers, tmp_path):
+    """Rank 0 and its rank process each open their own PeerCheckpoint (EngineConfig.weights_peer,
+    the secret through the environment); model_dir holds the fetched small files only."""
+    _, endpoints = servers
+    fetched = fetch_files(endpoints["compressed"], SECRET, tmp_path / "cache")
+    assert "config.json" in fetched and "tokenizer.json" in fetched
+    assert not list((tmp_path / "cache").glob("*.safetensors"))
+    prompts, greedy = ["def fibonacci(n):", "The quick brown fox"], SamplingParams(max_tokens=12)
+    with LLM(tiny_llama, dtype="float32") as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, greedy)]
+    options = dict(tp=2, allow_oversubscribe=True, kv_secret=SECRET.decode())
+    with LLM(tmp_path / "cache", "float32", weights_peer=endpoints["compressed"], **options) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+
+
+def test_a_wrong_secret_is_refused_and_the_server_serves_on(tiny_llama, servers):
+    server, endpoints = servers
+    refused = server["raw"].refused
+    with pytest.raises(WeightsPeerError, match="refused the secret"):
+        PeerCheckpoint(endpoints["raw"], b"a guess")
+    wait_until(lambda: server["raw"].refused == refused + 1, 10, "the refusal counted")
+    peer = PeerCheckpoint(endpoints["raw"], SECRET)
+    assert torch.equal(
+        peer.get("model.norm.weight"), Checkpoint.open(tiny_llama).get("model.norm.weight")
+    )
+    peer.close()
+
+
+@pytest.mark.parametrize(
+    "path", ["../config.json", "/etc/passwd", "model.safetensors", "", "tokenizer.json/.."]
+)
+def test_only_the_listed_small_files_are_served(servers, path):
+    _, endpoints = servers
+    with connect(endpoints["raw"], SECRET) as sock:
+        index, _ = request(sock, {"op": "index"})
+        assert "config.json" in [f for f, _ in index["files"]]
+        assert not any(f.endswith(".safetensors") for f, _ in index["files"])
+        with pytest.raises(wire.PeerError, match="no file"):
+            request(sock, {"op": "file", "path": path})
+    with connect(endpoints["raw"], SECRET) as sock:  # a new connection is served
+        header, data = request(sock, {"op": "file", "path": "config.json"})
+        assert b"hidden_size" in data
+
+
+def test_an_unknown_tensor_or_request_is_refused(servers):
+    _, endpoints = servers
+    peer = PeerCheckpoint(endpoints["compressed"], SECRET)
+    with pytest.raises(ModelFolderError, match="no tensor"):
+        peer.get("../../etc/passwd")
+    peer.close()
+    with connect(endpoints["compressed"], SECRET) as sock:
+        with pytest.raises(wire.PeerError, match="unknown request"):
+            request(sock, {"op": "read", "path": "/etc/passwd"})
+
+
+def test_garbage_before_the_handshake_is_dropped(servers):
+    server, endpoints = servers
+    host, port = endpoints["raw"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.recv(32)
+        sock.sendall(b"\xff" * 64)
+        assert sock.recv(1) == b"\x00"  # refused
+    peer = PeerCheckpoint(endpoints["raw"], SECRET)
+    assert len(peer.names()) > 0
+    peer.close()
