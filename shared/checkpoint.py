@@ -90,7 +90,7 @@ class Checkpoint:
                 path = self._files[name]
                 where = stored[path][name]
                 return as_stored(
-                    pread_tensor(fds[path], where, limit, f"{path}"), where, path, name
+                    pread_tensor(fds[path], where, limit, path, name), where, path, name
                 )
 
             yield from pipelined([(n, size, size) for _, _, n, size in jobs], read, list)

@@ -98,8 +98,10 @@ class ReadLimit:
             time.sleep(due - now)
 
 
-def pread_tensor(fd: int, where: StoredTensor, limit: ReadLimit, what: str) -> torch.Tensor:
-    """The tensor's bytes read from the open file `fd` into a new uint8 tensor."""
+def pread_tensor(
+    fd: int, where: StoredTensor, limit: ReadLimit, path: Path, name: str
+) -> torch.Tensor:
+    """The bytes of tensor `name` read from `fd` (the open file `path`) into a uint8 tensor."""
     out = torch.empty(where.nbytes, dtype=torch.uint8)
     view = memoryview(out.numpy()) if where.nbytes else memoryview(b"")
     done = 0
@@ -108,9 +110,8 @@ def pread_tensor(fd: int, where: StoredTensor, limit: ReadLimit, what: str) -> t
         limit.wait(n)
         got = os.preadv(fd, [view[done : done + n]], where.start + done)
         if got <= 0:
-            raise ModelFolderError(
-                what, f"truncated ({done + max(got, 0)} of {where.nbytes} bytes)"
-            )
+            problem = f"truncated ({done} of its {where.nbytes} bytes in the file)"
+            raise ModelFolderError(str(path), f"tensor {name!r}: {problem}")
         done += got
     return out
 

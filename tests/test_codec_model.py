@@ -168,3 +168,18 @@ def test_a_read_limit_slows_the_reads(monkeypatch, folders):
     start = time.monotonic()
     assert len(list(checkpoint.tensors(checkpoint.names()))) == len(checkpoint.names())
     assert time.monotonic() - start > 0.2
+
+
+def test_a_raw_file_cut_short_fails_naming_file_and_tensor(folders, tmp_path):
+    plain, _ = folders["bfloat16"]
+    weights = tmp_path / "model.safetensors"
+    shutil.copy(plain / "model.safetensors", weights)
+    name, where = max(read_header(weights).items(), key=lambda item: item[1].start)
+    checkpoint = Checkpoint({name: weights})
+    before = set(threading.enumerate())
+    with open(weights, "r+b") as f:  # cut after the checkpoint was opened (and checked)
+        f.truncate(where.start + 2)
+    with pytest.raises(ModelFolderError) as e:
+        list(checkpoint.tensors([name]))
+    assert str(weights) in str(e.value) and name in str(e.value) and "truncated" in str(e.value)
+    assert set(threading.enumerate()) <= before

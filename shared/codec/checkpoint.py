@@ -77,7 +77,7 @@ class CompressedCheckpoint:
                 reader = readers[name]
                 path, header = reader.path, stored[reader.path]
                 planes = {
-                    part: as_stored(pread_tensor(fds[path], header[part], limit, str(path)),
+                    part: as_stored(pread_tensor(fds[path], header[part], limit, path, part),
                                     header[part], path, part)
                     for part in parts[name]
                 }  # fmt: skip
