@@ -83,7 +83,7 @@ from shared.engine.engine import LLMEngine
 from shared.sampling.params import SamplingParams
 torch.set_num_threads(int(sys.argv[2]))
 config = EngineConfig(model_dir=sys.argv[1], dtype="bfloat16", kv_cache_bytes=64 << 20,
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, **json.loads(sys.argv[4]))
 engine = LLMEngine(config)
 ready = time.time()
 engine.add_request("r", list(range(1, 17)), SamplingParams(temperature=0, max_tokens=1,
@@ -196,8 +196,13 @@ def decode_gbps(folder: Path, threads: int) -> tuple[float, float]:
     return out_bytes / (time.perf_counter() - start) / 1e9, stored / out_bytes
 
 
-def run_child(code: str, folder: Path, threads: int, env: dict) -> dict:
+def run_child(
+    code: str, folder: Path, threads: int, env: dict, options: dict | None = None
+) -> dict:
+    """Runs `code` in a fresh process on `folder` (options: the TTFT child's EngineConfig
+    fields beyond the defaults); the JSON line it prints."""
     args = [sys.executable, "-c", code, str(folder), str(threads), repr(time.time())]
+    args.append(json.dumps(options or {}))
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{folder}: child failed:\n{done.stderr[-3000:]}")
@@ -208,10 +213,13 @@ def spread(values: list[float]) -> dict:
     return dict(median=statistics.median(values), min=min(values), max=max(values))
 
 
-def ttft_sides(folders: dict[str, Path]) -> dict[str, Path]:
-    """Where a fresh engine gets its weights: disk raw, disk compressed. A peer side (a
-    running worker serving them, `--weights-from peer`) goes here once workers have it."""
-    return {"disk-raw": folders["raw"], "disk-compressed": folders["compressed"]}
+def ttft_sides(folders: dict[str, Path]) -> dict[str, tuple[Path, dict]]:
+    """Where a fresh engine gets its weights: side -> (its model folder, EngineConfig fields).
+    A peer side goes here once workers serve their weights: a weights server over
+    folders["compressed"] started by main() for the whole run, and ("peer", (folder,
+    {"weights_peer": its endpoint, "kv_secret": ...})); evict() then drops the server's files
+    before each round, as for the disk sides."""
+    return {"disk-raw": (folders["raw"], {}), "disk-compressed": (folders["compressed"], {})}
 
 
 def measure(folders: dict[str, Path], rounds: int, threads: int, env: dict) -> dict:
@@ -224,9 +232,9 @@ def measure(folders: dict[str, Path], rounds: int, threads: int, env: dict) -> d
                 (evict if cache == "cold" else warm)(folders[fmt])
                 loads[(fmt, cache)].append(run_child(_LOAD, folders[fmt], threads, env))
         for side in round_order(list(ttft), r):
-            folder = ttft_sides(folders)[side]
+            folder, options = ttft_sides(folders)[side]
             evict(folder)
-            ttft[side].append(run_child(_TTFT, folder, threads, env))
+            ttft[side].append(run_child(_TTFT, folder, threads, env, options))
         print(f"round {r + 1} of {rounds} done", file=sys.stderr)
     tokens = {run["token"] for runs in ttft.values() for run in runs}
     if len(tokens) != 1:
