@@ -183,3 +183,19 @@ def test_a_raw_file_cut_short_fails_naming_file_and_tensor(folders, tmp_path):
         list(checkpoint.tensors([name]))
     assert str(weights) in str(e.value) and name in str(e.value) and "truncated" in str(e.value)
     assert set(threading.enumerate()) <= before
+
+
+def test_a_pp_stage_reads_only_its_layers_tensors(folders, monkeypatch):
+    _, packed = folders["bfloat16"]
+    asked = []
+    tensors = CompressedCheckpoint.tensors
+
+    def spy(self, names, whole=True):
+        asked.extend(names)
+        return tensors(self, names, whole)
+
+    monkeypatch.setattr(CompressedCheckpoint, "tensors", spy)
+    stage = PPStage(rank=1, size=2, start_layer=2, end_layer=4)
+    load_model(packed, ModelConfig.from_dir(packed), torch.bfloat16, TPGroup(), stage)
+    layers = {int(n.split(".")[2]) for n in asked if n.startswith("model.layers.")}
+    assert layers == {2, 3} and "model.norm.weight" in asked
