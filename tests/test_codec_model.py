@@ -199,3 +199,12 @@ def test_a_pp_stage_reads_only_its_layers_tensors(folders, monkeypatch):
     load_model(packed, ModelConfig.from_dir(packed), torch.bfloat16, TPGroup(), stage)
     layers = {int(n.split(".")[2]) for n in asked if n.startswith("model.layers.")}
     assert layers == {2, 3} and "model.norm.weight" in asked
+
+
+def test_the_pipeline_module_imports_first():
+    import subprocess
+    import sys
+
+    code = "import shared.readahead, shared.codec.checkpoint"  # no import cycle between them
+    root = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={"PYTHONPATH": root})

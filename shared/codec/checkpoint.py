@@ -11,7 +11,6 @@ from shared.codec.container import MANIFEST, ShardReader, read_manifest
 from shared.codec.format import EncodedTensor
 from shared.codec.tensor import check_stored, decode_tensor, decode_tensors, full_lengths
 from shared.errors import ModelFolderError
-from shared.readahead import ReadLimit, as_stored, open_fd, pipelined, pread_tensor, read_header
 
 
 def is_compressed_dir(path: str | Path) -> bool:
@@ -57,6 +56,17 @@ class CompressedCheckpoint:
         the planes in file order, a bounded number of bytes ahead; batches of them decode on
         all threads while the caller places the batch before. Every tensor is decoded whole
         (a TP rank narrows it), so `whole` is ignored."""
+        # here, not at the top: shared.readahead reads shared.codec.format, whose package
+        # imports this module
+        from shared.readahead import (
+            ReadLimit,
+            as_stored,
+            open_fd,
+            pipelined,
+            pread_tensor,
+            read_header,
+        )
+
         readers = {name: self._reader(name) for name in names}
         stored = {r.path: read_header(r.path) for r in set(readers.values())}
         jobs, parts = [], {}
