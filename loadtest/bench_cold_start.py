@@ -23,7 +23,8 @@ for slower storage, and the table says so.
 Rounds are paired and interleaved (raw, compressed; then compressed, raw; ...), so the
 machine's drift falls on both; figures are medians with their range, ratios are the median of
 the per-round ratios. "weights" is load_weights alone (read, decode, place); "load" adds
-building the model and repacking its linears for the CPU kernels; "TTFT" runs from the
+building the model and repacking its linears for the CPU kernels; "peak_rss_mb" is the loading
+process's peak resident memory (torch, the model, what the load held at once); "TTFT" runs from the
 process's start to the first token of a 1-token generation, and both sides must produce the
 same token.
 
@@ -70,6 +71,9 @@ imported = time.time()
 start = time.perf_counter()
 loader.load_model(sys.argv[1], ModelConfig.from_dir(sys.argv[1]), torch.bfloat16)
 took.update(load_s=time.perf_counter() - start, imports_s=imported - spawned)
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork + exec (the parent's peak)
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+took["peak_rss_mb"] = int(status["VmHWM"].split()[0]) / 1024
 print(json.dumps(took))
 """
 
@@ -242,7 +246,7 @@ def measure(folders: dict[str, Path], rounds: int, threads: int, env: dict) -> d
     result = {}
     for cache in ("cold", "warm"):
         raw, packed = loads[("raw", cache)], loads[("compressed", cache)]
-        for key in ("weights_s", "load_s"):
+        for key in ("weights_s", "load_s", "peak_rss_mb"):
             result[f"{cache} {key}"] = {
                 "raw": spread([x[key] for x in raw]),
                 "compressed": spread([x[key] for x in packed]),
@@ -263,7 +267,7 @@ def table(name: str, info: dict, m: dict) -> str:
         f"storage {info['cold_read_gbps']:.2f} GB/s cold ({info['resident_after_evict']:.0%} "
         f"resident after evicting), {info['warm_read_gbps']:.2f} GB/s warm; decode "
         f"{info['decode_gbps']:.2f} GB/s; read limit {info['read_limit']}",
-        "| measure | raw s | compressed s | compressed / raw |",
+        "| measure | raw | compressed | compressed / raw |",
         "|---|---|---|---|",
     ]
     for key, v in m.items():
