@@ -3,12 +3,16 @@ system C compiler into a cache folder, keyed by a hash of the sources and flags,
 rebuilds and concurrent builders never see a partial file."""
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def build_library(
@@ -21,7 +25,10 @@ def build_library(
         digest.update(path.read_bytes())
     target = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
     if not target.exists():
+        start = time.perf_counter()
         _compile(target, sources, flags)
+        took = time.perf_counter() - start  # start-up accounting (services/up/startup_log.py)
+        log.info("built %s in %.2f s (cached in %s)", name, took, target.parent)
     return target
 
 

@@ -12,7 +12,6 @@ none); "took" is the duration the line itself reports (imports, model load, KV p
 import argparse
 import json
 import os
-import re
 import resource
 import signal
 import statistics
@@ -20,57 +19,32 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from loadtest.scenarios.cluster import REPO_ROOT, free_port
+from services.up.startup_log import READY, StartupPhases
 from shared.proc import die_with_parent, stop_processes
-
-READY = "Tison is serving"
-# "[child] 2026-12-01 11:58:36,904 INFO logger: message", or up's own line without "[child] "
-LINE = re.compile(
-    r"^(?:\[(?P<child>[\w-]+)\] )?(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?P<msg>.*)$"
-)
-# (phase, pattern on the message); a "took" group is the duration the line reports
-PHASES = [
-    ("spawned", re.compile(r"tison\.up: started (?P<name>[\w-]+) \(pid")),
-    ("imports done", re.compile(r"process started (?P<took>[\d.]+) s ago")),
-    ("model loaded", re.compile(r"rank 0: model loaded in (?P<took>[\d.]+) s")),
-    ("KV pool", re.compile(r"rank 0: KV pool of \d+ pages \(\d+ MiB\) in (?P<took>[\d.]+) s")),
-    ("serving", re.compile(r"(worker \S+ serving|gateway \S+ serving|scheduler up on)")),
-    ("saw prefill", re.compile(r"prefill worker \S+ joined")),
-    ("saw decode", re.compile(r"decode worker \S+ joined")),
-]
 
 
 @dataclass
 class Run:
     ready_s: float | None = None  # launch → READY (None: not ready before the timeout)
     cpu_s: float = 0.0  # CPU seconds of the whole process tree, launch to stopped
-    at: dict[tuple[str, str], float] = field(default_factory=dict)  # (child, phase) → s
-    took: dict[tuple[str, str], float] = field(default_factory=dict)  # (child, phase) → s
+    phases: StartupPhases = field(default_factory=StartupPhases)
     lines: list[str] = field(default_factory=list)
+
+    @property
+    def at(self) -> dict[tuple[str, str], float]:  # (child, phase) → s since launch
+        return self.phases.at
+
+    @property
+    def took(self) -> dict[tuple[str, str], float]:  # (child, phase) → s
+        return self.phases.took
 
 
 def record(run: Run, line: str, launched: float, arrived_s: float) -> None:
-    """Adds the phase this output line marks (if any) to the run."""
-    m = LINE.match(line)
-    if m is None:
-        return
-    stamp = datetime.strptime(m["ts"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    at_s = stamp - launched
-    if not -1 < at_s < arrived_s + 1:  # not this machine's local clock: when it arrived
-        at_s = arrived_s
-    for phase, pattern in PHASES:
-        found = pattern.search(m["msg"])
-        if found is None:
-            continue
-        child = found.groupdict().get("name") or m["child"] or "up"
-        key = (child, phase)
-        run.at.setdefault(key, at_s)  # a child's first such line (rank 0 of a worker)
-        if found.groupdict().get("took"):
-            run.took.setdefault(key, float(found["took"]))
-        return
+    """Adds the phase this output line marks (if any) to the run (services/up/startup_log)."""
+    run.phases.record(line, launched, arrived_s)
 
 
 def start_up(model: str | None, port: int) -> subprocess.Popen:

@@ -2,6 +2,8 @@
 folder. Tensors are memory-mapped; a rank can read only the slice it owns."""
 
 import json
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -9,6 +11,7 @@ from safetensors import safe_open
 
 from shared.codec.format import DTYPES_BY_NAME
 from shared.errors import ModelFolderError
+from shared.readahead import ReadLimit, as_stored, open_fd, pipelined, pread_tensor, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -61,6 +64,37 @@ class Checkpoint:
         path = self._files[name]
         handle = self._handles.get(path) or self._handles.setdefault(path, _open(path))
         return TensorSlice(handle.get_slice(name), f"{path}: tensor {name!r}")
+
+    def tensors(self, names: list[str], whole: bool = True) -> Iterator[tuple[str, object]]:
+        """(name, tensor) of each name, in file order. whole: each tensor read whole by a
+        reader thread, a bounded number of bytes ahead of the caller (pipelined in
+        shared/readahead.py); else (a TP rank needs only its part) lazy TensorSlices."""
+        if not whole:
+            yield from ((name, self.get_slice(name)) for name in names)
+            return
+        paths = sorted({self._files[name] for name in names})
+        stored = {path: read_header(path) for path in paths}
+        lazy, jobs = [], []
+        for name in names:
+            where = stored[self._files[name]].get(name)
+            if where is None or where.dtype not in DTYPES_BY_NAME:
+                lazy.append(name)  # a dtype torch lacks (or not found): the lazy path says why
+            else:
+                jobs.append((self._files[name], where.start, name, where.nbytes))
+        jobs.sort()
+        limit = ReadLimit.from_env()
+        with ExitStack() as files:
+            fds = {path: open_fd(path, files) for path in paths}
+
+            def read(name: str) -> torch.Tensor:
+                path = self._files[name]
+                where = stored[path][name]
+                return as_stored(
+                    pread_tensor(fds[path], where, limit, path, name), where, path, name
+                )
+
+            yield from pipelined([(n, size, size) for _, _, n, size in jobs], read, list)
+        yield from ((name, self.get_slice(name)) for name in lazy)
 
     def close(self) -> None:
         self._handles.clear()

@@ -19,10 +19,12 @@ from services.scheduler import routing
 from services.up.identities import NatsIdentities, write_batch_password
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
+from services.up.startup_log import PhaseLogHandler, StartupPhases, summary
 from services.up.supervisor import StartupFailure, Supervisor, child_env
 from shared.errors import ModelFolderError, TisonError, UnsupportedArchitectureError
 from shared.models.registry import supported_architectures
 from shared.nats_server import NatsServer, ServerTls
+from shared.proc import process_age_s
 from shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("tison.up")
@@ -105,6 +107,9 @@ def register(subparsers) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    launched = time.time() - (process_age_s() or 0.0)  # the ready time counts our imports too
+    phases = StartupPhases()
+    log.addHandler(PhaseLogHandler(phases, launched))
     try:
         cfg = UpConfig(
             model_dir=Path(resolve_model(args.model)),
@@ -144,7 +149,9 @@ def main(args: argparse.Namespace) -> int:
             identities = NatsIdentities(specs)
             state = args.state_dir or Path(tmp) / "nats"
             nats = NatsServer(state, cores=where.services, users=identities.users(), tls=tls)
+            started = time.perf_counter()
             identities.server = nats.start()
+            log.info("nats-server started in %.2f s", time.perf_counter() - started)
             secret = write_batch_password(identities, state)
             log.info(
                 "batch clients: tison batch submit FILE.jsonl --nats-url %s --nats-user batch "
@@ -155,10 +162,15 @@ def main(args: argparse.Namespace) -> int:
         env = child_env(secrets.token_hex(16))
         if tls is not None:  # the services trust the server's certificate
             env[TLS_ENV["ca"]] = str(args.nats_tls_ca or tls.cert)
-        supervisor = Supervisor(specs, cfg.nats_url or nats.url, env, identities=identities)
+
+        def on_line(child: str, line: str) -> None:
+            phases.record(f"[{child}] {line}", launched, time.time() - launched)
+
+        url = cfg.nats_url or nats.url
+        supervisor = Supervisor(specs, url, env, identities=identities, on_line=on_line)
         try:
             supervisor.start_all()
-            return _serve(cfg, supervisor, nats, stop, args.ready_timeout)
+            return _serve(cfg, supervisor, nats, stop, args.ready_timeout, (phases, launched))
         except StartupFailure as e:
             print(f"tison up: {e}", file=sys.stderr)
             return 2
@@ -215,7 +227,12 @@ def _shapes(args: argparse.Namespace) -> dict:
 
 
 def _serve(
-    cfg: UpConfig, supervisor: Supervisor, nats: NatsServer | None, stop: list, ready_timeout: float
+    cfg: UpConfig,
+    supervisor: Supervisor,
+    nats: NatsServer | None,
+    stop: list,
+    ready_timeout: float,
+    startup: tuple[StartupPhases, float],  # (the phases seen, time.time() at launch)
 ) -> int:
     """Until stopped: restarts dead children and the nats-server it started (same port)."""
     url = f"http://{cfg.host}:{cfg.port}"
@@ -231,6 +248,8 @@ def _serve(
         if not ready and _healthy(url):
             ready = True
             print(f"Tison is serving {cfg.model_dir.name} at {url}/v1 (Ctrl-C to stop)", flush=True)
+            for line in summary(startup[0], time.time() - startup[1]):
+                log.info("%s", line)
         elif not ready and time.monotonic() > deadline:
             log.error("not healthy after %.0f s", ready_timeout)
             return 1

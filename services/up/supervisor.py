@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.up.identities import NatsIdentities
@@ -43,8 +44,10 @@ class Supervisor:
         env: dict[str, str],
         policy: RestartPolicy | None = None,
         identities: NatsIdentities | None = None,  # on tison up's own nats-server
+        on_line: Callable[[str, str], None] | None = None,  # (child, line) of its output
     ):
         self.specs, self.nats_url, self.env = specs, nats_url, env
+        self.on_line = on_line
         self.identities = identities
         self.policy = policy or RestartPolicy()
         self.children: dict[str, Child] = {}
@@ -69,7 +72,8 @@ class Supervisor:
             spec, proc, time.monotonic(), failed_with=before.failed_with if before else ""
         )
         self.children[spec.name] = child
-        threading.Thread(target=_forward, args=(child, proc.stdout), daemon=True).start()
+        forward = (child, proc.stdout, self.on_line)
+        threading.Thread(target=_forward, args=forward, daemon=True).start()
         log.info("started %s (pid %d)", spec.name, proc.pid)
 
     def poll(self) -> None:
@@ -106,12 +110,15 @@ class Supervisor:
         return {name: c.proc.pid for name, c in self.children.items() if c.proc.poll() is None}
 
 
-def _forward(child: Child, stream) -> None:
-    """The child's output on our stderr, each line prefixed with its name; keeps its newest
-    ERROR line (logging's "<time> ERROR <logger>: <message>") for StartupFailure."""
+def _forward(child: Child, stream, on_line) -> None:
+    """The child's output on our stderr, each line prefixed with its name (and to on_line);
+    keeps its newest ERROR line (logging's "<time> ERROR <logger>: <message>") for
+    StartupFailure."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         sys.stderr.write(f"[{child.spec.name}] {line}")
+        if on_line is not None:
+            on_line(child.spec.name, line.rstrip("\n"))
         if " ERROR " in line:
             child.last_error = line.split(" ERROR ", 1)[1].split(": ", 1)[-1].strip()
     stream.close()

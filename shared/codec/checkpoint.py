@@ -1,6 +1,8 @@
 """A compressed model folder read like a plain one: names() and get(name) as in
 shared/checkpoint.py's Checkpoint, decoding each tensor when asked for it."""
 
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -48,6 +50,53 @@ class CompressedCheckpoint:
         decoder's threads instead of one after another."""
         encoded = [self._reader(name).encoded(name) for name in names]
         return decode_tensors(encoded, num_threads=self.num_threads, verify=self.verify)
+
+    def tensors(self, names: list[str], whole: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each name, pipelined (shared/readahead.py): a reader thread reads
+        the planes in file order, a bounded number of bytes ahead; batches of them decode on
+        all threads while the caller places the batch before. Every tensor is decoded whole
+        (a TP rank narrows it), so `whole` is ignored."""
+        # here, not at the top: shared.readahead reads shared.codec.format, whose package
+        # imports this module
+        from shared.readahead import (
+            ReadLimit,
+            as_stored,
+            open_fd,
+            pipelined,
+            pread_tensor,
+            read_header,
+        )
+
+        readers = {name: self._reader(name) for name in names}
+        stored = {r.path: read_header(r.path) for r in set(readers.values())}
+        jobs, parts = [], {}
+        for name, reader in readers.items():
+            parts[name], decoded = reader.stored_names(name)
+            where = [stored[reader.path].get(part) for part in parts[name]]
+            if None in where:
+                missing = parts[name][where.index(None)]
+                raise ModelFolderError(str(reader.path), f"tensor {name!r}: no {missing!r}")
+            read_bytes = sum(w.nbytes for w in where)
+            jobs.append((str(reader.path), where[0].start, name, read_bytes, decoded))
+        jobs.sort()
+        limit = ReadLimit.from_env()
+        with ExitStack() as files:
+            fds = {path: open_fd(path, files) for path in stored}
+
+            def read(name: str) -> EncodedTensor:
+                reader = readers[name]
+                path, header = reader.path, stored[reader.path]
+                planes = {
+                    part: as_stored(pread_tensor(fds[path], header[part], limit, path, part),
+                                    header[part], path, part)
+                    for part in parts[name]
+                }  # fmt: skip
+                return reader.encoded(name, planes)
+
+            def decode(batch: list[EncodedTensor]) -> list[torch.Tensor]:
+                return decode_tensors(batch, num_threads=self.num_threads, verify=self.verify)
+
+            yield from pipelined([(n, r, d) for _, _, n, r, d in jobs], read, decode)
 
     def get_encoded(self, name: str) -> EncodedTensor:
         """The tensor still compressed (planes on the CPU, checked for size, a valid code

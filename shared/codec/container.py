@@ -77,18 +77,38 @@ class ShardReader:
         self._entries: dict[str, dict] = {}
         self.original_metadata: dict | None = None
 
-    def encoded(self, name: str) -> EncodedTensor:
-        """The stored form of tensor `name` (planes or raw data, on the CPU)."""
-        self._open(name)
-        entry = self._entries.get(name)
-        if not isinstance(entry, dict):
-            raise self._error(name, "not in this file")
+    def encoded(self, name: str, stored: dict[str, torch.Tensor] | None = None) -> EncodedTensor:
+        """The stored form of tensor `name` (planes or raw data, on the CPU), from the file
+        or from `stored` (the file's tensors stored_names(name), read by the caller)."""
+        entry = self._entry(name)
+        get = self._handle.get_tensor if stored is None else stored.__getitem__
         try:
-            return self._build(name, entry)
+            return self._build(name, entry, get)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise self._error(name, f"invalid entry or planes ({e})") from e
         except Exception as e:  # safetensors' own error types on truncated data
             raise self._error(name, f"unreadable ({e})") from e
+
+    def stored_names(self, name: str) -> tuple[list[str], int]:
+        """(the file's tensors that hold tensor `name`: itself if raw, else its planes; the
+        bytes it decodes to)."""
+        entry = self._entry(name)
+        try:
+            numel = 1
+            for d in entry["shape"]:
+                numel *= int(d)
+            nbytes = numel * DTYPES_BY_NAME[entry["dtype"]].itemsize
+            coded = entry["encoding"] != RAW
+        except (KeyError, TypeError, ValueError) as e:
+            raise self._error(name, f"invalid entry ({e})") from e
+        return [f"{name}{PLANE_SEP}{p}" for p in PLANES] if coded else [name], nbytes
+
+    def _entry(self, name: str) -> dict:
+        self._open(name)
+        entry = self._entries.get(name)
+        if not isinstance(entry, dict):
+            raise self._error(name, "not in this file")
+        return entry
 
     def _open(self, name: str) -> None:
         if self._handle is not None:
@@ -114,18 +134,18 @@ class ShardReader:
             raise self._error(name, f"invalid header metadata ({e})") from e
         self._handle = handle
 
-    def _build(self, name: str, entry: dict) -> EncodedTensor:
+    def _build(self, name: str, entry: dict, get) -> EncodedTensor:
         dtype = DTYPES_BY_NAME[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])
         crc = int(entry["crc32c"])
         if entry["encoding"] == RAW:
-            data = self._handle.get_tensor(name)
+            data = get(name)
             if data.dtype != dtype or tuple(data.shape) != shape:
                 raise ValueError(f"stored as {data.dtype}{list(data.shape)}")
             return EncodedTensor(name, str(self.path), dtype, shape, crc, None, data)
         if entry["encoding"] != HUFFMAN:
             raise ValueError(f"unknown encoding {entry['encoding']!r}")
-        planes = {p: self._handle.get_tensor(f"{name}{PLANE_SEP}{p}") for p in PLANES}
+        planes = {p: get(f"{name}{PLANE_SEP}{p}") for p in PLANES}
         coded = CodedPlanes(
             **planes,
             k=int(entry["k"]),

@@ -39,7 +39,7 @@ def load_model(
         model = cls(cfg, dtype=dtype, tp=tp, stage=stage, attention=attention)
     checkpoint = open_checkpoint(model_dir, cfg.raw, weights)  # dequantizes quantized linears
     try:
-        load_weights(model, checkpoint, stage, str(model_dir))
+        load_weights(model, checkpoint, stage, str(model_dir), whole=tp.size == 1)
     finally:
         checkpoint.close()
     if dtype == torch.bfloat16 and device.type == "cpu":
@@ -47,16 +47,54 @@ def load_model(
     return model.eval()
 
 
-def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> None:
-    """Each parameter's weight_loader reads only its rank's slice (memory-mapped) when the
-    checkpoint offers `get_slice`; a stage skips the tensors of layers it does not own."""
+def load_weights(
+    model: nn.Module, checkpoint, stage: PPStage, source: str, whole: bool = True
+) -> None:
+    """Copies the checkpoint's tensors into the model's parameters, each through its
+    weight_loader; a stage skips the tensors of layers it does not own. A checkpoint with
+    `tensors(names, whole)` hands them over pipelined (read and decoded ahead of the
+    placement); any other needs names() and get() (or get_slice, lazy: only the rank's slice
+    is read). whole: the rank needs each tensor whole (no TP), so reading it whole is best."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
     tied = model.config.tie_word_embeddings
-    read = getattr(checkpoint, "get_slice", checkpoint.get)
+    targets = _targets(model, checkpoint.names(), params, stage, source)
+    tensors = getattr(checkpoint, "tensors", None)
+    if tensors is None:
+        read = getattr(checkpoint, "get_slice", checkpoint.get)
+        pairs = ((stored, read(stored)) for stored in targets)
+    else:
+        pairs = tensors(list(targets), whole)
+    loaded: set[str] = set()
+    try:
+        for stored, tensor in pairs:
+            target, shard_id = targets[stored]
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ModelFolderError(source, f"tensor {stored!r}: {e}") from e
+            loaded.add(target)
+    finally:
+        getattr(pairs, "close", lambda: None)()  # stops a pipeline's threads
+    if tied and "model.embed_tokens.weight" in loaded:
+        loaded.add("lm_head.weight")  # the same tensor as the embedding
+    missing = [n for n in params if n not in loaded]
+    for module_name, module in model.named_modules():  # a stacked parameter's missing parts
+        check = getattr(module, "missing_weights", None)
+        missing += [f"{module_name} {part}" for part in check()] if check else []
+    if missing:
+        raise ModelFolderError(source, f"missing weights: {', '.join(sorted(missing)[:8])}")
+
+
+def _targets(model: nn.Module, names, params: dict, stage: PPStage, source: str) -> dict:
+    """Checkpoint name -> (our parameter, its loader's shard id) of each tensor this stage
+    loads, in the checkpoint's order."""
+    tied = model.config.tie_word_embeddings
     # a family whose checkpoints nest or rename its tensors maps each name (None: not ours)
     rename = getattr(model, "checkpoint_name", lambda name: name)
-    for stored in checkpoint.names():
+    targets = {}
+    for stored in names:
         name = rename(stored)
         if name is None or name.endswith(_SKIPPED) or (tied and name == "lm_head.weight"):
             continue
@@ -70,21 +108,8 @@ def load_weights(model: nn.Module, checkpoint, stage: PPStage, source: str) -> N
             if target.startswith(("model.embed_tokens", "model.norm", "lm_head")):
                 continue  # held by another pipeline stage
             raise ModelFolderError(source, f"unexpected tensor {stored!r} in the checkpoint")
-        param = params[target]
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        try:
-            loader(param, read(stored), shard_id)
-        except ValueError as e:
-            raise ModelFolderError(source, f"tensor {stored!r}: {e}") from e
-        loaded.add(target)
-    if tied and "model.embed_tokens.weight" in loaded:
-        loaded.add("lm_head.weight")  # the same tensor as the embedding
-    missing = [n for n in params if n not in loaded]
-    for module_name, module in model.named_modules():  # a stacked parameter's missing parts
-        check = getattr(module, "missing_weights", None)
-        missing += [f"{module_name} {part}" for part in check()] if check else []
-    if missing:
-        raise ModelFolderError(source, f"missing weights: {', '.join(sorted(missing)[:8])}")
+        targets[stored] = (target, shard_id)
+    return targets
 
 
 def _target(name: str, model: nn.Module) -> tuple[str, object]:
