@@ -70,8 +70,10 @@ def tison_contenders(matrices: dict) -> list[Contender]:
         pairs = zip(decoded, matrices.values())
         return all(torch.equal(d.view(torch.uint8), t.view(torch.uint8)) for d, t in pairs)
 
-    def encode(_):
-        return [encode_tensor(t, name) for name, t in matrices.items()]
+    def encode(threads):
+        return lambda _: [
+            encode_tensor(t, name, num_threads=threads) for name, t in matrices.items()
+        ]
 
     def batch(threads, verify):
         return lambda packed: decode_tensors(packed, num_threads=threads, verify=verify)
@@ -81,7 +83,9 @@ def tison_contenders(matrices: dict) -> list[Contender]:
 
     size = lambda packed: sum(e.stored_nbytes() for e in packed)  # noqa: E731
     return [
-        Contender(f"tison{label} ({_threads(n)})", encode, way(n, False), way(n, True), size, same)
+        Contender(
+            f"tison{label} ({_threads(n)})", encode(n), way(n, False), way(n, True), size, same
+        )
         for label, way in (("", batch), (", tensor by tensor", one_by_one))
         for n in (1, 2)
     ]

@@ -14,6 +14,9 @@
 #define MAX_PARTS 5
 #define MAX_LANES 6 /* runs one work item decodes interleaved */
 #define LUT_MAX_BITS 12 /* = MAX_CODE_LEN in format.py */
+#define MAX_SYMBOL_BITS 11 /* format.py's constants of the same names */
+#define SEG_BITS 2048
+#define SEGS_PER_BLOCK 32
 
 /* Sixteen lanes, for the raw-field loops (GCC vector extensions: SSE2, AVX2, NEON...). */
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -77,6 +80,11 @@ enum {
  * its recorded bit; with `verify`, also the CRC-32C of each run's output. */
 int tc_decode_runs(const tc_table *table, const tc_target *target, tc_run *runs, int lanes,
                    int verify);
+
+/* _pack.c: the raw fields of elements a .. z - 1 (a a multiple of 16) into their zeroed part
+ * planes in `raw`. */
+void tc_pack_raw(const void *in, int64_t a, int64_t z, int width, int k, uint8_t *raw,
+                 const int64_t *parts, int nparts);
 
 /* _pool.c: fn(arg) on the calling thread and on up to threads - 1 helper threads kept
  * between calls; returns when every one of them has returned. */

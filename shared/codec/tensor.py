@@ -13,6 +13,7 @@ import torch
 from shared.codec import crc, native, reference
 from shared.codec.format import (
     LAYOUTS,
+    MAX_CODE_LEN,
     MAX_SYMBOL_BITS,
     MIN_CODED_ELEMENTS,
     CodedPlanes,
@@ -32,11 +33,16 @@ BACKENDS = ("auto", "native", "reference")
 
 
 def encode_tensor(
-    tensor: torch.Tensor, name: str = "", k: int | None = None, backend: str = "auto"
+    tensor: torch.Tensor,
+    name: str = "",
+    k: int | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
 ) -> EncodedTensor:
-    """Encodes a CPU tensor. Floats of two or more dimensions with enough elements are
-    Huffman-coded at the split point k that stores fewest bytes (or at the given k); every
-    other tensor, or one that coding would not shrink, is kept raw."""
+    """Encodes a CPU tensor on up to num_threads threads (default: default_threads()), the
+    planes the same whatever the count. Floats of two or more dimensions with enough elements
+    are Huffman-coded at the split point k that stores fewest bytes (or at the given k);
+    every other tensor, or one that coding would not shrink, is kept raw."""
     tensor = tensor.detach().contiguous()
     layout = LAYOUTS.get(tensor.dtype)
     if k is not None and (layout is None or not valid_split(layout, k)):
@@ -45,7 +51,7 @@ def encode_tensor(
     shape, crc = tuple(tensor.shape), checksum(tensor, lib)
     small = tensor.dim() < 2 or tensor.numel() < MIN_CODED_ELEMENTS
     if layout is not None and tensor.numel() and (k is not None or not small):
-        planes = _encode_planes(tensor, layout, k, lib)
+        planes = _encode_planes(tensor, layout, k, lib, num_threads or default_threads())
         if planes is not None:
             return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, planes, None)
     return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, None, tensor)
@@ -211,18 +217,19 @@ def _decode_reference(encoded: EncodedTensor, out: torch.Tensor, verify: bool):
 
 
 def _encode_planes(
-    tensor: torch.Tensor, layout: FloatLayout, k: int | None, lib
+    tensor: torch.Tensor, layout: FloatLayout, k: int | None, lib, num_threads: int
 ) -> CodedPlanes | None:
     """The planes at the chosen split point, or None if raw storage is no bigger."""
     flat = _bits(tensor).reshape(-1)
-    choice = _choose_split(lib, flat, layout, k)
+    bounds = native.chunk_bounds(flat.size, num_threads) if lib is not None else None
+    choice = _choose_split(lib, flat, layout, k, bounds, num_threads)
     if choice is None:
         return None
-    k, lengths, sizes = choice
+    k, lengths, sizes, chunk_bits = choice
     if lib is None:
         planes = reference.encode(flat, layout.width, k, lengths)
     else:
-        planes = native.encode(lib, flat, k, lengths, sizes)
+        planes = native.encode(lib, flat, k, lengths, sizes, bounds, chunk_bits, num_threads)
     first_symbol, packed = pack_lengths(lengths)
     coded = CodedPlanes(
         stream=torch.from_numpy(planes["stream"]),
@@ -238,27 +245,34 @@ def _encode_planes(
     return dataclasses.replace(coded, crc32c=planes_checksum(coded, lib))
 
 
-def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None):
-    """(k, code lengths, plane sizes) of the split point storing fewest bytes (or of the
-    given k), or None if storing the tensor raw is no bigger."""
+def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bounds, threads):
+    """(k, code lengths, plane sizes, chunk_bits) of the split point storing fewest bytes (or
+    of the given k), or None if storing the tensor raw is no bigger. chunk_bits: where the
+    codes of each chunk at `bounds` start in the stream, then the total."""
     ks = layout.candidate_ks() if k is None else [k]
     finest = min(ks)
     if lib is None:
         symbols, _ = reference.split(flat, layout.width, finest)
-        counts = np.bincount(symbols, minlength=1 << (layout.width - 1 - finest))
+        chunk_counts = np.bincount(symbols, minlength=1 << (layout.width - 1 - finest))[None]
     else:
-        counts = native.histogram(lib, flat, finest)
+        chunk_counts = native.histogram(lib, flat, finest, bounds, threads)  # (chunks, symbols)
     best, best_bytes = None, flat.size * flat.itemsize if k is None else None
     for candidate in ks:
         # Symbols at a coarser split are the finer ones shifted right: sum runs of counts.
-        merged = counts.reshape(-1, 1 << (candidate - finest)).sum(axis=1)
-        lengths = code_lengths(merged)
-        sizes = _plane_sizes(int(np.dot(merged, lengths.astype(np.int64))), flat.size, candidate)
+        merged = chunk_counts.reshape(len(chunk_counts), -1, 1 << (candidate - finest)).sum(2)
+        counts = merged.sum(axis=0)
+        if lib is None:
+            lengths = code_lengths(counts)
+        else:
+            lengths = native.code_lengths(lib, counts, MAX_CODE_LEN)
+        chunk_bits = np.zeros(len(merged) + 1, dtype=np.int64)
+        np.cumsum(merged @ lengths.astype(np.int64), out=chunk_bits[1:])
+        sizes = _plane_sizes(int(chunk_bits[-1]), flat.size, candidate)
         index_bytes = sizes["block_first"] * (4 if flat.size < 1 << 31 else 8)
         stored = sizes["stream"] + sizes["raw"] + sizes["gaps"] + index_bytes
         stored += len(pack_lengths(lengths)[1])
         if best_bytes is None or stored < best_bytes:
-            best, best_bytes = (candidate, lengths, sizes), stored
+            best, best_bytes = (candidate, lengths, sizes, chunk_bits), stored
     return best
 
 
