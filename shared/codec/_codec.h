@@ -11,6 +11,12 @@
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* Hot loops built twice on x86-64 (baseline, and AVX2 + BMI2), picked at load time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MULTI_TARGET __attribute__((target_clones("default", "arch=x86-64-v3")))
+#else
+#define MULTI_TARGET
+#endif
 #define MAX_PARTS 5
 #define MAX_LANES 6 /* runs one work item decodes interleaved */
 #define LUT_MAX_BITS 12 /* = MAX_CODE_LEN in format.py */

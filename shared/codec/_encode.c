@@ -49,7 +49,7 @@ ALWAYS_INLINE void count_range(const void *in, int64_t a, int64_t z, int width, 
     }
 }
 
-static void *hist_worker(void *arg) {
+MULTI_TARGET static void *hist_worker(void *arg) {
     hist_work *w = arg;
     const int64_t symbols = (int64_t)1 << (w->c.width * 8 - 1 - w->c.k);
     for (int64_t c; (c = take_chunk(&w->c)) < w->c.nchunks;) {
@@ -73,7 +73,7 @@ void tc_histogram(const void *in, int width, int k, const int64_t *chunk_first, 
 typedef struct {
     chunks c;
     const int64_t *chunk_bit; /* nchunks + 1 stream bits: where each chunk's codes start */
-    const uint32_t *table;    /* symbol -> code << 4 | code length */
+    const uint32_t *table;    /* element >> k (sign included) -> code << 4 | code length */
     uint8_t *stream, *raw;
     const int64_t *parts;
     int nparts;
@@ -106,16 +106,15 @@ ALWAYS_INLINE void record(const enc_work *w, writer *b, int64_t i, int64_t pos) 
  * pending bits, as long as the store stays below `limit` (the chunk's last byte); byte by
  * byte after that. */
 ALWAYS_INLINE void code_range(const enc_work *w, writer *b, int64_t a, int64_t z,
-                              const uint8_t *limit, int width) {
-    const uint32_t mask = (1u << (width * 8 - 1 - w->c.k)) - 1, *table = w->table;
+                              const uint8_t *limit, int width, int k) {
+    const uint32_t *table = w->table;
     const void *in = w->c.in;
-    const int k = w->c.k;
     uint8_t *out = b->out;
     uint64_t acc = b->acc;
     int64_t nacc = b->nacc, pos = b->pos, next_seg = b->seg_start, i = a;
 #define ADD(I)                                                                                 \
     do {                                                                                       \
-        const uint32_t e = table[(load_elem(in, (I), width) >> k) & mask];                     \
+        const uint32_t e = table[load_elem(in, (I), width) >> k];                              \
         if (__builtin_expect(pos >= next_seg, 0)) {                                            \
             record(w, b, (I), pos);                                                            \
             next_seg = b->seg < w->n_seg ? b->seg_start : INT64_MAX;                           \
@@ -145,7 +144,22 @@ ALWAYS_INLINE void code_range(const enc_work *w, writer *b, int64_t a, int64_t z
     b->out = out, b->acc = acc, b->nacc = nacc, b->pos = pos;
 }
 
-static int encode_chunk(const enc_work *w, int64_t c) {
+/* code_range with the element width and k known at compile time: the common splits. */
+ALWAYS_INLINE void code_any(const enc_work *w, writer *b, int64_t a, int64_t z, const uint8_t *limit) {
+    const int width = w->c.width, k = w->c.k;
+#define CASE(W, K) case (W) * 64 + (K): code_range(w, b, a, z, limit, W, K); return;
+    switch (width * 64 + k) {
+        CASE(1, 0) CASE(1, 1) CASE(1, 2) CASE(1, 3)
+        CASE(2, 4) CASE(2, 5) CASE(2, 6) CASE(2, 7) CASE(2, 8) CASE(2, 9) CASE(2, 10)
+        CASE(4, 20) CASE(4, 21) CASE(4, 22) CASE(4, 23)
+    }
+#undef CASE
+    if (width == 1) code_range(w, b, a, z, limit, 1, k);
+    if (width == 2) code_range(w, b, a, z, limit, 2, k);
+    if (width == 4) code_range(w, b, a, z, limit, 4, k);
+}
+
+MULTI_TARGET static int encode_chunk(const enc_work *w, int64_t c) {
     const int64_t a = w->c.chunk_first[c], z = w->c.chunk_first[c + 1];
     const int64_t start = w->chunk_bit[c], end = w->chunk_bit[c + 1];
     const int64_t seg = (start + SEG_BITS - 1) / SEG_BITS;
@@ -153,9 +167,7 @@ static int encode_chunk(const enc_work *w, int64_t c) {
     const uint8_t *limit = w->stream + end / 8;
     for (int64_t s = a; s < z; s += SUB) {
         const int64_t e = z - s < SUB ? z : s + SUB;
-        if (w->c.width == 1) code_range(w, &b, s, e, limit, 1);
-        if (w->c.width == 2) code_range(w, &b, s, e, limit, 2);
-        if (w->c.width == 4) code_range(w, &b, s, e, limit, 4);
+        code_any(w, &b, s, e, limit);
         tc_pack_raw(w->c.in, s, e, w->c.width, w->c.k, w->raw, w->parts, w->nparts);
     }
     if (b.pos != end || b.out != limit) return TC_MISMATCH;

@@ -8,10 +8,11 @@
 #define MAX_SYMBOLS (1 << MAX_SYMBOL_BITS)
 #define MAX_LISTS 32
 
-/* One package-merge list: weights ascending; kind[i] = the leaf at i, or -1 for a package. */
+/* One package-merge list: weights ascending; kind[i] = the leaf at i, or -1 for a package.
+ * Lists hold at most 2n items (n leaves, fewer than n packages). */
 typedef struct {
-    int64_t weight[2 * MAX_SYMBOLS];
-    int16_t kind[2 * MAX_SYMBOLS];
+    int64_t *weight;
+    int16_t *kind;
     int64_t len;
 } pm_list;
 
@@ -70,8 +71,16 @@ int tc_code_lengths(const int64_t *counts, int64_t symbols, int max_len, uint8_t
         return TC_OK;
     }
     if (max_len < 31 && n > (int64_t)1 << max_len) return TC_BAD_CODE;
-    pm_list *lists = malloc((size_t)max_len * sizeof *lists);
-    if (lists == NULL) return TC_NO_MEMORY;
+    pm_list lists[MAX_LISTS];
+    int64_t *weights = malloc((size_t)(max_len * 2 * n) * sizeof *weights);
+    int16_t *kinds = malloc((size_t)(max_len * 2 * n) * sizeof *kinds);
+    if (weights == NULL || kinds == NULL) {
+        free(weights);
+        free(kinds);
+        return TC_NO_MEMORY;
+    }
+    for (int j = 0; j < max_len; j++)
+        lists[j] = (pm_list){weights + j * 2 * n, kinds + j * 2 * n, 0};
     for (int64_t i = 0; i < n; i++) {
         leaf[i] = counts[order[i]];
         lists[0].weight[i] = leaf[i];
@@ -91,6 +100,7 @@ int tc_code_lengths(const int64_t *counts, int64_t symbols, int max_len, uint8_t
         take = 2 * packages;
     }
     for (int64_t i = 0; i < n; i++) lengths[order[i]] = (uint8_t)depth[i];
-    free(lists);
+    free(weights);
+    free(kinds);
     return TC_OK;
 }

@@ -56,8 +56,8 @@ DEFINE_PACK16(pack16_u8, uint8_t, u8x16, u16x16, uint16_t)
 DEFINE_PACK16(pack16_u16, uint16_t, u16x16, u16x16, uint16_t)
 DEFINE_PACK16(pack16_u32, uint32_t, u32x16, u32x16, uint32_t)
 
-void tc_pack_raw(const void *in, int64_t a, int64_t z, int width, int k, uint8_t *raw,
-                 const int64_t *parts, int nparts) {
+MULTI_TARGET void tc_pack_raw(const void *in, int64_t a, int64_t z, int width, int k,
+                              uint8_t *raw, const int64_t *parts, int nparts) {
     uint8_t *planes[MAX_PARTS];
     for (int j = 0; j < nparts; j++) planes[j] = raw + parts[3 * j + 2];
     int64_t whole = a + (z - a) / 16 * 16;

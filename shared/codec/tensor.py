@@ -48,10 +48,11 @@ def encode_tensor(
     if k is not None and (layout is None or not valid_split(layout, k)):
         raise ValueError(f"{name}: cannot code {tensor.dtype} with split point k={k}")
     lib = _library(backend)
-    shape, crc = tuple(tensor.shape), checksum(tensor, lib)
+    num_threads = num_threads or default_threads()
+    shape, crc = tuple(tensor.shape), checksum(tensor, lib, num_threads)
     small = tensor.dim() < 2 or tensor.numel() < MIN_CODED_ELEMENTS
     if layout is not None and tensor.numel() and (k is not None or not small):
-        planes = _encode_planes(tensor, layout, k, lib, num_threads or default_threads())
+        planes = _encode_planes(tensor, layout, k, lib, num_threads)
         if planes is not None:
             return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, planes, None)
     return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, None, tensor)
@@ -155,22 +156,24 @@ def valid_split(layout: FloatLayout, k: int) -> bool:
     return 0 <= k and 0 < layout.width - 1 - k <= MAX_SYMBOL_BITS
 
 
-def checksum(tensor: torch.Tensor, lib=None) -> int:
-    """CRC-32C of a CPU tensor's bytes (on the C fast path if `lib`)."""
-    return _crc32c(tensor.contiguous().reshape(-1).view(torch.uint8), lib)
+def checksum(tensor: torch.Tensor, lib=None, num_threads: int = 1) -> int:
+    """CRC-32C of a CPU tensor's bytes (on the C fast path if `lib`, on up to num_threads
+    threads)."""
+    return _crc32c(tensor.contiguous().reshape(-1).view(torch.uint8), lib, 0, num_threads)
 
 
-def planes_checksum(planes: CodedPlanes, lib=None) -> int:
+def planes_checksum(planes: CodedPlanes, lib=None, num_threads: int = 1) -> int:
     """CRC-32C of the planes' bytes, in the order of CodedPlanes.tensors()."""
     value = 0
     for t in planes.tensors().values():
-        value = _crc32c(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8), lib, value)
+        flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        value = _crc32c(flat, lib, value, num_threads)
     return value
 
 
-def _crc32c(flat_bytes: torch.Tensor, lib, value: int = 0) -> int:
+def _crc32c(flat_bytes: torch.Tensor, lib, value: int, num_threads: int = 1) -> int:
     if lib is not None:
-        return native.crc32c(lib, flat_bytes.data_ptr(), flat_bytes.numel(), value)
+        return native.crc32c(lib, flat_bytes.data_ptr(), flat_bytes.numel(), value, num_threads)
     return crc.crc32c(flat_bytes.numpy(), value)
 
 
@@ -242,7 +245,7 @@ def _encode_planes(
         first_symbol=first_symbol,
         crc32c=0,
     )
-    return dataclasses.replace(coded, crc32c=planes_checksum(coded, lib))
+    return dataclasses.replace(coded, crc32c=planes_checksum(coded, lib, num_threads))
 
 
 def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bounds, threads):
@@ -270,7 +273,8 @@ def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bou
         sizes = _plane_sizes(int(chunk_bits[-1]), flat.size, candidate)
         index_bytes = sizes["block_first"] * (4 if flat.size < 1 << 31 else 8)
         stored = sizes["stream"] + sizes["raw"] + sizes["gaps"] + index_bytes
-        stored += len(pack_lengths(lengths)[1])
+        used = np.flatnonzero(lengths)
+        stored += (int(used[-1]) - int(used[0]) + 2) // 2  # len(pack_lengths(lengths)[1])
         if best_bytes is None or stored < best_bytes:
             best, best_bytes = (candidate, lengths, sizes, chunk_bits), stored
     return best
