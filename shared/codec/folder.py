@@ -2,6 +2,7 @@
 Every other file (config, tokenizer, index, ...) is copied as is, so a compressed model
 folder keeps working as a model folder through CompressedCheckpoint."""
 
+import math
 import re
 import shutil
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.codec import native
 from shared.codec.container import (
     MANIFEST,
     SHARD_SUFFIX,
@@ -70,7 +72,8 @@ def total_tensor_bytes(folder: Path) -> int:
 def compress_dir(
     in_dir: Path, out_dir: Path, on_tensor: OnTensor | None = None, num_threads: int | None = None
 ) -> list[TensorRecord]:
-    """Writes the compressed form of in_dir into out_dir (created; must not hold files)."""
+    """Writes the compressed form of in_dir into out_dir (created; must not hold files), on
+    up to num_threads threads (default: default_threads())."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     if (in_dir / MANIFEST).exists():
         raise ModelFolderError(str(in_dir / MANIFEST), "folder is already compressed")
@@ -83,7 +86,7 @@ def compress_dir(
     threads = num_threads or default_threads()
     with ThreadPoolExecutor(threads) as pool:
         for rel in files:
-            encoded, metadata = _encode_file(in_dir / rel, pool, records, on_tensor)
+            encoded, metadata = _encode_file(in_dir / rel, pool, threads, records, on_tensor)
             target = out_dir / shard_name(str(rel))
             target.parent.mkdir(parents=True, exist_ok=True)
             write_shard(target, encoded, metadata)
@@ -128,7 +131,9 @@ def inspect_dir(folder: Path) -> list[TensorRecord]:
     return records
 
 
-def _encode_file(path: Path, pool, records: list, on_tensor: OnTensor | None):
+def _encode_file(path: Path, pool, threads: int, records: list, on_tensor: OnTensor | None):
+    """The file's tensors encoded in order: a tensor large enough to split across threads
+    gets them all, runs of smaller ones share the pool a tensor a thread."""
     try:
         handle = safe_open(str(path), framework="pt")
         names = list(handle.keys())
@@ -136,15 +141,30 @@ def _encode_file(path: Path, pool, records: list, on_tensor: OnTensor | None):
     except Exception as e:
         raise ModelFolderError(str(path), f"not a readable safetensors file ({e})") from e
 
-    def encode(name: str) -> EncodedTensor:
-        return encode_tensor(handle.get_tensor(name), name)
+    def encode(name: str, num_threads: int) -> EncodedTensor:
+        return encode_tensor(handle.get_tensor(name), name, num_threads=num_threads)
 
-    encoded = []
-    for enc in pool.map(encode, names):
+    def large(name: str) -> bool:
+        return math.prod(handle.get_slice(name).get_shape()) >= 2 * native.MIN_CHUNK_ELEMENTS
+
+    encoded, pending = [], []
+
+    def done(enc: EncodedTensor) -> None:
         encoded.append(enc)
         records.append(_record(enc))
         if on_tensor is not None:
             on_tensor(records[-1])
+
+    for name in names:
+        if threads > 1 and not large(name):
+            pending.append(pool.submit(encode, name, 1))
+            continue
+        for future in pending:
+            done(future.result())
+        pending = []
+        done(encode(name, threads))
+    for future in pending:
+        done(future.result())
     return encoded, metadata
 
 
