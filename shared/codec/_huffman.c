@@ -1,6 +1,6 @@
 /* Code lengths of bounded length for the encoder: huffman.code_lengths (the reference) in C,
  * the same lengths to the bit, including its tie-breaking, so that both backends write the
- * same planes. numpy spends ~20 ms a tensor on it and holds the GIL; this takes ~50 us. */
+ * same planes. numpy spends ~20 ms a tensor on it and holds the GIL; this takes tens of us. */
 #include <stdlib.h>
 
 #include "_codec.h"

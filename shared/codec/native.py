@@ -99,13 +99,17 @@ def _addr(array: np.ndarray) -> int:
 
 
 MIN_CHUNK_ELEMENTS = 1 << 16
+CHUNKS_PER_THREAD = 4
 
 
 def chunk_bounds(n: int, num_threads: int) -> np.ndarray:
     """Where the encoder cuts n elements for num_threads threads: int64[chunks + 1], from 0 to
-    n at multiples of 128 elements (one owner per 16-byte group of a raw plane), one chunk per
-    thread but at least MIN_CHUNK_ELEMENTS a chunk (waking a thread costs ~20 us)."""
-    chunks = max(1, min(num_threads, n // max(MIN_CHUNK_ELEMENTS, 128)))
+    n at multiples of 128 elements (one owner per 16-byte group of a raw plane). Up to
+    CHUNKS_PER_THREAD chunks a thread, taken from a shared counter, so that a thread the OS
+    holds back delays the others less; but at least MIN_CHUNK_ELEMENTS a chunk (waking a
+    thread costs ~20 us)."""
+    most = 1 if num_threads <= 1 else CHUNKS_PER_THREAD * num_threads
+    chunks = max(1, min(most, n // max(MIN_CHUNK_ELEMENTS, 128)))
     bounds = np.arange(chunks + 1, dtype=np.int64) * n // chunks // 128 * 128
     bounds[-1] = n
     return bounds
