@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from shared.codec import compress_dir, encode_tensor, native
+from shared.codec import compress_dir, encode_tensor, encode_tensors, native
 from shared.codec.container import ShardReader
 from shared.codec.format import LAYOUTS, MAX_CODE_LEN, SEG_BITS
 from shared.codec.huffman import code_lengths
@@ -158,3 +158,14 @@ def test_the_codec_sources_compile_for_aarch64(tmp_path):
         result = subprocess.run([*cmd, "-o", tmp_path / f"{source.stem}.o"], capture_output=True,
                                 text=True)  # fmt: skip
         assert result.returncode == 0, result.stderr
+
+
+def test_encode_tensors_gives_encode_tensor_of_each_in_order(monkeypatch):
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 1024)
+    tensors = {
+        f"w{i}": tensor_of(torch.float16, n, seed=i) for i, n in enumerate([9000, 1500, 3000])
+    }
+    batch = encode_tensors(tensors, num_threads=3)
+    assert [e.name for e in batch] == list(tensors)
+    for e, (name, t) in zip(batch, tensors.items()):
+        assert_same_planes(e, encode_tensor(t, name, num_threads=1))
