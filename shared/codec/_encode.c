@@ -185,21 +185,39 @@ static void *enc_worker(void *arg) {
     return NULL;
 }
 
+/* The code table indexed by element >> k (the sign bit too: 2 * symbols entries), entry =
+ * code << 4 | length, from the code lengths of the symbols: canonical codes, shorter ones
+ * first, codes of one length consecutive in symbol order (huffman.canonical_codes). */
+static void code_table(const uint8_t *lengths, int64_t symbols, uint32_t *table) {
+    uint32_t count[LUT_MAX_BITS + 2] = {0}, next[LUT_MAX_BITS + 2] = {0};
+    for (int64_t s = 0; s < symbols; s++) count[lengths[s] <= LUT_MAX_BITS ? lengths[s] : 0]++;
+    count[0] = 0;
+    for (int l = 1, code = 0; l <= LUT_MAX_BITS; l++) next[l] = code = (code + count[l - 1]) << 1;
+    for (int64_t s = 0; s < symbols; s++) {
+        const int l = lengths[s] <= LUT_MAX_BITS ? lengths[s] : 0;
+        table[s] = table[s + symbols] = l ? (next[l]++ << 4) | (uint32_t)l : 0;
+    }
+}
+
 /* Writes the code stream (MSB-first), the raw field planes, the segment gaps (nibbles) and
- * the block index of the chunks' elements, on up to `threads` threads. chunk_bit[c] is the
+ * the block index of the chunks' elements, on up to `threads` threads; lengths: the code
+ * length of each of the 2**(width*8-1-k) symbols. chunk_bit[c] is the
  * stream bit where chunk c's codes start (chunk_bit[nchunks]: the total); chunks start on
  * multiples of 128 elements. The planes must be zeroed and sized by the caller (FORMAT.md).
  * Returns TC_OK, TC_MISMATCH if the codes do not fill the chunks' bit ranges exactly (the
  * planes are then garbage), or TC_NO_MEMORY. */
-int tc_encode(const void *in, int width, int k, const uint32_t *table, uint8_t *stream,
+int tc_encode(const void *in, int width, int k, const uint8_t *lengths, uint8_t *stream,
               uint8_t *raw, const int64_t *parts, int nparts, uint8_t *gaps,
               int64_t *block_first, const int64_t *chunk_first, const int64_t *chunk_bit,
               int64_t nchunks, int threads) {
     const int64_t n_seg = (chunk_bit[nchunks] + SEG_BITS - 1) / SEG_BITS;
     uint8_t *seg_gap = malloc((size_t)n_seg + 2), *tail = malloc((size_t)nchunks);
     int *status = malloc((size_t)nchunks * sizeof *status);
-    int result = seg_gap && tail && status ? TC_OK : TC_NO_MEMORY;
+    const int64_t symbols = (int64_t)1 << (width * 8 - 1 - k);
+    uint32_t *table = malloc((size_t)(2 * symbols) * sizeof *table);
+    int result = seg_gap && tail && status && table ? TC_OK : TC_NO_MEMORY;
     if (result == TC_OK) {
+        code_table(lengths, symbols, table);
         enc_work w = {{in, width, k, chunk_first, nchunks, 0}, chunk_bit, table, stream, raw,
                       parts, nparts, seg_gap, n_seg, block_first, tail, status};
         tc_run_parallel(enc_worker, &w, (int)(threads < nchunks ? threads : nchunks));
@@ -213,5 +231,6 @@ int tc_encode(const void *in, int width, int k, const uint32_t *table, uint8_t *
     free(seg_gap);
     free(tail);
     free(status);
+    free(table);
     return result;
 }

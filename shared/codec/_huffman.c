@@ -104,3 +104,32 @@ int tc_code_lengths(const int64_t *counts, int64_t symbols, int max_len, uint8_t
     free(kinds);
     return TC_OK;
 }
+
+/* For the candidate splits c = 0 .. ncand - 1 (each symbol at split c is a run of 2**c of
+ * the finest symbols): the code lengths of its merged counts (huffman.code_lengths) into
+ * lengths[c * symbols ..], and where each chunk's codes would start into chunk_bits[c *
+ * (nchunks + 1) ..] (0, then running totals; the last is the stream's length). counts:
+ * [nchunks][symbols], the finest symbols' counts per chunk. Returns TC_OK or an error of
+ * tc_code_lengths. */
+int tc_split_candidates(const int64_t *counts, int64_t nchunks, int64_t symbols, int ncand,
+                        int max_len, uint8_t *lengths, int64_t *chunk_bits) {
+    int64_t merged[MAX_SYMBOLS];
+    if (symbols > MAX_SYMBOLS) return TC_BAD_SPLIT;
+    for (int c = 0; c < ncand; c++) {
+        const int64_t coarse = symbols >> c;
+        uint8_t *len = lengths + c * symbols;
+        int64_t *bits = chunk_bits + c * (nchunks + 1);
+        memset(merged, 0, (size_t)coarse * sizeof *merged);
+        for (int64_t ch = 0; ch < nchunks; ch++)
+            for (int64_t s = 0; s < symbols; s++) merged[s >> c] += counts[ch * symbols + s];
+        const int status = tc_code_lengths(merged, coarse, max_len, len);
+        if (status != TC_OK) return status;
+        bits[0] = 0;
+        for (int64_t ch = 0; ch < nchunks; ch++) {
+            int64_t sum = 0;
+            for (int64_t s = 0; s < symbols; s++) sum += counts[ch * symbols + s] * len[s >> c];
+            bits[ch + 1] = bits[ch] + sum;
+        }
+    }
+    return TC_OK;
+}

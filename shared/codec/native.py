@@ -15,7 +15,6 @@ import numpy as np
 
 from kernels.build import build_library
 from shared.codec.format import raw_layout
-from shared.codec.huffman import canonical_codes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +49,7 @@ class Job(ctypes.Structure):
 _SIGNATURES = {
     "tc_histogram": (None, [_ptr, _int, _int, _ptr, _i64, _ptr, _int]),
     "tc_code_lengths": (_int, [_ptr, _i64, _int, _ptr]),
+    "tc_split_candidates": (_int, [_ptr, _i64, _i64, _int, _int, _ptr, _ptr]),
     "tc_encode": (
         _int,
         [_ptr, _int, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _i64, _int],
@@ -130,12 +130,31 @@ def code_lengths(lib, counts: np.ndarray, max_len: int) -> np.ndarray:
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     lengths = np.zeros(len(counts), dtype=np.uint8)
     status = lib.tc_code_lengths(_addr(counts), len(counts), max_len, _addr(lengths))
+    _check_lengths_status(status, max_len)
+    return lengths
+
+
+def split_candidates(
+    lib, counts: np.ndarray, num_candidates: int, max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For c = 0 .. num_candidates - 1, symbols merged in runs of 2**c (split point finest + c)
+    from the finest symbols' counts per chunk (int64[chunks, symbols]): (lengths uint8[c,
+    symbols], of which the first symbols >> c count; chunk_bits int64[c, chunks + 1], where
+    each chunk's codes start, then the total)."""
+    chunks, symbols = counts.shape
+    lengths = np.zeros((num_candidates, symbols), dtype=np.uint8)
+    chunk_bits = np.zeros((num_candidates, chunks + 1), dtype=np.int64)
+    status = lib.tc_split_candidates(_addr(counts), chunks, symbols, num_candidates, max_len,
+                                     _addr(lengths), _addr(chunk_bits))  # fmt: skip
+    _check_lengths_status(status, max_len)
+    return lengths, chunk_bits
+
+
+def _check_lengths_status(status: int, max_len: int) -> None:
     if status == NO_MEMORY:
         raise MemoryError("codec: no memory for package-merge")
     if status != 0:
-        raise ValueError(f"{np.count_nonzero(counts)} symbols cannot have codes of at most "
-                         f"{max_len} bits")  # fmt: skip
-    return lengths
+        raise ValueError(f"too many symbols for codes of at most {max_len} bits")
 
 
 def encode(
@@ -147,12 +166,11 @@ def encode(
     plane's byte size. The caller computed both from the chunks' histograms."""
     planes = {name: np.zeros(sizes[name], dtype=np.uint8) for name in ("stream", "raw", "gaps")}
     planes["block_first"] = np.zeros(sizes["block_first"], dtype=np.int64)
-    table = (canonical_codes(lengths) << 4) | lengths.astype(np.uint32)
-    table = np.concatenate([table, table])  # indexed by element >> k: the sign bit too
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint8)
     parts = np.array(raw_layout(bits.size, k + 1), dtype=np.int64).reshape(-1)
     chunk_bits = np.ascontiguousarray(chunk_bits, dtype=np.int64)
     status = lib.tc_encode(
-        _addr(bits), bits.itemsize, k, _addr(table), _addr(planes["stream"]),
+        _addr(bits), bits.itemsize, k, _addr(lengths), _addr(planes["stream"]),
         _addr(planes["raw"]), _addr(parts), len(parts) // 3, _addr(planes["gaps"]),
         _addr(planes["block_first"]), _addr(bounds), _addr(chunk_bits), len(bounds) - 1,
         num_threads,

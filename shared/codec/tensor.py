@@ -252,24 +252,8 @@ def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bou
     """(k, code lengths, plane sizes, chunk_bits) of the split point storing fewest bytes (or
     of the given k), or None if storing the tensor raw is no bigger. chunk_bits: where the
     codes of each chunk at `bounds` start in the stream, then the total."""
-    ks = layout.candidate_ks() if k is None else [k]
-    finest = min(ks)
-    if lib is None:
-        symbols, _ = reference.split(flat, layout.width, finest)
-        chunk_counts = np.bincount(symbols, minlength=1 << (layout.width - 1 - finest))[None]
-    else:
-        chunk_counts = native.histogram(lib, flat, finest, bounds, threads)  # (chunks, symbols)
     best, best_bytes = None, flat.size * flat.itemsize if k is None else None
-    for candidate in ks:
-        # Symbols at a coarser split are the finer ones shifted right: sum runs of counts.
-        merged = chunk_counts.reshape(len(chunk_counts), -1, 1 << (candidate - finest)).sum(2)
-        counts = merged.sum(axis=0)
-        if lib is None:
-            lengths = code_lengths(counts)
-        else:
-            lengths = native.code_lengths(lib, counts, MAX_CODE_LEN)
-        chunk_bits = np.zeros(len(merged) + 1, dtype=np.int64)
-        np.cumsum(merged @ lengths.astype(np.int64), out=chunk_bits[1:])
+    for candidate, lengths, chunk_bits in _candidates(lib, flat, layout, k, bounds, threads):
         sizes = _plane_sizes(int(chunk_bits[-1]), flat.size, candidate)
         index_bytes = sizes["block_first"] * (4 if flat.size < 1 << 31 else 8)
         stored = sizes["stream"] + sizes["raw"] + sizes["gaps"] + index_bytes
@@ -278,6 +262,31 @@ def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bou
         if best_bytes is None or stored < best_bytes:
             best, best_bytes = (candidate, lengths, sizes, chunk_bits), stored
     return best
+
+
+def _candidates(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bounds, threads):
+    """(k, code lengths, chunk_bits) of each split point worth trying (or of the given k),
+    from one histogram at the finest of them."""
+    ks = layout.candidate_ks() if k is None else [k]
+    finest = min(ks)
+    if lib is not None:
+        counts = native.histogram(lib, flat, finest, bounds, threads)  # (chunks, symbols)
+        lengths, chunk_bits = native.split_candidates(
+            lib, counts, max(ks) - finest + 1, MAX_CODE_LEN
+        )
+        symbols = counts.shape[1]
+        return [
+            (c, lengths[c - finest, : symbols >> (c - finest)], chunk_bits[c - finest]) for c in ks
+        ]
+    symbols, _ = reference.split(flat, layout.width, finest)
+    counts = np.bincount(symbols, minlength=1 << (layout.width - 1 - finest))
+    out = []
+    for candidate in ks:
+        # Symbols at a coarser split are the finer ones shifted right: sum runs of counts.
+        merged = counts.reshape(-1, 1 << (candidate - finest)).sum(axis=1)
+        lengths = code_lengths(merged)
+        out.append((candidate, lengths, np.array([0, np.dot(merged, lengths.astype(np.int64))])))
+    return out
 
 
 def _plane_sizes(total_bits: int, n: int, k: int) -> dict:
