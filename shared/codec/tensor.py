@@ -3,7 +3,6 @@ builds and the numpy reference otherwise. Decoding checks the planes against the
 and the result against the stored CRC-32C; any mismatch raises ModelFolderError naming the
 source file and the tensor."""
 
-import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -234,18 +233,18 @@ def _encode_planes(
     else:
         planes = native.encode(lib, flat, k, lengths, sizes, bounds, chunk_bits, num_threads)
     first_symbol, packed = pack_lengths(lengths)
-    coded = CodedPlanes(
-        stream=torch.from_numpy(planes["stream"]),
-        raw=torch.from_numpy(planes["raw"]),
-        lengths=torch.from_numpy(packed),
-        gaps=torch.from_numpy(planes["gaps"]),
-        block_first=torch.from_numpy(planes["block_first"]).to(block_index_dtype(flat.size)),
-        k=k,
-        total_bits=sizes["total_bits"],
-        first_symbol=first_symbol,
-        crc32c=0,
+    index = planes["block_first"].astype(np.int32 if flat.size < 1 << 31 else np.int64)
+    arrays = (planes["stream"], planes["raw"], packed, planes["gaps"], index)  # tensors() order
+    value = 0
+    for array in arrays:  # planes_checksum, on the numpy arrays (a tenth of the overhead)
+        if lib is None:
+            value = crc.crc32c(array.view(np.uint8).reshape(-1), value)
+        else:
+            value = native.crc32c(lib, array.ctypes.data, array.nbytes, value, num_threads)
+    stream, raw, lengths_plane, gaps, block_first = map(torch.from_numpy, arrays)
+    return CodedPlanes(
+        stream, raw, lengths_plane, gaps, block_first, k, sizes["total_bits"], first_symbol, value
     )
-    return dataclasses.replace(coded, crc32c=planes_checksum(coded, lib, num_threads))
 
 
 def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bounds, threads):
