@@ -33,7 +33,8 @@ typedef struct {
 } hist_work;
 
 /* counts[symbol] += the elements a .. z - 1 of that symbol; four sub-histograms, so that
- * runs of one symbol do not wait on one counter. */
+ * runs of one symbol do not wait on one counter. Inlined with constant widths and (for the
+ * finest split of each float format, the one histogrammed) constant k. */
 ALWAYS_INLINE void count_range(const void *in, int64_t a, int64_t z, int width, int k,
                                int64_t symbols, int64_t *counts) {
     uint32_t sub[4][1 << MAX_SYMBOL_BITS];
@@ -55,9 +56,14 @@ MULTI_TARGET static void *hist_worker(void *arg) {
     for (int64_t c; (c = take_chunk(&w->c)) < w->c.nchunks;) {
         const int64_t a = w->c.chunk_first[c], z = w->c.chunk_first[c + 1];
         int64_t *counts = w->counts + c * symbols;
-        if (w->c.width == 1) count_range(w->c.in, a, z, 1, w->c.k, symbols, counts);
-        if (w->c.width == 2) count_range(w->c.in, a, z, 2, w->c.k, symbols, counts);
-        if (w->c.width == 4) count_range(w->c.in, a, z, 4, w->c.k, symbols, counts);
+        const int width = w->c.width, k = w->c.k;
+        if (width == 1 && k == 0) count_range(w->c.in, a, z, 1, 0, symbols, counts);
+        else if (width == 2 && k == 4) count_range(w->c.in, a, z, 2, 4, symbols, counts);
+        else if (width == 2 && k == 7) count_range(w->c.in, a, z, 2, 7, symbols, counts);
+        else if (width == 4 && k == 20) count_range(w->c.in, a, z, 4, 20, symbols, counts);
+        else if (width == 1) count_range(w->c.in, a, z, 1, k, symbols, counts);
+        else if (width == 2) count_range(w->c.in, a, z, 2, k, symbols, counts);
+        else count_range(w->c.in, a, z, 4, k, symbols, counts);
     }
     return NULL;
 }
