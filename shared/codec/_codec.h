@@ -1,6 +1,7 @@
 /* Shared declarations of the Tison codec's C fast path (format: FORMAT.md; reference:
- * reference.py). native.py compiles _encode.c, _decode.c, _crc32c.c and _batch.c into one
- * library and calls it through ctypes, which releases the GIL. Elements are `width` bytes
+ * reference.py). native.py compiles _encode.c, _pack.c, _huffman.c (encoder), _decode.c,
+ * _batch.c (decoder), _crc32c.c and _pool.c into one library and calls it through ctypes,
+ * which releases the GIL. Elements are `width` bytes
  * (1, 2 or 4); symbol = the bits under the sign down to bit k; raw field = the sign bit over
  * the k low bits, split into parts of 16, 8, 4, 2 or 1 bits, one byte plane per part;
  * `parts` lists (bits, shift in field, byte offset of the plane in `raw`) per part. */
