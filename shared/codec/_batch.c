@@ -10,9 +10,6 @@
 
 #include "_codec.h"
 
-#define SEG_BITS 2048
-#define SEGS_PER_BLOCK 32
-#define MAX_SYMBOL_BITS 11
 #define RUN_ELEMENTS (1 << 18) /* aim for runs of about this many elements... */
 #define MIN_ELEMENTS_PER_THREAD (1 << 16) /* ...and give a thread at least this much work */
 

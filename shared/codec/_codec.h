@@ -1,6 +1,7 @@
 /* Shared declarations of the Tison codec's C fast path (format: FORMAT.md; reference:
- * reference.py). native.py compiles _encode.c, _decode.c, _crc32c.c and _batch.c into one
- * library and calls it through ctypes, which releases the GIL. Elements are `width` bytes
+ * reference.py). native.py compiles _encode.c, _pack.c, _huffman.c (encoder), _decode.c,
+ * _batch.c (decoder), _crc32c.c and _pool.c into one library and calls it through ctypes,
+ * which releases the GIL. Elements are `width` bytes
  * (1, 2 or 4); symbol = the bits under the sign down to bit k; raw field = the sign bit over
  * the k low bits, split into parts of 16, 8, 4, 2 or 1 bits, one byte plane per part;
  * `parts` lists (bits, shift in field, byte offset of the plane in `raw`) per part. */
@@ -11,9 +12,18 @@
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* Hot loops built twice on x86-64 (baseline, and AVX2 + BMI2), picked at load time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MULTI_TARGET __attribute__((target_clones("default", "arch=x86-64-v3")))
+#else
+#define MULTI_TARGET
+#endif
 #define MAX_PARTS 5
 #define MAX_LANES 6 /* runs one work item decodes interleaved */
 #define LUT_MAX_BITS 12 /* = MAX_CODE_LEN in format.py */
+#define MAX_SYMBOL_BITS 11 /* format.py's constants of the same names */
+#define SEG_BITS 2048
+#define SEGS_PER_BLOCK 32
 
 /* Sixteen lanes, for the raw-field loops (GCC vector extensions: SSE2, AVX2, NEON...). */
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -77,6 +87,11 @@ enum {
  * its recorded bit; with `verify`, also the CRC-32C of each run's output. */
 int tc_decode_runs(const tc_table *table, const tc_target *target, tc_run *runs, int lanes,
                    int verify);
+
+/* _pack.c: the raw fields of elements a .. z - 1 (a a multiple of 16) into their zeroed part
+ * planes in `raw`. */
+void tc_pack_raw(const void *in, int64_t a, int64_t z, int width, int k, uint8_t *raw,
+                 const int64_t *parts, int nparts);
 
 /* _pool.c: fn(arg) on the calling thread and on up to threads - 1 helper threads kept
  * between calls; returns when every one of them has returned. */

@@ -182,9 +182,49 @@ uint32_t crc32c_update(uint32_t crc, const uint8_t *p, int64_t n) {
     return crc;
 }
 
-/* CRC-32C of buf[0 .. n - 1] continuing from crc (0 to start). */
-uint32_t tc_crc32c(uint32_t crc, const void *buf, int64_t n) {
-    return crc32c_update(crc, (const uint8_t *)buf, n);
+#define SPLIT_LANES 3 /* pieces a thread checksums interleaved: the crc32 latency */
+#define SPLIT_MIN ((int64_t)1 << 16) /* bytes a piece keeps at least */
+#define SPLIT_MAX_ITEMS 64
+
+/* A buffer cut into items * SPLIT_LANES pieces of as equal a size as can be. */
+typedef struct {
+    const uint8_t *p;
+    int64_t n, items, next; /* next: the first item no thread has taken (atomic) */
+    uint32_t crc[SPLIT_MAX_ITEMS * SPLIT_LANES];
+} split_crc;
+
+static int64_t piece_at(const split_crc *s, int64_t i) {
+    return s->n / (s->items * SPLIT_LANES) * i + s->n % (s->items * SPLIT_LANES) * i /
+           (s->items * SPLIT_LANES);
+}
+
+static void *split_worker(void *arg) {
+    split_crc *s = arg;
+    for (int64_t it; (it = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED)) < s->items;) {
+        const uint8_t *p[SPLIT_LANES];
+        int64_t n[SPLIT_LANES];
+        for (int j = 0; j < SPLIT_LANES; j++) {
+            const int64_t a = piece_at(s, it * SPLIT_LANES + j);
+            p[j] = s->p + a, n[j] = piece_at(s, it * SPLIT_LANES + j + 1) - a;
+            s->crc[it * SPLIT_LANES + j] = 0;
+        }
+        crc32c_update_lanes(s->crc + it * SPLIT_LANES, p, n, SPLIT_LANES);
+    }
+    return NULL;
+}
+
+/* CRC-32C of buf[0 .. n - 1] continuing from crc (0 to start), on up to `threads` threads:
+ * pieces checksummed SPLIT_LANES interleaved per thread and joined with crc32c_combine. */
+uint32_t tc_crc32c(uint32_t crc, const void *buf, int64_t n, int threads) {
+    int64_t items = n / (SPLIT_MIN * SPLIT_LANES);
+    items = items < threads ? items : threads;
+    items = items < SPLIT_MAX_ITEMS ? items : SPLIT_MAX_ITEMS;
+    if (items < 1) return crc32c_update(crc, (const uint8_t *)buf, n);
+    split_crc s = {.p = buf, .n = n, .items = items, .next = 0};
+    tc_run_parallel(split_worker, &s, (int)items);
+    for (int64_t i = 0; i < items * SPLIT_LANES; i++)
+        crc = crc32c_combine(crc, s.crc[i], piece_at(&s, i + 1) - piece_at(&s, i));
+    return crc;
 }
 
 /* The same by one way (0: tables, 1: crc32 instruction, 2: folding), or -1 where this CPU

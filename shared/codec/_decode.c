@@ -12,12 +12,6 @@
  * their ABI would differ without AVX. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MULTI_TARGET __attribute__((target_clones("default", "arch=x86-64-v3")))
-#else
-#define MULTI_TARGET
-#endif
-
 static inline uint64_t load_be64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);

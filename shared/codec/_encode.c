@@ -1,130 +1,242 @@
-/* Encoder side of the C fast path: symbol histogram and the code planes (see _codec.h). */
+/* Encoder side of the C fast path: symbol histograms and the code planes (see _codec.h). A
+ * tensor's elements are cut into chunks at multiples of 128 elements, so every 16-byte group
+ * of a raw plane has one owner; threads histogram and encode chunks side by side. The caller
+ * knows from the per-chunk histograms where each chunk's codes start in the stream; a chunk
+ * stores every byte of its codes but its last, partial one (shared with the next chunk),
+ * which is ORed in after the threads are joined. */
+#include <stdlib.h>
+
 #include "_codec.h"
 
-static inline uint32_t load_elem(const void *in, int64_t i, int width) {
+#define SUB 4096 /* elements coded before their raw fields are packed, while still in L1 */
+#define HIST_BLOCK ((int64_t)1 << 30) /* elements the 32-bit sub-histograms count at once */
+
+ALWAYS_INLINE uint32_t load_elem(const void *in, int64_t i, int width) {
     if (width == 2) return ((const uint16_t *)in)[i];
     if (width == 1) return ((const uint8_t *)in)[i];
     return ((const uint32_t *)in)[i];
 }
 
-/* counts[symbol] += 1 for every element; counts has 2**(width*8-1-k) entries. */
-void tc_histogram(const void *in, int64_t n, int width, int k, int64_t *counts) {
-    const uint32_t mask = (1u << (width * 8 - 1 - k)) - 1;
-    for (int64_t i = 0; i < n; i++) counts[(load_elem(in, i, width) >> k) & mask]++;
+/* Chunks dealt to threads from a shared counter. */
+typedef struct {
+    const void *in;
+    int width, k;
+    const int64_t *chunk_first; /* nchunks + 1 element indices: chunk c is [c, c + 1) */
+    int64_t nchunks, next;      /* next: the first chunk no thread has taken (atomic) */
+} chunks;
+
+static int64_t take_chunk(chunks *c) { return __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED); }
+
+typedef struct {
+    chunks c;
+    int64_t *counts; /* [nchunks][symbols] */
+} hist_work;
+
+/* counts[symbol] += the elements a .. z - 1 of that symbol; four sub-histograms, so that
+ * runs of one symbol do not wait on one counter. Inlined with constant widths and (for the
+ * finest split of each float format, the one histogrammed) constant k. */
+ALWAYS_INLINE void count_range(const void *in, int64_t a, int64_t z, int width, int k,
+                               int64_t symbols, int64_t *counts) {
+    uint32_t sub[4][1 << MAX_SYMBOL_BITS];
+    const uint32_t mask = (uint32_t)symbols - 1;
+    for (int64_t lo = a; lo < z; lo += HIST_BLOCK) {
+        const int64_t hi = z - lo < HIST_BLOCK ? z : lo + HIST_BLOCK;
+        memset(sub, 0, sizeof sub);
+        int64_t i = lo;
+        for (; i + 4 <= hi; i += 4)
+            for (int r = 0; r < 4; r++) sub[r][(load_elem(in, i + r, width) >> k) & mask]++;
+        for (; i < hi; i++) sub[0][(load_elem(in, i, width) >> k) & mask]++;
+        for (int64_t s = 0; s < symbols; s++) counts[s] += sub[0][s] + sub[1][s] + sub[2][s] + sub[3][s];
+    }
 }
 
-/* Writes the raw field of element e into its part planes (zeroed beforehand). */
-static void put_field(uint8_t *raw, const int64_t *parts, int nparts, int64_t e, uint32_t field) {
-    for (int j = 0; j < nparts; j++) {
-        const int64_t *part = parts + 3 * j;
-        int b = (int)part[0], bit;
-        uint32_t v = (field >> part[1]) & ((1u << b) - 1);
-        uint8_t *plane = raw + part[2];
-        if (b == 16) {
-            plane[2 * e] = (uint8_t)v;
-            plane[2 * e + 1] = (uint8_t)(v >> 8);
-        } else {
-            plane[part_byte(e, b, &bit)] |= (uint8_t)(v << bit);
+MULTI_TARGET static void *hist_worker(void *arg) {
+    hist_work *w = arg;
+    const int64_t symbols = (int64_t)1 << (w->c.width * 8 - 1 - w->c.k);
+    for (int64_t c; (c = take_chunk(&w->c)) < w->c.nchunks;) {
+        const int64_t a = w->c.chunk_first[c], z = w->c.chunk_first[c + 1];
+        int64_t *counts = w->counts + c * symbols;
+        const int width = w->c.width, k = w->c.k;
+        if (width == 1 && k == 0) count_range(w->c.in, a, z, 1, 0, symbols, counts);
+        else if (width == 2 && k == 4) count_range(w->c.in, a, z, 2, 4, symbols, counts);
+        else if (width == 2 && k == 7) count_range(w->c.in, a, z, 2, 7, symbols, counts);
+        else if (width == 4 && k == 20) count_range(w->c.in, a, z, 4, 20, symbols, counts);
+        else if (width == 1) count_range(w->c.in, a, z, 1, k, symbols, counts);
+        else if (width == 2) count_range(w->c.in, a, z, 2, k, symbols, counts);
+        else count_range(w->c.in, a, z, 4, k, symbols, counts);
+    }
+    return NULL;
+}
+
+/* counts[c][symbol] += the elements of chunk c with that symbol (2**(width*8-1-k) symbols,
+ * at most 2**MAX_SYMBOL_BITS), on up to `threads` threads. */
+void tc_histogram(const void *in, int width, int k, const int64_t *chunk_first, int64_t nchunks,
+                  int64_t *counts, int threads) {
+    hist_work w = {{in, width, k, chunk_first, nchunks, 0}, counts};
+    tc_run_parallel(hist_worker, &w, (int)(threads < nchunks ? threads : nchunks));
+}
+
+typedef struct {
+    chunks c;
+    const int64_t *chunk_bit; /* nchunks + 1 stream bits: where each chunk's codes start */
+    const uint32_t *table;    /* element >> k (sign included) -> code << 4 | code length */
+    uint8_t *stream, *raw;
+    const int64_t *parts;
+    int nparts;
+    uint8_t *seg_gap;     /* per segment: its gap (packed into nibbles afterwards) */
+    int64_t n_seg;
+    int64_t *block_first; /* per block: its first element */
+    uint8_t *tail;        /* per chunk: its last, partial stream byte */
+    int *status;          /* per chunk: TC_OK, or TC_MISMATCH if it missed its end bit */
+} enc_work;
+
+/* A chunk's bit writer: pending bits are the low `nacc` of `acc` (at most 7 between codes
+ * but inside a group of four); `out` is the byte they start in. */
+typedef struct {
+    uint8_t *out;
+    uint64_t acc;
+    int64_t nacc, pos;      /* pos: the stream bit where the next code starts */
+    int64_t seg, seg_start; /* the next segment to record, and its first bit */
+} writer;
+
+/* Element i starts at bit pos: it is the first code of every segment not yet recorded that
+ * starts at or before pos. */
+ALWAYS_INLINE void record(const enc_work *w, writer *b, int64_t i, int64_t pos) {
+    for (; b->seg_start <= pos && b->seg < w->n_seg; b->seg++, b->seg_start += SEG_BITS) {
+        w->seg_gap[b->seg] = (uint8_t)(pos - b->seg_start);
+        if (b->seg % SEGS_PER_BLOCK == 0) w->block_first[b->seg / SEGS_PER_BLOCK] = i;
+    }
+}
+
+/* The codes of elements a .. z - 1: four codes, then one 8-byte big-endian store of the
+ * pending bits, as long as the store stays below `limit` (the chunk's last byte); byte by
+ * byte after that. */
+ALWAYS_INLINE void code_range(const enc_work *w, writer *b, int64_t a, int64_t z,
+                              const uint8_t *limit, int width, int k) {
+    const uint32_t *table = w->table;
+    const void *in = w->c.in;
+    uint8_t *out = b->out;
+    uint64_t acc = b->acc;
+    int64_t nacc = b->nacc, pos = b->pos, next_seg = b->seg_start, i = a;
+#define ADD(I)                                                                                 \
+    do {                                                                                       \
+        const uint32_t e = table[load_elem(in, (I), width) >> k];                              \
+        if (__builtin_expect(pos >= next_seg, 0)) {                                            \
+            record(w, b, (I), pos);                                                            \
+            next_seg = b->seg < w->n_seg ? b->seg_start : INT64_MAX;                           \
+        }                                                                                      \
+        acc = (acc << (e & 15)) | (e >> 4);                                                    \
+        nacc += e & 15;                                                                        \
+        pos += e & 15;                                                                         \
+    } while (0)
+    for (; i + 4 <= z && out + 8 <= limit; i += 4) {
+        ADD(i);
+        ADD(i + 1);
+        ADD(i + 2);
+        ADD(i + 3);
+        const uint64_t word = __builtin_bswap64(acc << (64 - nacc));
+        memcpy(out, &word, sizeof word);
+        out += nacc >> 3;
+        nacc &= 7;
+    }
+    for (; i < z; i++) {
+        ADD(i);
+        for (; nacc >= 8; out++) {
+            nacc -= 8;
+            if (out < limit) *out = (uint8_t)(acc >> nacc); /* else: too many bits, see below */
         }
     }
+#undef ADD
+    b->out = out, b->acc = acc, b->nacc = nacc, b->pos = pos;
 }
 
-/* The raw fields (R = k + 1 bits) of elements a .. z - 1 (multiples of 16) into their zeroed
- * part planes, sixteen at a time: the inverse of merge16 (below). */
-#define DEFINE_PACK16(NAME, IN_T, INX16, ACC, LANE_T)                                       \
-    ALWAYS_INLINE void NAME(const void *in, int R, int64_t a, int64_t z,                       \
-                            uint8_t *const *planes) {                                          \
-        const int k = R - 1, top = (int)sizeof(IN_T) * 8 - 1;                                  \
-        for (int64_t e = a; e < z; e += 16) {                                                  \
-            INX16 u;                                                                           \
-            memcpy(&u, (const IN_T *)in + e, sizeof u);                                        \
-            ACC v = __builtin_convertvector(u, ACC);                                           \
-            ACC r = ((v >> top) << k) | (v & (LANE_T)((1u << k) - 1));                         \
-            int j = 0, shift = 0;                                                              \
-            if (R & 16) {                                                                      \
-                u16x16 x = __builtin_convertvector(r, u16x16);                                 \
-                memcpy(planes[j++] + 2 * e, &x, sizeof x);                                     \
-                shift += 16;                                                                   \
-            }                                                                                  \
-            for (int b = 8; b >= 1; b >>= 1) {                                                 \
-                if (!(R & b)) continue;                                                        \
-                u8x16 x = __builtin_convertvector((r >> shift) & (LANE_T)((1u << b) - 1), u8x16); \
-                uint8_t *p = planes[j++] + (e / (128 / b)) * 16;                               \
-                u8x16 cur;                                                                     \
-                memcpy(&cur, p, sizeof cur);                                                   \
-                cur |= x << (int)(((e % (128 / b)) >> 4) * b);                                 \
-                memcpy(p, &cur, sizeof cur);                                                   \
-                shift += b;                                                                    \
-            }                                                                                  \
-        }                                                                                      \
-    }
-DEFINE_PACK16(pack16_u8, uint8_t, u8x16, u16x16, uint16_t)
-DEFINE_PACK16(pack16_u16, uint16_t, u16x16, u16x16, uint16_t)
-DEFINE_PACK16(pack16_u32, uint32_t, u32x16, u32x16, uint32_t)
-
-/* All raw fields into their planes: whole 16-element chunks through a pack16 specialised for
- * the layout, the rest (and rare layouts) one at a time. */
-static void pack_raw(const void *in, int64_t n, int width, int k, uint8_t *raw,
-                     const int64_t *parts, int nparts) {
-    uint8_t *planes[5];
-    for (int j = 0; j < nparts; j++) planes[j] = raw + parts[3 * j + 2];
-    int64_t z = n / 16 * 16;
-#define CASE(W, R, FN) case (W) * 32 + (R): FN(in, R, 0, z, planes); break;
-    switch (width * 32 + k + 1) {
-        CASE(1, 1, pack16_u8) CASE(1, 2, pack16_u8) CASE(1, 3, pack16_u8) CASE(1, 4, pack16_u8)
-        CASE(2, 5, pack16_u16) CASE(2, 6, pack16_u16) CASE(2, 7, pack16_u16)
-        CASE(2, 8, pack16_u16) CASE(2, 9, pack16_u16) CASE(2, 10, pack16_u16)
-        CASE(2, 11, pack16_u16) CASE(4, 21, pack16_u32) CASE(4, 22, pack16_u32)
-        CASE(4, 23, pack16_u32) CASE(4, 24, pack16_u32)
-        default: z = 0;
+/* code_range with the element width and k known at compile time: the common splits. */
+ALWAYS_INLINE void code_any(const enc_work *w, writer *b, int64_t a, int64_t z, const uint8_t *limit) {
+    const int width = w->c.width, k = w->c.k;
+#define CASE(W, K) case (W) * 64 + (K): code_range(w, b, a, z, limit, W, K); return;
+    switch (width * 64 + k) {
+        CASE(1, 0) CASE(1, 1) CASE(1, 2) CASE(1, 3)
+        CASE(2, 4) CASE(2, 5) CASE(2, 6) CASE(2, 7) CASE(2, 8) CASE(2, 9) CASE(2, 10)
+        CASE(4, 20) CASE(4, 21) CASE(4, 22) CASE(4, 23)
     }
 #undef CASE
-    const int top = width * 8 - 1;
-    for (int64_t e = z; e < n; e++) {
-        uint32_t u = load_elem(in, e, width);
-        put_field(raw, parts, nparts, e, ((u >> top) << k) | (u & ((1u << k) - 1)));
+    if (width == 1) code_range(w, b, a, z, limit, 1, k);
+    if (width == 2) code_range(w, b, a, z, limit, 2, k);
+    if (width == 4) code_range(w, b, a, z, limit, 4, k);
+}
+
+MULTI_TARGET static int encode_chunk(const enc_work *w, int64_t c) {
+    const int64_t a = w->c.chunk_first[c], z = w->c.chunk_first[c + 1];
+    const int64_t start = w->chunk_bit[c], end = w->chunk_bit[c + 1];
+    const int64_t seg = (start + SEG_BITS - 1) / SEG_BITS;
+    writer b = {w->stream + start / 8, 0, start & 7, start, seg, seg * SEG_BITS};
+    const uint8_t *limit = w->stream + end / 8;
+    for (int64_t s = a; s < z; s += SUB) {
+        const int64_t e = z - s < SUB ? z : s + SUB;
+        code_any(w, &b, s, e, limit);
+        tc_pack_raw(w->c.in, s, e, w->c.width, w->c.k, w->raw, w->parts, w->nparts);
+    }
+    if (b.pos != end || b.out != limit) return TC_MISMATCH;
+    for (; b.seg_start < end && b.seg < w->n_seg; b.seg++, b.seg_start += SEG_BITS) { /* none starts in them */
+        w->seg_gap[b.seg] = (uint8_t)(end - b.seg_start);
+        if (b.seg % SEGS_PER_BLOCK == 0) w->block_first[b.seg / SEGS_PER_BLOCK] = z;
+    }
+    w->tail[c] = b.nacc ? (uint8_t)(b.acc << (8 - b.nacc)) : 0;
+    return TC_OK;
+}
+
+static void *enc_worker(void *arg) {
+    enc_work *w = arg;
+    for (int64_t c; (c = take_chunk(&w->c)) < w->c.nchunks;) w->status[c] = encode_chunk(w, c);
+    return NULL;
+}
+
+/* The code table indexed by element >> k (the sign bit too: 2 * symbols entries), entry =
+ * code << 4 | length, from the code lengths of the symbols: canonical codes, shorter ones
+ * first, codes of one length consecutive in symbol order (huffman.canonical_codes). */
+static void code_table(const uint8_t *lengths, int64_t symbols, uint32_t *table) {
+    uint32_t count[LUT_MAX_BITS + 2] = {0}, next[LUT_MAX_BITS + 2] = {0};
+    for (int64_t s = 0; s < symbols; s++) count[lengths[s] <= LUT_MAX_BITS ? lengths[s] : 0]++;
+    count[0] = 0;
+    for (int l = 1, code = 0; l <= LUT_MAX_BITS; l++) next[l] = code = (code + count[l - 1]) << 1;
+    for (int64_t s = 0; s < symbols; s++) {
+        const int l = lengths[s] <= LUT_MAX_BITS ? lengths[s] : 0;
+        table[s] = table[s + symbols] = l ? (next[l]++ << 4) | (uint32_t)l : 0;
     }
 }
 
 /* Writes the code stream (MSB-first), the raw field planes, the segment gaps (nibbles) and
- * the block index. Output planes must be zeroed and sized by the caller from the total bit
- * count it computed from the histogram. Returns the bits written. */
-int64_t tc_encode(const void *in, int64_t n, int width, int k, const uint32_t *codes,
-                  const uint8_t *lens, uint8_t *stream, uint8_t *raw, const int64_t *parts,
-                  int nparts, uint8_t *gaps, int64_t *block_first, int64_t n_seg,
-                  int64_t seg_bits, int64_t segs_per_block) {
-    const uint32_t sym_mask = (1u << (width * 8 - 1 - k)) - 1;
-    uint64_t acc = 0; /* pending code bits, at the top */
-    int nacc = 0;
-    int64_t pos = 0, seg = 0, out = 0, seg_start = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t s = (load_elem(in, i, width) >> k) & sym_mask;
-        while (seg < n_seg && seg_start <= pos) { /* code i is the first of segment seg */
-            gaps[seg >> 1] |= (uint8_t)((pos - seg_start) << ((seg & 1) * 4));
-            if (seg % segs_per_block == 0) block_first[seg / segs_per_block] = i;
-            seg++;
-            seg_start += seg_bits;
+ * the block index of the chunks' elements, on up to `threads` threads; lengths: the code
+ * length of each of the 2**(width*8-1-k) symbols. chunk_bit[c] is the
+ * stream bit where chunk c's codes start (chunk_bit[nchunks]: the total); chunks start on
+ * multiples of 128 elements. The planes must be zeroed and sized by the caller (FORMAT.md).
+ * Returns TC_OK, TC_MISMATCH if the codes do not fill the chunks' bit ranges exactly (the
+ * planes are then garbage), or TC_NO_MEMORY. */
+int tc_encode(const void *in, int width, int k, const uint8_t *lengths, uint8_t *stream,
+              uint8_t *raw, const int64_t *parts, int nparts, uint8_t *gaps,
+              int64_t *block_first, const int64_t *chunk_first, const int64_t *chunk_bit,
+              int64_t nchunks, int threads) {
+    const int64_t n_seg = (chunk_bit[nchunks] + SEG_BITS - 1) / SEG_BITS;
+    uint8_t *seg_gap = malloc((size_t)n_seg + 2), *tail = malloc((size_t)nchunks);
+    int *status = malloc((size_t)nchunks * sizeof *status);
+    const int64_t symbols = (int64_t)1 << (width * 8 - 1 - k);
+    uint32_t *table = malloc((size_t)(2 * symbols) * sizeof *table);
+    int result = seg_gap && tail && status && table ? TC_OK : TC_NO_MEMORY;
+    if (result == TC_OK) {
+        code_table(lengths, symbols, table);
+        enc_work w = {{in, width, k, chunk_first, nchunks, 0}, chunk_bit, table, stream, raw,
+                      parts, nparts, seg_gap, n_seg, block_first, tail, status};
+        tc_run_parallel(enc_worker, &w, (int)(threads < nchunks ? threads : nchunks));
+        for (int64_t c = 0; c < nchunks; c++) {
+            if (status[c] != TC_OK) result = status[c];
+            stream[chunk_bit[c + 1] / 8] |= tail[c];
         }
-        int len = lens[s];
-        acc |= (uint64_t)codes[s] << (64 - nacc - len);
-        nacc += len;
-        pos += len;
-        if (nacc >= 32) {
-            uint32_t w = (uint32_t)(acc >> 32);
-            stream[out] = w >> 24;
-            stream[out + 1] = w >> 16;
-            stream[out + 2] = w >> 8;
-            stream[out + 3] = w;
-            out += 4;
-            acc <<= 32;
-            nacc -= 32;
-        }
+        seg_gap[n_seg] = 0;
+        for (int64_t s = 0; s < n_seg; s += 2) gaps[s / 2] = seg_gap[s] | seg_gap[s + 1] << 4;
     }
-    for (; seg < n_seg; seg++) {
-        gaps[seg >> 1] |= (uint8_t)((pos - seg * seg_bits) << ((seg & 1) * 4));
-        if (seg % segs_per_block == 0) block_first[seg / segs_per_block] = n;
-    }
-    for (; nacc > 0; nacc -= 8, acc <<= 8) stream[out++] = (uint8_t)(acc >> 56);
-    pack_raw(in, n, width, k, raw, parts, nparts);
-    return pos;
+    free(seg_gap);
+    free(tail);
+    free(status);
+    free(table);
+    return result;
 }

@@ -2,10 +2,10 @@
 Every other file (config, tokenizer, index, ...) is copied as is, so a compressed model
 folder keeps working as a model folder through CompressedCheckpoint."""
 
+import math
 import re
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,8 @@ from shared.codec.container import (
     write_shard,
 )
 from shared.codec.format import EncodedTensor
-from shared.codec.tensor import decode_tensor, default_threads, encode_tensor
+from shared.codec.many import encode_lazily
+from shared.codec.tensor import decode_tensor
 from shared.errors import ModelFolderError
 
 
@@ -70,7 +71,8 @@ def total_tensor_bytes(folder: Path) -> int:
 def compress_dir(
     in_dir: Path, out_dir: Path, on_tensor: OnTensor | None = None, num_threads: int | None = None
 ) -> list[TensorRecord]:
-    """Writes the compressed form of in_dir into out_dir (created; must not hold files)."""
+    """Writes the compressed form of in_dir into out_dir (created; must not hold files), on
+    up to num_threads threads (default: default_threads()), file by file (many.py)."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     if (in_dir / MANIFEST).exists():
         raise ModelFolderError(str(in_dir / MANIFEST), "folder is already compressed")
@@ -80,14 +82,12 @@ def compress_dir(
     _prepare_out(out_dir)
     records: list[TensorRecord] = []
     shards = []
-    threads = num_threads or default_threads()
-    with ThreadPoolExecutor(threads) as pool:
-        for rel in files:
-            encoded, metadata = _encode_file(in_dir / rel, pool, records, on_tensor)
-            target = out_dir / shard_name(str(rel))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            write_shard(target, encoded, metadata)
-            shards.append(ShardInfo(shard_name(str(rel)), str(rel), tuple(e.name for e in encoded)))
+    for rel in files:
+        encoded, metadata = _encode_file(in_dir / rel, num_threads, records, on_tensor)
+        target = out_dir / shard_name(str(rel))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_shard(target, encoded, metadata)
+        shards.append(ShardInfo(shard_name(str(rel)), str(rel), tuple(e.name for e in encoded)))
     _copy_others(in_dir, out_dir, skip=lambda p: p.suffix == ".safetensors")
     write_manifest(out_dir, shards)
     return records
@@ -128,7 +128,7 @@ def inspect_dir(folder: Path) -> list[TensorRecord]:
     return records
 
 
-def _encode_file(path: Path, pool, records: list, on_tensor: OnTensor | None):
+def _encode_file(path: Path, threads: int, records: list, on_tensor: OnTensor | None):
     try:
         handle = safe_open(str(path), framework="pt")
         names = list(handle.keys())
@@ -136,15 +136,18 @@ def _encode_file(path: Path, pool, records: list, on_tensor: OnTensor | None):
     except Exception as e:
         raise ModelFolderError(str(path), f"not a readable safetensors file ({e})") from e
 
-    def encode(name: str) -> EncodedTensor:
-        return encode_tensor(handle.get_tensor(name), name)
+    def num_elements(name: str) -> int:
+        return math.prod(handle.get_slice(name).get_shape())
 
     encoded = []
-    for enc in pool.map(encode, names):
+
+    def done(enc: EncodedTensor) -> None:
         encoded.append(enc)
         records.append(_record(enc))
         if on_tensor is not None:
             on_tensor(records[-1])
+
+    encode_lazily(names, num_elements, handle.get_tensor, threads, done)
     return encoded, metadata
 
 

@@ -1,8 +1,8 @@
-"""The C fast path (_encode.c, _decode.c, _crc32c.c, _batch.c, _pool.c; declarations in
-_codec.h): built on first use with the system C compiler into a cache folder keyed by the
-sources' hash, loaded with ctypes (which releases the GIL during calls). `load()` returns None
-where no compiler works (or on a big-endian or 32-bit host); callers then use the numpy
-reference."""
+"""The C fast path (_encode.c, _pack.c, _huffman.c, _decode.c, _crc32c.c, _batch.c, _pool.c;
+declarations in _codec.h): built on first use with the system C compiler into a cache folder
+keyed by the sources' hash, loaded with ctypes (which releases the GIL during calls). `load()`
+returns None where no compiler works (or on a big-endian or 32-bit host); callers then use the
+numpy reference."""
 
 import ctypes
 import logging
@@ -14,13 +14,15 @@ from pathlib import Path
 import numpy as np
 
 from kernels.build import build_library
-from shared.codec.format import SEG_BITS, SEGS_PER_BLOCK, raw_layout
-from shared.codec.huffman import canonical_codes
+from shared.codec.format import raw_layout
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / f for f in ("_encode.c", "_decode.c", "_crc32c.c", "_batch.c", "_pool.c")]
+_SOURCES = [
+    _HERE / f
+    for f in ("_encode.c", "_pack.c", "_huffman.c", "_decode.c", "_crc32c.c", "_batch.c", "_pool.c")
+]
 _HEADER = _HERE / "_codec.h"
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
 _lock = threading.Lock()
@@ -45,13 +47,15 @@ class Job(ctypes.Structure):
 
 
 _SIGNATURES = {
-    "tc_histogram": (None, [_ptr, _i64, _int, _int, _ptr]),
+    "tc_histogram": (None, [_ptr, _int, _int, _ptr, _i64, _ptr, _int]),
+    "tc_code_lengths": (_int, [_ptr, _i64, _int, _ptr]),
+    "tc_split_candidates": (_int, [_ptr, _i64, _i64, _int, _int, _ptr, _ptr]),
     "tc_encode": (
-        _i64,
-        [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64],
+        _int,
+        [_ptr, _int, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _i64, _int],
     ),
     "tc_decode_batch": (_int, [ctypes.POINTER(Job), _i64, _int, _int]),
-    "tc_crc32c": (_u32, [_u32, _ptr, _i64]),
+    "tc_crc32c": (_u32, [_u32, _ptr, _i64, _int]),
     "tc_crc32c_by": (_i64, [_int, _u32, _ptr, _i64]),
 }
 
@@ -91,33 +95,90 @@ def _build_and_load() -> ctypes.CDLL | None:
 
 
 def _addr(array: np.ndarray) -> int:
-    return array.ctypes.data
+    return array.__array_interface__["data"][0]  # array.ctypes.data takes ~10 us
 
 
-def histogram(lib, bits: np.ndarray, k: int) -> np.ndarray:
-    """Symbol counts of the flat element bits for split point k."""
+MIN_CHUNK_ELEMENTS = 1 << 16
+CHUNKS_PER_THREAD = 4
+
+
+def chunk_bounds(n: int, num_threads: int) -> np.ndarray:
+    """Where the encoder cuts n elements for num_threads threads: int64[chunks + 1], from 0 to
+    n at multiples of 128 elements (one owner per 16-byte group of a raw plane). Up to
+    CHUNKS_PER_THREAD chunks a thread, taken from a shared counter, so that a thread the OS
+    holds back delays the others less; but at least MIN_CHUNK_ELEMENTS a chunk (waking a
+    thread costs ~20 us)."""
+    most = 1 if num_threads <= 1 else CHUNKS_PER_THREAD * num_threads
+    chunks = max(1, min(most, n // max(MIN_CHUNK_ELEMENTS, 128)))
+    bounds = np.arange(chunks + 1, dtype=np.int64) * n // chunks // 128 * 128
+    bounds[-1] = n
+    return bounds
+
+
+def histogram(lib, bits: np.ndarray, k: int, bounds: np.ndarray, num_threads: int) -> np.ndarray:
+    """Symbol counts (int64[chunks, symbols]) of each chunk of the flat element bits for split
+    point k."""
     width = bits.itemsize
-    counts = np.zeros(1 << (width * 8 - 1 - k), dtype=np.int64)
-    lib.tc_histogram(_addr(bits), bits.size, width, k, _addr(counts))
+    counts = np.zeros((len(bounds) - 1, 1 << (width * 8 - 1 - k)), dtype=np.int64)
+    lib.tc_histogram(_addr(bits), width, k, _addr(bounds), len(bounds) - 1, _addr(counts),
+                     num_threads)  # fmt: skip
     return counts
 
 
-def encode(lib, bits: np.ndarray, k: int, lengths: np.ndarray, sizes: dict) -> dict:
-    """Code planes (numpy) of the flat element bits; `sizes` gives each plane's byte size
-    and the total bit count the caller computed from the histogram."""
+def code_lengths(lib, counts: np.ndarray, max_len: int) -> np.ndarray:
+    """huffman.code_lengths(counts, max_len), computed in C."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    lengths = np.zeros(len(counts), dtype=np.uint8)
+    status = lib.tc_code_lengths(_addr(counts), len(counts), max_len, _addr(lengths))
+    _check_lengths_status(status, max_len)
+    return lengths
+
+
+def split_candidates(
+    lib, counts: np.ndarray, num_candidates: int, max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For c = 0 .. num_candidates - 1, symbols merged in runs of 2**c (split point finest + c)
+    from the finest symbols' counts per chunk (int64[chunks, symbols]): (lengths uint8[c,
+    symbols], of which the first symbols >> c count; chunk_bits int64[c, chunks + 1], where
+    each chunk's codes start, then the total)."""
+    chunks, symbols = counts.shape
+    lengths = np.zeros((num_candidates, symbols), dtype=np.uint8)
+    chunk_bits = np.zeros((num_candidates, chunks + 1), dtype=np.int64)
+    status = lib.tc_split_candidates(_addr(counts), chunks, symbols, num_candidates, max_len,
+                                     _addr(lengths), _addr(chunk_bits))  # fmt: skip
+    _check_lengths_status(status, max_len)
+    return lengths, chunk_bits
+
+
+def _check_lengths_status(status: int, max_len: int) -> None:
+    if status == NO_MEMORY:
+        raise MemoryError("codec: no memory for package-merge")
+    if status != 0:
+        raise ValueError(f"too many symbols for codes of at most {max_len} bits")
+
+
+def encode(
+    lib, bits: np.ndarray, k: int, lengths: np.ndarray, sizes: dict, bounds: np.ndarray,
+    chunk_bits: np.ndarray, num_threads: int,
+) -> dict:  # fmt: skip
+    """Code planes (numpy) of the flat element bits, cut into chunks at `bounds` whose codes
+    start at stream bits `chunk_bits` (int64[chunks + 1], the total last); `sizes` gives each
+    plane's byte size. The caller computed both from the chunks' histograms."""
     planes = {name: np.zeros(sizes[name], dtype=np.uint8) for name in ("stream", "raw", "gaps")}
     planes["block_first"] = np.zeros(sizes["block_first"], dtype=np.int64)
-    codes = canonical_codes(lengths)
-    lens = np.ascontiguousarray(lengths, dtype=np.uint8)
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint8)
     parts = np.array(raw_layout(bits.size, k + 1), dtype=np.int64).reshape(-1)
-    total = lib.tc_encode(
-        _addr(bits), bits.size, bits.itemsize, k, _addr(codes), _addr(lens),
-        _addr(planes["stream"]), _addr(planes["raw"]), _addr(parts), len(parts) // 3,
-        _addr(planes["gaps"]),
-        _addr(planes["block_first"]), sizes["num_segments"], SEG_BITS, SEGS_PER_BLOCK,
+    chunk_bits = np.ascontiguousarray(chunk_bits, dtype=np.int64)
+    status = lib.tc_encode(
+        _addr(bits), bits.itemsize, k, _addr(lengths), _addr(planes["stream"]),
+        _addr(planes["raw"]), _addr(parts), len(parts) // 3, _addr(planes["gaps"]),
+        _addr(planes["block_first"]), _addr(bounds), _addr(chunk_bits), len(bounds) - 1,
+        num_threads,
     )  # fmt: skip
-    if total != sizes["total_bits"]:
-        raise AssertionError(f"encoder wrote {total} bits, expected {sizes['total_bits']}")
+    if status == NO_MEMORY:
+        raise MemoryError("codec: no memory for the encoder's bookkeeping")
+    if status != 0:
+        raise AssertionError(f"encoder status {status}: codes do not fill the expected bits")
     return planes
 
 
@@ -130,6 +191,7 @@ def decode_batch(lib, jobs: list[Job], num_threads: int, verify: bool) -> list[t
     return [(done.status, done.crc) for done in array]
 
 
-def crc32c(lib, address: int, nbytes: int, crc: int = 0) -> int:
-    """CRC-32C of nbytes at address, continuing from crc (0 to start)."""
-    return lib.tc_crc32c(crc, address, nbytes)
+def crc32c(lib, address: int, nbytes: int, crc: int = 0, num_threads: int = 1) -> int:
+    """CRC-32C of nbytes at address, continuing from crc (0 to start), on up to num_threads
+    threads."""
+    return lib.tc_crc32c(crc, address, nbytes, num_threads)

@@ -3,7 +3,6 @@ builds and the numpy reference otherwise. Decoding checks the planes against the
 and the result against the stored CRC-32C; any mismatch raises ModelFolderError naming the
 source file and the tensor."""
 
-import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ import torch
 from shared.codec import crc, native, reference
 from shared.codec.format import (
     LAYOUTS,
+    MAX_CODE_LEN,
     MAX_SYMBOL_BITS,
     MIN_CODED_ELEMENTS,
     CodedPlanes,
@@ -32,20 +32,26 @@ BACKENDS = ("auto", "native", "reference")
 
 
 def encode_tensor(
-    tensor: torch.Tensor, name: str = "", k: int | None = None, backend: str = "auto"
+    tensor: torch.Tensor,
+    name: str = "",
+    k: int | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
 ) -> EncodedTensor:
-    """Encodes a CPU tensor. Floats of two or more dimensions with enough elements are
-    Huffman-coded at the split point k that stores fewest bytes (or at the given k); every
-    other tensor, or one that coding would not shrink, is kept raw."""
+    """Encodes a CPU tensor on up to num_threads threads (default: default_threads()), the
+    planes the same whatever the count. Floats of two or more dimensions with enough elements
+    are Huffman-coded at the split point k that stores fewest bytes (or at the given k);
+    every other tensor, or one that coding would not shrink, is kept raw."""
     tensor = tensor.detach().contiguous()
     layout = LAYOUTS.get(tensor.dtype)
     if k is not None and (layout is None or not valid_split(layout, k)):
         raise ValueError(f"{name}: cannot code {tensor.dtype} with split point k={k}")
     lib = _library(backend)
-    shape, crc = tuple(tensor.shape), checksum(tensor, lib)
+    num_threads = num_threads or default_threads()
+    shape, crc = tuple(tensor.shape), checksum(tensor, lib, num_threads)
     small = tensor.dim() < 2 or tensor.numel() < MIN_CODED_ELEMENTS
     if layout is not None and tensor.numel() and (k is not None or not small):
-        planes = _encode_planes(tensor, layout, k, lib)
+        planes = _encode_planes(tensor, layout, k, lib, num_threads)
         if planes is not None:
             return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, planes, None)
     return EncodedTensor(name, "<memory>", tensor.dtype, shape, crc, None, tensor)
@@ -149,9 +155,10 @@ def valid_split(layout: FloatLayout, k: int) -> bool:
     return 0 <= k and 0 < layout.width - 1 - k <= MAX_SYMBOL_BITS
 
 
-def checksum(tensor: torch.Tensor, lib=None) -> int:
-    """CRC-32C of a CPU tensor's bytes (on the C fast path if `lib`)."""
-    return _crc32c(tensor.contiguous().reshape(-1).view(torch.uint8), lib)
+def checksum(tensor: torch.Tensor, lib=None, num_threads: int = 1) -> int:
+    """CRC-32C of a CPU tensor's bytes (on the C fast path if `lib`, on up to num_threads
+    threads)."""
+    return _crc32c(tensor.contiguous().reshape(-1).view(torch.uint8), lib, 0, num_threads)
 
 
 def planes_checksum(planes: CodedPlanes, lib=None) -> int:
@@ -162,9 +169,9 @@ def planes_checksum(planes: CodedPlanes, lib=None) -> int:
     return value
 
 
-def _crc32c(flat_bytes: torch.Tensor, lib, value: int = 0) -> int:
+def _crc32c(flat_bytes: torch.Tensor, lib, value: int, num_threads: int = 1) -> int:
     if lib is not None:
-        return native.crc32c(lib, flat_bytes.data_ptr(), flat_bytes.numel(), value)
+        return native.crc32c(lib, flat_bytes.data_ptr(), flat_bytes.numel(), value, num_threads)
     return crc.crc32c(flat_bytes.numpy(), value)
 
 
@@ -211,55 +218,73 @@ def _decode_reference(encoded: EncodedTensor, out: torch.Tensor, verify: bool):
 
 
 def _encode_planes(
-    tensor: torch.Tensor, layout: FloatLayout, k: int | None, lib
+    tensor: torch.Tensor, layout: FloatLayout, k: int | None, lib, num_threads: int
 ) -> CodedPlanes | None:
     """The planes at the chosen split point, or None if raw storage is no bigger."""
     flat = _bits(tensor).reshape(-1)
-    choice = _choose_split(lib, flat, layout, k)
+    bounds = native.chunk_bounds(flat.size, num_threads) if lib is not None else None
+    choice = _choose_split(lib, flat, layout, k, bounds, num_threads)
     if choice is None:
         return None
-    k, lengths, sizes = choice
+    k, lengths, sizes, chunk_bits = choice
     if lib is None:
         planes = reference.encode(flat, layout.width, k, lengths)
     else:
-        planes = native.encode(lib, flat, k, lengths, sizes)
+        planes = native.encode(lib, flat, k, lengths, sizes, bounds, chunk_bits, num_threads)
     first_symbol, packed = pack_lengths(lengths)
-    coded = CodedPlanes(
-        stream=torch.from_numpy(planes["stream"]),
-        raw=torch.from_numpy(planes["raw"]),
-        lengths=torch.from_numpy(packed),
-        gaps=torch.from_numpy(planes["gaps"]),
-        block_first=torch.from_numpy(planes["block_first"]).to(block_index_dtype(flat.size)),
-        k=k,
-        total_bits=sizes["total_bits"],
-        first_symbol=first_symbol,
-        crc32c=0,
+    index = planes["block_first"].astype(np.int32 if flat.size < 1 << 31 else np.int64)
+    arrays = (planes["stream"], planes["raw"], packed, planes["gaps"], index)  # tensors() order
+    value = 0
+    for array in arrays:  # planes_checksum on the numpy arrays: no torch calls per plane
+        if lib is None:
+            value = crc.crc32c(array.view(np.uint8).reshape(-1), value)
+        else:
+            value = native.crc32c(lib, array.ctypes.data, array.nbytes, value, num_threads)
+    stream, raw, lengths_plane, gaps, block_first = map(torch.from_numpy, arrays)
+    return CodedPlanes(
+        stream, raw, lengths_plane, gaps, block_first, k, sizes["total_bits"], first_symbol, value
     )
-    return dataclasses.replace(coded, crc32c=planes_checksum(coded, lib))
 
 
-def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None):
-    """(k, code lengths, plane sizes) of the split point storing fewest bytes (or of the
-    given k), or None if storing the tensor raw is no bigger."""
+def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bounds, threads):
+    """(k, code lengths, plane sizes, chunk_bits) of the split point storing fewest bytes (or
+    of the given k), or None if storing the tensor raw is no bigger. chunk_bits: where the
+    codes of each chunk at `bounds` start in the stream, then the total."""
+    best, best_bytes = None, flat.size * flat.itemsize if k is None else None
+    for candidate, lengths, chunk_bits in _candidates(lib, flat, layout, k, bounds, threads):
+        sizes = _plane_sizes(int(chunk_bits[-1]), flat.size, candidate)
+        index_bytes = sizes["block_first"] * (4 if flat.size < 1 << 31 else 8)
+        stored = sizes["stream"] + sizes["raw"] + sizes["gaps"] + index_bytes
+        used = np.flatnonzero(lengths)
+        stored += (int(used[-1]) - int(used[0]) + 2) // 2  # len(pack_lengths(lengths)[1])
+        if best_bytes is None or stored < best_bytes:
+            best, best_bytes = (candidate, lengths, sizes, chunk_bits), stored
+    return best
+
+
+def _candidates(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bounds, threads):
+    """(k, code lengths, chunk_bits) of each split point worth trying (or of the given k),
+    from one histogram at the finest of them."""
     ks = layout.candidate_ks() if k is None else [k]
     finest = min(ks)
-    if lib is None:
-        symbols, _ = reference.split(flat, layout.width, finest)
-        counts = np.bincount(symbols, minlength=1 << (layout.width - 1 - finest))
-    else:
-        counts = native.histogram(lib, flat, finest)
-    best, best_bytes = None, flat.size * flat.itemsize if k is None else None
+    if lib is not None:
+        counts = native.histogram(lib, flat, finest, bounds, threads)  # (chunks, symbols)
+        lengths, chunk_bits = native.split_candidates(
+            lib, counts, max(ks) - finest + 1, MAX_CODE_LEN
+        )
+        symbols = counts.shape[1]
+        return [
+            (c, lengths[c - finest, : symbols >> (c - finest)], chunk_bits[c - finest]) for c in ks
+        ]
+    symbols, _ = reference.split(flat, layout.width, finest)
+    counts = np.bincount(symbols, minlength=1 << (layout.width - 1 - finest))
+    out = []
     for candidate in ks:
         # Symbols at a coarser split are the finer ones shifted right: sum runs of counts.
         merged = counts.reshape(-1, 1 << (candidate - finest)).sum(axis=1)
         lengths = code_lengths(merged)
-        sizes = _plane_sizes(int(np.dot(merged, lengths.astype(np.int64))), flat.size, candidate)
-        index_bytes = sizes["block_first"] * (4 if flat.size < 1 << 31 else 8)
-        stored = sizes["stream"] + sizes["raw"] + sizes["gaps"] + index_bytes
-        stored += len(pack_lengths(lengths)[1])
-        if best_bytes is None or stored < best_bytes:
-            best, best_bytes = (candidate, lengths, sizes), stored
-    return best
+        out.append((candidate, lengths, np.array([0, np.dot(merged, lengths.astype(np.int64))])))
+    return out
 
 
 def _plane_sizes(total_bits: int, n: int, k: int) -> dict:

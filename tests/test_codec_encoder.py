@@ -1,0 +1,171 @@
+"""The C encoder writes the reference's planes byte for byte whatever its thread count: its
+package-merge gives huffman.code_lengths' lengths, and tensors cut into chunks (boundaries
+mid-byte and mid-segment) give the planes of one chunk, for every coded dtype and awkward
+sizes."""
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from shared.codec import compress_dir, encode_tensor, encode_tensors, native
+from shared.codec.container import ShardReader
+from shared.codec.format import LAYOUTS, MAX_CODE_LEN, SEG_BITS
+from shared.codec.huffman import code_lengths
+
+from compilers import needs_compiler
+
+pytestmark = needs_compiler
+CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
+
+
+@pytest.fixture
+def lib():
+    return native.load()
+
+
+def assert_same_planes(a, b) -> None:
+    assert a.encoding == b.encoding == "huffman"
+    assert (a.planes.k, a.planes.total_bits, a.planes.first_symbol, a.planes.crc32c) == (
+        b.planes.k, b.planes.total_bits, b.planes.first_symbol, b.planes.crc32c,
+    )  # fmt: skip
+    for name, plane in a.planes.tensors().items():
+        assert torch.equal(plane, b.planes.tensors()[name]), name
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 10**12), min_size=1, max_size=2048), st.integers(9, 16))
+def test_c_package_merge_gives_the_reference_lengths(counts, max_len):
+    counts = np.array(counts, dtype=np.int64)
+    if np.count_nonzero(counts) > 1 << max_len:
+        return
+    assert np.array_equal(native.code_lengths(native.load(), counts, max_len),
+                          code_lengths(counts, max_len))  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_c_package_merge_on_skewed_and_tied_histograms(lib, seed):
+    rng = np.random.default_rng(seed)
+    symbols = 1 << int(rng.integers(1, 12))
+    shapes = [
+        (rng.geometric(0.05, symbols) ** 6).astype(np.int64),  # long codes hit the bound
+        rng.integers(0, 3, symbols),  # ties everywhere
+        np.where(rng.random(symbols) < 0.9, 0, 10 ** rng.integers(0, 12, symbols)),
+        np.r_[10**15, np.ones(symbols - 1, dtype=np.int64)],  # one dominant symbol
+    ]
+    for counts in shapes:
+        expected = code_lengths(counts)
+        assert np.array_equal(native.code_lengths(lib, counts, MAX_CODE_LEN), expected)
+        assert expected.max() <= MAX_CODE_LEN
+
+
+def test_c_package_merge_rejects_too_many_symbols(lib):
+    with pytest.raises(ValueError):
+        native.code_lengths(lib, np.ones(2048, dtype=np.int64), 10)
+
+
+def tensor_of(dtype, n, seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    return w.reshape(1, n)
+
+
+SIZES = [1024, 1031, 1153, 4099, 9000, 20_011]
+
+
+@pytest.mark.parametrize("dtype", list(LAYOUTS))
+@pytest.mark.parametrize("n", SIZES)
+def test_threads_write_the_planes_of_one_thread_and_of_the_reference(dtype, n, monkeypatch):
+    t = tensor_of(dtype, n, seed=n)
+    reference = encode_tensor(t, "w", backend="reference")
+    one = encode_tensor(t, "w", backend="native", num_threads=1)
+    assert_same_planes(one, reference)
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 128)  # chunks of 128 elements and up
+    for threads in (2, 3, 8, 64):
+        assert_same_planes(encode_tensor(t, "w", backend="native", num_threads=threads), one)
+
+
+def test_chunk_boundaries_fall_mid_byte_and_mid_segment(lib, monkeypatch):
+    """The sizes above do exercise shared bytes: chunk starts land at odd bits, inside
+    segments, and chunks span several segments and blocks."""
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 128)
+    t = tensor_of(torch.bfloat16, 20_011, seed=1).reshape(-1)
+    flat = t.view(torch.int16).numpy().view(np.uint16)
+    bounds = native.chunk_bounds(flat.size, 64)
+    counts = native.histogram(lib, flat, 5, bounds, 2)
+    lengths = code_lengths(counts.sum(0))
+    starts = np.cumsum(counts @ lengths.astype(np.int64))[:-1]
+    assert len(bounds) == 20_011 // 128 + 1 and np.all(bounds[1:-1] % 128 == 0)
+    assert np.any(starts % 8 != 0) and np.any(starts % SEG_BITS != 0)
+    assert starts[-1] > 32 * SEG_BITS
+
+
+@pytest.mark.parametrize("dtype", list(LAYOUTS))
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 127, 129, 300, 385])
+def test_tiny_tensors_at_a_given_split(dtype, n, monkeypatch):
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 128)
+    t = tensor_of(dtype, n, seed=3)
+    for k in LAYOUTS[dtype].candidate_ks():
+        reference = encode_tensor(t, "w", k=k, backend="reference")
+        for threads in (1, 4):
+            assert_same_planes(encode_tensor(t, "w", k=k, backend="native", num_threads=threads),
+                               reference)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", list(LAYOUTS))
+def test_a_single_symbol_on_many_threads(dtype, monkeypatch):
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 128)
+    t = torch.full((7, 1001), 0.5, dtype=dtype)
+    reference = encode_tensor(t, "w", backend="reference")
+    assert_same_planes(encode_tensor(t, "w", backend="native", num_threads=5), reference)
+    assert reference.planes.total_bits == t.numel()
+
+
+def test_compress_dir_writes_the_same_shards_on_any_thread_count(tmp_path, monkeypatch):
+    """Large tensors split across the threads, runs of small ones share the pool; the shard
+    bytes and the order of the records do not depend on it."""
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 1024)  # large: 2048 elements or more
+    tensors = {f"w{i}": tensor_of(torch.bfloat16, n, seed=i) for i, n in enumerate(
+        [300, 5000, 1100, 1200, 700, 9000, 1024])}  # fmt: skip
+    tensors["norm"] = torch.ones(64)
+    (tmp_path / "in").mkdir()
+    save_file(tensors, str(tmp_path / "in" / "model.safetensors"))
+    seen = {}
+    for threads in (1, 3):
+        seen[threads] = []
+        compress_dir(tmp_path / "in", tmp_path / f"out{threads}", seen[threads].append, threads)
+    assert [r.name for r in seen[3]] == [r.name for r in seen[1]] == sorted(tensors)
+    one, three = (ShardReader(tmp_path / f"out{t}" / "model.tison") for t in (1, 3))
+    for name in tensors:  # (the shard's bytes differ: safetensors orders its metadata at random)
+        a, b = one.encoded(name), three.encoded(name)
+        assert a.encoding == b.encoding and a.crc32c == b.crc32c
+        if a.planes is not None:
+            assert_same_planes(a, b)
+
+
+def test_the_codec_sources_compile_for_aarch64(tmp_path):
+    """The portable C (no x86 intrinsic outside its guard) also builds for aarch64."""
+    compiler = next((c for c in CROSS_COMPILERS if shutil.which(c)), None)
+    if compiler is None:
+        pytest.skip("no aarch64 cross-compiler (Debian: gcc-aarch64-linux-gnu)")
+    for source in native._SOURCES:
+        cmd = [compiler, *native._FLAGS, "-Werror=implicit-function-declaration", "-c", source]
+        result = subprocess.run([*cmd, "-o", tmp_path / f"{source.stem}.o"], capture_output=True,
+                                text=True)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+
+
+def test_encode_tensors_gives_encode_tensor_of_each_in_order(monkeypatch):
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 1024)
+    tensors = {
+        f"w{i}": tensor_of(torch.float16, n, seed=i) for i, n in enumerate([9000, 1500, 3000])
+    }
+    batch = encode_tensors(tensors, num_threads=3)
+    assert [e.name for e in batch] == list(tensors)
+    for e, (name, t) in zip(batch, tensors.items()):
+        assert_same_planes(e, encode_tensor(t, name, num_threads=1))
