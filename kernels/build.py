@@ -27,7 +27,7 @@ def build_library(
     if not target.exists():
         start = time.perf_counter()
         _compile(target, sources, flags)
-        took = time.perf_counter() - start  # start-up accounting (services/up/startup_log.py)
+        took = time.perf_counter() - start  # read by tison up's start-up accounting
         log.info("built %s in %.2f s (cached in %s)", name, took, target.parent)
     return target
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.scenarios.cluster import REPO_ROOT, free_port
-from services.up.startup_log import READY, StartupPhases
 from shared.proc import die_with_parent, stop_processes
+from shared.startup_log import READY, StartupPhases
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Run:
 
 
 def record(run: Run, line: str, launched: float, arrived_s: float) -> None:
-    """Adds the phase this output line marks (if any) to the run (services/up/startup_log)."""
+    """Adds the phase this output line marks (if any) to the run (shared/startup_log)."""
     run.phases.record(line, launched, arrived_s)
 
 

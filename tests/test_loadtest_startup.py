@@ -1,11 +1,11 @@
 """loadtest.startup reads start-up phases from `tison up`'s output lines; `tison up` logs the
-same phases per child once serving (services/up/startup_log.py)."""
+same phases per child once serving (shared/startup_log.py)."""
 
 import time
 from datetime import datetime
 
 from loadtest.startup import Run, record, table
-from services.up.startup_log import StartupPhases, summary
+from shared.startup_log import StartupPhases, summary
 
 
 def _stamp(t: float) -> str:

@@ -19,12 +19,12 @@ from services.scheduler import routing
 from services.up.identities import NatsIdentities, write_batch_password
 from services.up.placement import MODES
 from services.up.plan import UpConfig, placement, plan
-from services.up.startup_log import PhaseLogHandler, StartupPhases, summary
 from services.up.supervisor import StartupFailure, Supervisor, child_env
 from shared.errors import ModelFolderError, TisonError, UnsupportedArchitectureError
 from shared.models.registry import supported_architectures
 from shared.nats_server import NatsServer, ServerTls
 from shared.proc import process_age_s
+from shared.startup_log import PhaseLogHandler, StartupPhases, summary
 from shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("tison.up")
