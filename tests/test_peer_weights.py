@@ -2,7 +2,8 @@
 it equals the disk load parameter for parameter (raw float32, compressed float32 and bf16, FP8
 folders; a PP stage, TP ranks; TP=2 ranks each reading for themselves, generating as from
 disk); a wrong secret is refused and the server serves on; the
-server gives out only the files and tensors its index lists."""
+server gives out only the files and tensors its index lists; a peer dying mid-load fails the
+load with an error naming it, and no thread is left."""
 
 import shutil
 import socket
@@ -175,3 +176,34 @@ def test_garbage_before_the_handshake_is_dropped(servers):
     peer = PeerCheckpoint(endpoints["raw"], SECRET)
     assert len(peer.names()) > 0
     peer.close()
+
+
+class DyingServer(WeightsServer):
+    """Sends the first tensors asked for, then its connection drops, as a killed peer's does."""
+
+    def _answer(self, sock: socket.socket, header: dict) -> None:
+        if header.get("op") != "tensors":
+            return super()._answer(sock, header)
+        for name in header["names"][:2]:
+            frame, parts = wire.tensor_frame(self.source.encoded(str(name)))
+            wire.send_frame(sock, frame, parts)
+        sock.shutdown(socket.SHUT_RDWR)
+        raise ConnectionError("killed")
+
+
+@pytest.mark.parametrize("kind", ["raw", "compressed"])
+def test_a_peer_dying_mid_load_fails_the_load_with_a_clear_error(folders, kind):
+    """The load ends with an error naming the peer, not a hang, and leaves no thread behind."""
+    import threading
+
+    server = DyingServer(folders[kind], SECRET)
+    endpoint = server.start()
+    before = set(threading.enumerate())
+    try:
+        cfg = ModelConfig.from_dir(folders["raw"])
+        with pytest.raises((WeightsPeerError, ModelFolderError)) as failed:
+            load_model(folders["raw"], cfg, torch.float32, weights=PeerCheckpoint(endpoint, SECRET))
+        assert endpoint in str(failed.value), failed.value
+        wait_until(lambda: set(threading.enumerate()) <= before, 10, "the loader's threads to end")
+    finally:
+        server.close()
