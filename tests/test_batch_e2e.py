@@ -139,6 +139,20 @@ async def test_bad_calls_get_openai_errors(client):
         await client.files.content("file-nope")
 
 
+async def test_files_are_listed_and_deleted(client):
+    upload = await client.files.create(file=("gone.jsonl", b"{}\n"), purpose="batch")
+    assert upload.id in [f.id for f in (await client.files.list()).data]
+    deleted = await client.files.delete(upload.id)
+    assert deleted.deleted and deleted.id == upload.id
+    assert upload.id not in [f.id for f in (await client.files.list()).data]
+    with pytest.raises(openai.NotFoundError):
+        await client.files.retrieve(upload.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.files.delete(upload.id)
+    with pytest.raises(openai.BadRequestError, match="cannot be deleted"):
+        await client.files.delete("file-batch_x-output")
+
+
 def tison_batch(cluster, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "services.cli", "batch", *args, "--nats-url", cluster.nats.url]
     return subprocess.run(cmd, capture_output=True, cwd=REPO_ROOT, timeout=240)

@@ -144,6 +144,26 @@ class Batches:
         entry = await self._get(f"file.{file_id}", "file_id", file_id)
         return protocol.decode(entry.value, FileMsg)
 
+    async def files(self) -> list[FileMsg]:
+        """The uploaded files, newest first (a batch's output and error files are not listed:
+        they are made from its results)."""
+        try:
+            keys = [k for k in await self._kv.keys() if k.startswith("file.")]
+        except nats.js.errors.NoKeysError:
+            return []
+        records = [await self.file(k.removeprefix("file.")) for k in keys]
+        return sorted(records, key=lambda r: r.created_at, reverse=True)
+
+    async def delete_file(self, file_id: str) -> FileMsg:
+        """Deletes an uploaded file (a batch made from it runs on: its lines are queued). A
+        batch's output and error files go with the batch's results and cannot be deleted."""
+        if _made_from(file_id) is not None:
+            raise BatchError("file_id", f"{file_id} is a batch's results: it cannot be deleted")
+        record = await self.file(file_id)
+        await self._files.delete(file_id)
+        await self._kv.delete(f"file.{file_id}")
+        return record
+
     async def file_content(self, file_id: str) -> bytes:
         if (made := _made_from(file_id)) is not None:
             batch_id, which = made

@@ -105,6 +105,14 @@ class BatchService:
         record = await self._store().file(request.match_info["file_id"])
         return web.json_response(file_object(record))
 
+    async def list_files(self, request: web.Request) -> web.Response:
+        data = [file_object(r) for r in await self._store().files()]
+        return web.json_response({"object": "list", "data": data, "has_more": False})
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        record = await self._store().delete_file(request.match_info["file_id"])
+        return web.json_response({"id": record.id, "object": "file", "deleted": True})
+
     async def file_content(self, request: web.Request) -> web.Response:
         data = await self._store().file_content(request.match_info["file_id"])
         return web.Response(body=data, content_type="application/octet-stream")
@@ -184,7 +192,9 @@ async def batch_errors(request: web.Request, handler):
 
 def add_routes(app: web.Application, service: BatchService) -> None:
     app.router.add_post("/v1/files", service.create_file)
+    app.router.add_get("/v1/files", service.list_files)
     app.router.add_get("/v1/files/{file_id}", service.get_file)
+    app.router.add_delete("/v1/files/{file_id}", service.delete_file)
     app.router.add_get("/v1/files/{file_id}/content", service.file_content)
     app.router.add_post("/v1/batches", service.create_batch)
     app.router.add_get("/v1/batches", service.list_batches)
