@@ -119,6 +119,19 @@ def save_plain(reference: dict[str, torch.Tensor], quantized: Path, dst: Path) -
     return dst
 
 
+def save_bf16(src: Path, dst: Path) -> Path:
+    """The folder with its weights cast to bf16 (what checkpoints mostly are); every other
+    file, config.json included, copied as it is."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path).items()}
+            save_file(tensors, str(dst / path.name), metadata={"format": "pt"})
+        elif path.is_file():
+            shutil.copy2(path, dst / path.name)
+    return dst
+
+
 def _tensors(src: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors files (one file or shards)."""
     tensors = {}

@@ -22,20 +22,13 @@ from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 from shared.readahead import READ_LIMIT_ENV, pipelined, read_header
 from shared.sampling.params import SamplingParams
 
+from quant_helpers import save_bf16
+
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "東京 🙂"]
 
 
 def test_compressed_bf16_model_gives_identical_logprobs(tiny_llama, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    plain = tmp_path / "bf16"
-    plain.mkdir()
-    for f in tiny_llama.iterdir():
-        if f.suffix == ".safetensors":
-            tensors = {k: v.to(torch.bfloat16) for k, v in load_file(f).items()}
-            save_file(tensors, plain / f.name, metadata={"format": "pt"})
-        else:
-            (plain / f.name).write_bytes(f.read_bytes())
+    plain = save_bf16(tiny_llama, tmp_path / "bf16")
     packed = tmp_path / "compressed"
     compress_dir(plain, packed)
     assert is_compressed_dir(packed) and not list(packed.glob("*.safetensors"))
@@ -47,25 +40,12 @@ def test_compressed_bf16_model_gives_identical_logprobs(tiny_llama, tmp_path):
         assert a.logprobs == b.logprobs
 
 
-def _bf16_copy(src: Path, out: Path) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    for f in src.iterdir():
-        if f.suffix == ".safetensors":
-            tensors = {k: v.to(torch.bfloat16) for k, v in load_file(f).items()}
-            save_file(tensors, out / f.name, metadata={"format": "pt"})
-        else:
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
-
-
 @pytest.fixture(scope="module")
 def folders(tiny_model_factory, tmp_path_factory):
     """dtype -> (raw folder, compressed folder) of a 4-layer tiny Llama."""
     f32 = tiny_model_factory("llama", num_hidden_layers=4, intermediate_size=256)
     tmp = tmp_path_factory.mktemp("pipelined")
-    bf16 = _bf16_copy(f32, tmp / "bf16")
+    bf16 = save_bf16(f32, tmp / "bf16")
     made = {}
     for name, plain in (("float32", f32), ("bfloat16", bf16)):
         packed = tmp / f"{name}-compressed"

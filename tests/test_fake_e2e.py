@@ -5,7 +5,6 @@ import asyncio
 import json
 
 import aiohttp
-import openai
 import pytest
 
 from services.fake_worker.tokens import FakeModelInfo, fake_token, prompt_digest
@@ -35,14 +34,6 @@ def tokenizer(tiny_llama):
 @pytest.fixture(scope="module")
 def info(tiny_llama):
     return FakeModelInfo.from_dir(tiny_llama)
-
-
-@pytest.fixture
-async def client(cluster):
-    async with openai.AsyncOpenAI(
-        base_url=cluster.base_url + "/v1", api_key="none", max_retries=0
-    ) as client:
-        yield client
 
 
 def expected_text(tokenizer, info, prompt_ids, num_tokens):

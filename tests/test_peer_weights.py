@@ -5,12 +5,10 @@ disk); a wrong secret is refused and the server serves on; the
 server gives out only the files and tensors its index lists; a peer dying mid-load fails the
 load with an error naming it, and no thread is left."""
 
-import shutil
 import socket
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from shared.checkpoint import Checkpoint
 from shared.codec.folder import compress_dir
@@ -25,7 +23,7 @@ from shared.peer.client import PeerCheckpoint, connect, fetch_files, for_stage, 
 from shared.peer.server import WeightsServer
 from shared.sampling.params import SamplingParams
 
-from quant_helpers import quantize_fp8
+from quant_helpers import quantize_fp8, save_bf16
 from waiting import wait_until
 
 SECRET = b"peer-secret"
@@ -36,11 +34,7 @@ def folders(tiny_llama, tmp_path_factory):
     """raw (float32), compressed, a bf16 copy compressed (what checkpoints mostly are), FP8."""
     out = tmp_path_factory.mktemp("peer")
     compress_dir(tiny_llama, out / "compressed")
-    bf16 = out / "bf16"
-    shutil.copytree(tiny_llama, bf16, ignore=shutil.ignore_patterns("*.safetensors"))
-    tensors = load_file(tiny_llama / "model.safetensors")
-    save_file({n: t.to(torch.bfloat16) for n, t in tensors.items()}, bf16 / "model.safetensors")
-    compress_dir(bf16, out / "bf16-compressed")
+    compress_dir(save_bf16(tiny_llama, out / "bf16"), out / "bf16-compressed")
     quantize_fp8(tiny_llama, out / "fp8", block=(16, 16))
     return {
         "raw": tiny_llama,
