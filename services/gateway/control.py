@@ -196,7 +196,7 @@ class ControlPlane:
             for request in list(self._open.values()):
                 if not request.failed and (dead := self._dead_worker(request, now)):
                     request.failed = True
-                    error = f"worker {dead} died while holding the request"
+                    error = f"worker {dead} died or is unreachable (its heartbeats stopped)"
                     item = TokenItem(
                         request.request_id, 0, finish_reason=protocol.FINISH_ERROR, error=error
                     )

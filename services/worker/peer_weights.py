@@ -116,7 +116,7 @@ class WeightsAnnouncer:
     @classmethod
     async def start(cls, nc, config: WorkerConfig, model_dir: Path) -> "WeightsAnnouncer":
         server = await asyncio.to_thread(WeightsServer, model_dir, config.kv_secret.encode())
-        endpoint = server.start(config.kv_host)
+        endpoint = server.start(config.kv_host, toward=config.nats_url)
         announcer = cls(nc, config, server, endpoint)
         await nc.subscribe(subjects.weights_ask(), cb=announcer._on_ask)
         log.info("serving the weights of %r to peers on %s", config.name, endpoint)

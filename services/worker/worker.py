@@ -82,7 +82,9 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
                 pools = map_pools(engine.kv_spec, ranks)
                 allowed = _reserved_check(engine)
                 tcp_server = tcp.TcpKVServer(engine.kv_spec, pools, secret, allowed)
-            address = await tcp_server.start(config.kv_host) if tcp_server else ""
+            address = (
+                await tcp_server.start(config.kv_host, toward=config.nats_url) if tcp_server else ""
+            )
             pool = KVPool(engine.kv_spec.layout, host_id(), ranks, address)
             lease = config.reservation_lease_s
             roles.append(DecodeRole(nc, loop, ids["decode"], pool, tcp_server, lease))

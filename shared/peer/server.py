@@ -19,6 +19,7 @@ from shared.codec import CompressedCheckpoint, native
 from shared.codec.container import MANIFEST, SHARD_SUFFIX
 from shared.codec.format import EncodedTensor
 from shared.codec.tensor import checksum
+from shared.netaddr import dial_address
 from shared.peer import wire
 from shared.transfer import auth
 
@@ -92,8 +93,9 @@ class WeightsServer:
         self.bytes_sent = 0
         self._server: socketserver.ThreadingTCPServer | None = None
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listens; returns the address peers should dial (host:port)."""
+    def start(self, host: str = "127.0.0.1", port: int = 0, toward: str = "") -> str:
+        """Listens; returns the address peers should dial (host:port; on a wildcard `host`, this
+        host's address on its route toward `toward`, the NATS URL)."""
         server = socketserver.ThreadingTCPServer((host, port), self._handler(), False)
         server.daemon_threads = True
         server.allow_reuse_address = True
@@ -101,10 +103,7 @@ class WeightsServer:
         server.server_activate()
         self._server = server
         threading.Thread(target=server.serve_forever, name="weights-server", daemon=True).start()
-        bound = server.server_address
-        if bound[0] in ("0.0.0.0", "::"):  # listening everywhere: advertise a routable address
-            return f"{socket.gethostbyname(socket.gethostname())}:{bound[1]}"
-        return f"{bound[0]}:{bound[1]}"
+        return dial_address(server.server_address, toward)
 
     def close(self) -> None:
         if self._server is not None:

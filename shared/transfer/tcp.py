@@ -20,6 +20,7 @@ import msgpack
 import torch
 
 from shared.kv.spec import KVSpec
+from shared.netaddr import dial_address
 from shared.transfer import auth
 from shared.transfer.base import KVSender, KVTarget, LayerKV
 from shared.transfer.pools import MappedPool, write_layer
@@ -53,12 +54,11 @@ class TcpKVServer:
         self.received: dict[str, int] = {}  # request id -> payload bytes written so far
         self._server: asyncio.AbstractServer | None = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, toward: str = "") -> str:
+        """Listens; returns the address peers dial (netaddr.dial_address: on a wildcard `host`,
+        this host's address on its route toward `toward`, the NATS URL)."""
         self._server = await asyncio.start_server(self._serve, host, port)
-        bound = self._server.sockets[0].getsockname()
-        if bound[0] in ("0.0.0.0", "::"):  # listening everywhere: advertise a routable address
-            return f"{socket.gethostbyname(socket.gethostname())}:{bound[1]}"
-        return f"{bound[0]}:{bound[1]}"
+        return dial_address(self._server.sockets[0].getsockname(), toward)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -88,6 +88,8 @@ class TcpKVServer:
                 self.seconds += time.perf_counter() - start
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             pass  # peer went away
+        except asyncio.CancelledError:
+            pass  # the worker is stopping (3.11's start_server logs a handler's cancellation)
         except Exception as e:  # a malformed frame ends this connection, never the worker
             log.warning("KV connection dropped: %s", e)
         finally:
