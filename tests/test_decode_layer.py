@@ -53,7 +53,7 @@ def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
     return [(r.output_token_ids, r.output_logprobs) for r in requests]
 
 
-@pytest.mark.parametrize("tier", tier_params())
+@pytest.mark.parametrize("tier", tier_params(emulated_amx=True))
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_layer_gives_the_op_by_op_bits(
@@ -77,7 +77,7 @@ def both_ways(tiny_model_factory, monkeypatch, model, threads, tier) -> tuple[li
     return fused, op_by_op
 
 
-@pytest.mark.parametrize("tier", tier_params())
+@pytest.mark.parametrize("tier", tier_params(emulated_amx=True))
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("variant", MOE_VARIANTS)
 def test_fused_experts_give_the_op_by_op_tokens(

@@ -13,12 +13,12 @@ from shared.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shared.models.packing import prepare_cpu_linears
 
 from compilers import needs_compiler
-from tiers import tier_params, use_tier
+from tiers import EMULATED_AMX, tier_params, use_tier
 
 pytestmark = needs_compiler
 
 
-@pytest.fixture(autouse=True, params=tier_params())
+@pytest.fixture(autouse=True, params=tier_params(emulated_amx=True))
 def tier(request, monkeypatch):
     use_tier(request.param, monkeypatch)
     return request.param
@@ -81,14 +81,18 @@ def test_bad_input_names_what_is_wrong():
         linear_bf16(torch.zeros(2, 64), weight, None)
     with pytest.raises(ValueError, match="linear bias"):
         linear_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), weight, torch.zeros(8))
+    with pytest.raises(ValueError, match="linear weight.*48"):  # in_features off the 32s
+        linear_bf16(torch.zeros(2, 48, dtype=torch.bfloat16), weight[:, :48].contiguous(), None)
+    with pytest.raises(ValueError, match="linear weight.*contiguous False"):
+        linear_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), weight.T.contiguous().T, None)
 
 
-def test_output_counts_off_the_group_size(tier):
-    """The vector kernels take any number of outputs (groups of 4, the last one partial)."""
-    if tier == "amx":
-        pytest.skip("the AMX kernel takes multiples of 16 outputs (linear_fits says so)")
+def test_output_counts_off_the_group_size():
+    """Any number of outputs: the vector kernels' groups of 4, the last one partial; on AMX the
+    tiles' multiples of 16 and the vector units' rest (none, or no tile at all)."""
     g = torch.Generator().manual_seed(7)
-    for out_features, rows in [(1, 6), (3, 6), (5, 6), (7, 6), (5, 20)]:
+    cases = [(1, 6), (3, 6), (5, 6), (7, 6), (5, 20), (8, 40), (21, 3), (37, 17), (50, 33)]
+    for out_features, rows in cases:
         x = torch.randn(rows, 64, generator=g).bfloat16()
         weight = torch.randn(out_features, 64, generator=g).bfloat16()
         bias = torch.randn(out_features, generator=g).bfloat16()
@@ -96,10 +100,12 @@ def test_output_counts_off_the_group_size(tier):
 
 
 def test_the_tier_decides_amx(tier):
-    """Only the amx tier's library runs the linear on tiles."""
-    assert library.amx_ready() == (tier == "amx")
-    kernels = library.load_kernels(isa.BY_NAME[tier])
-    assert bool(kernels["tk_amx_ready", torch.bfloat16]()) == (tier == "amx")
+    """Only the amx tier's library runs the linear on tiles (emulated or not)."""
+    on_tiles = tier in ("amx", EMULATED_AMX)
+    assert library.amx_ready() == on_tiles
+    if tier != EMULATED_AMX:
+        kernels = library.load_kernels(isa.BY_NAME[tier])
+        assert bool(kernels["tk_amx_ready", torch.bfloat16]()) == on_tiles
 
 
 class _Model(torch.nn.Module):

@@ -6,8 +6,9 @@
  * (16 outputs n, 16 rows m), transposed on the way out. A thread owns whole 32-output groups
  * and streams their rows once, for up to 32 rows of x at a time.
  *
- * Built only where the compiler targets AMX-BF16 (isa.py's amx tier); linear_bf16.c
- * calls it there and its vector kernels elsewhere.
+ * Built only where the compiler targets AMX-BF16 (isa.py's amx tier), or for the tests with
+ * the tiles emulated (amx_emulated.h); linear_bf16.c calls it there and its vector kernels
+ * elsewhere.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,6 +21,9 @@
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#if defined(TISON_AMX_EMULATED)
+#include "amx_emulated.h" /* tests only: the tiles in plain C */
+#endif
 
 #define ARCH_GET_XCOMP_PERM 0x1022
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -27,6 +31,9 @@
 
 /* 1 when this process may use the AMX tiles (Linux grants them on request, once). */
 int amx_request(void) {
+#if defined(TISON_AMX_EMULATED)
+    return 1;
+#endif
     uint64_t features = 0;
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
     if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &features) != 0) return 0;
@@ -152,22 +159,24 @@ static void group(const bf16 *w, const bf16 *bias, const bf16 *xp, int64_t block
     }
 }
 
-/* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL; w (N, K) contiguous;
- * xp: linear_scratch(M, K), shared by the team. Inside a parallel region the team packs x
- * together, then shares out the output groups (an orphaned `omp for` each; outside a region
- * the caller does all). Leaves the tiles configured: release them once the team is done.
- * Needs N % 16 == 0 and K % 32 == 0 (the wrapper checks). */
+/* Outputs [0, N / 16 * 16) of y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,)
+ * or NULL; w (N, K) contiguous; xp: linear_scratch(M, K), shared by the team. Inside a
+ * parallel region the team packs x together, then shares out the output groups (an orphaned
+ * `omp for` each; outside a region the caller does all). The last N % 16 outputs are the
+ * caller's (linear_bf16.c runs them on the vector units). Leaves the tiles configured: release
+ * them once the team is done. Needs K % 32 == 0 (the wrapper checks). */
 void amx_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                      int64_t N, int64_t K, bf16 *y, bf16 *xp) {
-    int64_t width = M < 16 ? M : 16, blocks = (M + 15) / 16, steps = K / 32;
+    int64_t width = M < 16 ? M : 16, blocks = (M + 15) / 16, steps = K / 32, tiled = N / 16 * 16;
+    if (tiled == 0) return; /* every thread sees the same N: none enters the loops below */
 #pragma omp for
     for (int64_t t = 0; t < blocks * steps; t++)
         pack_tile(x, xs, M, K, width, t / steps, t % steps, xp);
     configure(width);
-    int64_t groups = (N / 16 + 1) / 2;
+    int64_t groups = (tiled / 16 + 1) / 2;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        int outs = g * 32 + 16 < N ? 2 : 1;
+        int outs = g * 32 + 16 < tiled ? 2 : 1;
         for (int64_t b = 0; b < blocks; b += 2) /* prefetch on the last pass over the group */
             group(w, bias, xp, b, b + 1 < blocks, b + 2 >= blocks, g * 32, outs, M, N, K,
                   width, y);

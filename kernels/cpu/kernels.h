@@ -78,7 +78,8 @@ void linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int
 void linear_team_done(void);
 void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const bf16 *w,
                          int64_t w_stride, int64_t N, int64_t K, bf16 *y, void *scratch);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__) || defined(TISON_AMX_EMULATED)) && \
+    defined(__AVX512BF16__)
 #define AMX_BUILD 1 /* the amx tier: amx_linear.c is compiled, linear_team runs on tiles */
 #else
 #define AMX_BUILD 0

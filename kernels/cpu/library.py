@@ -82,11 +82,11 @@ def built_tier() -> isa.Tier | None:
     return _built[0]
 
 
-def load_kernels(tier: isa.Tier) -> dict | None:
-    """{(name, dtype): ctypes function} of the library built for this tier; None if it cannot
-    be built."""
+def load_kernels(tier: isa.Tier, extra_flags: tuple[str, ...] = ()) -> dict | None:
+    """{(name, dtype): ctypes function} of the library built for this tier (and extra_flags:
+    the tests' -DTISON_AMX_EMULATED); None if it cannot be built."""
     try:
-        path = build_library("tison_cpu_kernels", SOURCES, flags(tier), HEADERS)
+        path = build_library("tison_cpu_kernels", SOURCES, [*flags(tier), *extra_flags], HEADERS)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         log.info("C CPU kernels at tier %s: %s", tier.name, e)

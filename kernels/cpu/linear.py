@@ -9,7 +9,6 @@ from kernels.cpu.checks import check
 AMX_MAX_ROWS = 256  # measured: above this oneDNN's large-M kernel is the faster one
 VEC_MAX_ROWS = 64  # likewise, for linear_bf16.c's vector kernels
 LINEAR_K_ALIGN = 32  # linear_bf16.c: input features, a multiple of this
-AMX_N_ALIGN = 16  # amx_linear.c: output features, a multiple of this
 
 
 def linear_max_rows() -> int:
@@ -19,13 +18,13 @@ def linear_max_rows() -> int:
 
 
 def linear_fits(weight: torch.Tensor) -> bool:
-    """Whether linear_bf16 takes this (out, in) weight: bf16, contiguous, sizes aligned."""
-    out_features, in_features = weight.shape
+    """Whether linear_bf16 takes this (out, in) weight: bf16, contiguous, its input features
+    aligned (any number of outputs: the AMX kernel leaves the last out % 16 to the vector
+    units)."""
     return (
         weight.dtype == torch.bfloat16
         and weight.is_contiguous()
-        and in_features % LINEAR_K_ALIGN == 0
-        and (not library.amx_ready() or out_features % AMX_N_ALIGN == 0)
+        and weight.shape[1] % LINEAR_K_ALIGN == 0
     )
 
 
@@ -38,6 +37,11 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     check("linear x", x, torch.bfloat16, M, K)
     if weight.shape[1] != K:
         raise ValueError(f"linear: x has {K} features, the weight takes {weight.shape[1]}")
+    if not linear_fits(weight):
+        raise ValueError(
+            f"linear weight: {weight.dtype} {tuple(weight.shape)}, contiguous "
+            f"{weight.is_contiguous()}; takes bf16, contiguous, in_features % {LINEAR_K_ALIGN} == 0"
+        )
     if bias is not None:
         check("linear bias", bias, torch.bfloat16, N)
     y = torch.empty((M, N), dtype=torch.bfloat16)

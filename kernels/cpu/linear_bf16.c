@@ -2,7 +2,8 @@
  * (+ bias), float32 sums, rounded to bfloat16 once. The weight stays in its plain row-major
  * layout (one copy, shared with a tied embedding and with F.linear for prefill).
  *
- * Where the build has AMX (amx_linear.c) the tiles do the work; elsewhere the vector units,
+ * Where the build has AMX (amx_linear.c) the tiles do the work (all but the last N % 16
+ * outputs, which the vector units of that tier take); elsewhere the vector units,
  * at the build's tier (isa.py), in dot-product form: a thread owns whole groups of R weight
  * rows, streams each group from memory once into L1 and runs it against every row of x, MB rows
  * at a time, in R x MB vector accumulators summed across their lanes at the end.
@@ -258,6 +259,22 @@ static void wide_group(const bf16 *w, const bf16 *bias, const float *x, int64_t 
 #define WIDE(M) 0
 #endif
 
+#if AMX_BUILD
+#if XF32
+#error "the amx tier's vector kernels read x as bf16 in place: no float32 copy in its scratch"
+#endif
+/* linear_team on the tiles (amx_linear.c: the outputs up to the last multiple of 16), then the
+ * N % 16 left in groups of R on the vector units (a router of 8 experts has no tile at all). */
+static void amx_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
+                     int64_t N, int64_t K, bf16 *y, void *scratch) {
+    amx_linear_team(x, xs, w, bias, M, N, K, y, scratch);
+    if (N % 16 == 0) return; /* every thread sees the same N */
+    int64_t groups = (N + R - 1) / R;
+#pragma omp for schedule(static)
+    for (int64_t g = N / 16 * 16 / R; g < groups; g++) group(w, bias, x, xs, M, N, K, g * R, y);
+}
+#endif
+
 /* Bytes of scratch vec_linear_team needs for x of M rows of K. */
 int64_t vec_linear_scratch(int64_t M, int64_t K) { return XF32 ? M * K * 4 : 0; }
 
@@ -307,8 +324,8 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
 #if AMX_BUILD
     for (int64_t a = 0; a < count; a++) {
         int64_t e = active[a], first = start[e];
-        amx_linear_team(x + first * K, K, w + e * w_stride, NULL, start[e + 1] - first, N, K,
-                        y + first * N, scratch);
+        amx_team(x + first * K, K, w + e * w_stride, NULL, start[e + 1] - first, N, K,
+                 y + first * N, scratch);
     }
 #else
     int wide = count > 0 && WIDE(start[E] / count); /* rows an active expert, on average */
@@ -359,7 +376,7 @@ void *linear_scratch(int64_t M, int64_t K) {
 void linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                  int64_t N, int64_t K, bf16 *y, void *scratch) {
 #if AMX_BUILD
-    amx_linear_team(x, xs, w, bias, M, N, K, y, scratch);
+    amx_team(x, xs, w, bias, M, N, K, y, scratch);
 #else
     vec_linear_team(x, xs, w, bias, M, N, K, y, scratch);
 #endif
