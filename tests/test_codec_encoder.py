@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from shared.codec import compress_dir, encode_tensor, encode_tensors, native
+from shared.codec import compress_dir, encode_tensor, encode_tensors, many, native
 from shared.codec.container import ShardReader
 from shared.codec.format import LAYOUTS, MAX_CODE_LEN, SEG_BITS
 from shared.codec.huffman import code_lengths
@@ -158,6 +158,75 @@ def test_the_codec_sources_compile_for_aarch64(tmp_path):
         result = subprocess.run([*cmd, "-o", tmp_path / f"{source.stem}.o"], capture_output=True,
                                 text=True)  # fmt: skip
         assert result.returncode == 0, result.stderr
+
+
+def assert_same_entry(a, b) -> None:
+    """The same EncodedTensor: name, dtype, shape, CRC-32C, and the same planes or raw bytes."""
+    assert (a.name, a.dtype, a.shape, a.crc32c, a.encoding) == (
+        b.name, b.dtype, b.shape, b.crc32c, b.encoding,
+    )  # fmt: skip
+    if a.encoding == "huffman":
+        assert_same_planes(a, b)
+    else:
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+
+
+def mixed_tensors() -> dict[str, torch.Tensor]:
+    """A batch of every kind encode_tensor tells apart: each coded float format (one of them at
+    two sizes), a 1-D and a tiny float (kept raw), integers and bools (raw: no float layout),
+    an empty tensor, random bytes that coding would not shrink, and one single symbol."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"{dtype}": tensor_of(dtype, 5000, seed=i) for i, dtype in enumerate(LAYOUTS)}
+    tensors |= {
+        "bf16 large": tensor_of(torch.bfloat16, 70_000, seed=9).reshape(7, 10_000),
+        "norm": torch.randn(4096, generator=g).bfloat16(),
+        "tiny": torch.randn(2, 3, generator=g),
+        "ids": torch.arange(3000, dtype=torch.int64).reshape(30, 100),
+        "mask": torch.rand(64, 64, generator=g) > 0.5,
+        "empty": torch.zeros(0, 16, dtype=torch.bfloat16),
+        "noise": torch.randint(-(2**15), 2**15, (64, 512), generator=g, dtype=torch.int16).view(
+            torch.bfloat16
+        ),
+        "constant": torch.full((40, 100), 0.5, dtype=torch.float16),
+        "strided": torch.randn(96, 200, generator=g).bfloat16()[:, ::2],
+    }
+    return tensors
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_batch_of_small_tensors_gives_encode_tensor_of_each(threads):
+    """encode_tensors sends tensors up to MAX_BATCHED_ELEMENTS through two C calls (many.py):
+    the entries of encode_tensor one by one, in order, on any thread count."""
+    tensors = mixed_tensors()
+    batch = encode_tensors(tensors, num_threads=threads)
+    assert [e.name for e in batch] == list(tensors)
+    for e, (name, t) in zip(batch, tensors.items()):
+        assert_same_entry(e, encode_tensor(t, name, num_threads=1))
+    assert {e.name for e in batch if e.encoding == "huffman"} >= {"bf16 large", "constant"}
+    assert {e.name for e in batch if e.encoding != "huffman"} >= {"norm", "ids", "noise"}
+
+
+def test_batches_and_large_tensors_keep_the_order(monkeypatch):
+    """Tensors over MAX_BATCHED_ELEMENTS encode alone between the batches before and after
+    them, and a batch is cut at BATCH_ELEMENTS or BATCH_TENSORS."""
+    monkeypatch.setattr(many, "MAX_BATCHED_ELEMENTS", 20_000)
+    monkeypatch.setattr(many, "BATCH_ELEMENTS", 12_000)
+    calls = []
+    batch_of = many.encode_batch
+    monkeypatch.setattr(many, "encode_batch", lambda *a: calls.append(len(a[1])) or batch_of(*a))
+    sizes = [5000, 6000, 70_000, 3000, 4000, 9000, 30_000, 100]
+    tensors = {f"w{i}": tensor_of(torch.bfloat16, n, seed=i) for i, n in enumerate(sizes)}
+    batch = encode_tensors(tensors, num_threads=2)
+    assert [e.name for e in batch] == list(tensors)
+    for e, (name, t) in zip(batch, tensors.items()):
+        assert_same_entry(e, encode_tensor(t, name, num_threads=1))
+    assert [c for c in calls if c] == [2, 2, 1, 1]  # w0 w1 | w2 | w3 w4 | w5 | w6 | w7
+    monkeypatch.setattr(many, "BATCH_TENSORS", 1)
+    calls.clear()
+    again = encode_tensors(tensors, num_threads=2)
+    assert [c for c in calls if c] == [1] * 6  # every small one alone
+    for e, f in zip(again, batch):
+        assert_same_entry(e, f)
 
 
 def test_encode_tensors_gives_encode_tensor_of_each_in_order(monkeypatch):

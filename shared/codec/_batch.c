@@ -43,33 +43,17 @@ typedef struct {
     int verify;
 } work_list;
 
-static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-/* The raw plane layout (format.raw_layout); returns its byte size. */
-static int64_t raw_layout(tc_target *t, int64_t n) {
-    static const int widths[MAX_PARTS] = {16, 8, 4, 2, 1};
-    int64_t offset = 0, shift = 0;
-    t->nparts = 0;
-    for (int i = 0; i < MAX_PARTS; i++) {
-        if (!((t->k + 1) & widths[i])) continue;
-        int64_t *part = t->parts + 3 * t->nparts++;
-        part[0] = widths[i], part[1] = shift, part[2] = offset;
-        shift += widths[i];
-        offset += 16 * ceil_div(n * widths[i], 128) + 16;
-    }
-    return offset;
-}
-
 static int check_sizes(const tc_job *job, tc_target *t) {
     const int64_t symbol_bits = job->width * 8 - 1 - job->k;
     if (job->k < 0 || symbol_bits <= 0 || symbol_bits > MAX_SYMBOL_BITS || job->total_bits < 0)
         return TC_BAD_SPLIT;
-    const int64_t n_seg = ceil_div(job->total_bits, SEG_BITS);
-    const int ok = job->stream_len == 4 * ceil_div(job->total_bits, 32) + 8 &&
-                   job->raw_len == raw_layout(t, job->n) && job->gaps_len == ceil_div(n_seg, 2) &&
-                   job->n_blocks == ceil_div(n_seg, SEGS_PER_BLOCK) &&
-                   job->index_width == (job->n < ((int64_t)1 << 31) ? 4 : 8) &&
-                   job->lengths_len >= 1 && job->lengths_len <= ((int64_t)1 << symbol_bits) / 2 + 1;
+    const tc_sizes z = tc_plane_sizes(job->n, t->k, job->total_bits);
+    memcpy(t->parts, z.parts, sizeof z.parts);
+    t->nparts = z.nparts;
+    const int ok = job->stream_len == z.stream && job->raw_len == z.raw &&
+                   job->gaps_len == z.gaps && job->n_blocks == z.n_blocks &&
+                   job->index_width == z.index_width && job->lengths_len >= 1 &&
+                   job->lengths_len <= ((int64_t)1 << symbol_bits) / 2 + 1;
     return ok ? TC_OK : TC_BAD_SIZES;
 }
 
@@ -126,7 +110,7 @@ static int cut_runs(const tc_job *job, prepared *p, int64_t split) {
     int status = nb > 0 && elem[0] == 0 ? TC_OK : TC_BAD_INDEX;
     for (int64_t b = 0; status == TC_OK && b < nb; b++)
         if (elem[b + 1] < elem[b]) status = TC_BAD_INDEX;
-    int64_t items = ceil_div(job->n, (int64_t)RUN_ELEMENTS * MAX_LANES);
+    int64_t items = tc_ceil_div(job->n, (int64_t)RUN_ELEMENTS * MAX_LANES);
     items = items > split ? items : split;
     const int64_t want = items * MAX_LANES < nb ? items * MAX_LANES : nb;
     p->runs = status == TC_OK ? malloc((size_t)want * sizeof *p->runs) : NULL;
@@ -170,7 +154,7 @@ static int prepare(const tc_job *job, prepared *p, int64_t split) {
     /* Fresh output pages fault in 2 MiB at a time, not 4 KiB: a third of a large tensor's
      * decode time otherwise. Advice only: errors do not matter. */
     const int64_t huge = 2 << 20, nbytes = job->n * job->width;
-    const int64_t lo = ceil_div((int64_t)(uintptr_t)job->out, huge) * huge;
+    const int64_t lo = tc_ceil_div((int64_t)(uintptr_t)job->out, huge) * huge;
     const int64_t hi = ((int64_t)(uintptr_t)job->out + nbytes) / huge * huge;
     if (status == TC_OK && nbytes >= 2 * huge && hi > lo)
         madvise((void *)(uintptr_t)lo, (size_t)(hi - lo), MADV_HUGEPAGE);
@@ -216,9 +200,9 @@ static int plan_split(const tc_job *jobs, int64_t njobs, int threads, int64_t *s
     const int64_t most = total / MIN_ELEMENTS_PER_THREAD;
     threads = (int)(threads < most ? threads : most);
     threads = threads > 1 ? threads : 1;
-    const int64_t share = ceil_div(total, threads);
+    const int64_t share = tc_ceil_div(total, threads);
     for (int64_t j = 0; j < njobs; j++) {
-        int64_t s = ceil_div(jobs[j].n, share > 0 ? share : 1);
+        int64_t s = tc_ceil_div(jobs[j].n, share > 0 ? share : 1);
         const int64_t by_size = jobs[j].n / MIN_ELEMENTS_PER_THREAD;
         s = s < by_size ? s : by_size;
         split[j] = s > 1 ? s : 1;

@@ -1,9 +1,8 @@
 /* Shared declarations of the Tison codec's C fast path (format: FORMAT.md; reference:
- * reference.py). native.py compiles _encode.c, _pack.c, _huffman.c (encoder), _decode.c,
- * _batch.c (decoder), _crc32c.c and _pool.c into one library and calls it through ctypes,
- * which releases the GIL. Elements are `width` bytes
- * (1, 2 or 4); symbol = the bits under the sign down to bit k; raw field = the sign bit over
- * the k low bits, split into parts of 16, 8, 4, 2 or 1 bits, one byte plane per part;
+ * reference.py). native.py compiles _encode.c, _pack.c, _huffman.c, _many.c (encoder),
+ * _decode.c, _batch.c (decoder), _crc32c.c and _pool.c into one library and calls it through
+ * ctypes, which releases the GIL. Elements are `width` bytes (1, 2 or 4); symbol = the bits
+ * under the sign down to bit k; raw field = the sign bit over the k low bits, split into parts of 16, 8, 4, 2 or 1 bits, one byte plane per part;
  * `parts` lists (bits, shift in field, byte offset of the plane in `raw`) per part. */
 #ifndef TISON_CODEC_H
 #define TISON_CODEC_H
@@ -83,6 +82,32 @@ enum {
     TC_NO_MEMORY = -8,
 };
 
+static inline int64_t tc_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* The planes' byte sizes of n elements coded at split k in total_bits stream bits (FORMAT.md;
+ * format.py's padded_plane_bytes, raw_layout, num_segments, num_blocks), and the raw plane's
+ * parts: (bits, shift, byte offset) of each, nparts of them. The encoder sizes planes by it,
+ * the decoder checks them against it. */
+typedef struct {
+    int64_t stream, raw, gaps, n_blocks, index_width, parts[3 * MAX_PARTS];
+    int nparts;
+} tc_sizes;
+
+static inline tc_sizes tc_plane_sizes(int64_t n, int k, int64_t total_bits) {
+    static const int widths[MAX_PARTS] = {16, 8, 4, 2, 1};
+    const int64_t n_seg = tc_ceil_div(total_bits, SEG_BITS);
+    tc_sizes z = {4 * tc_ceil_div(total_bits, 32) + 8, 0, tc_ceil_div(n_seg, 2),
+                  tc_ceil_div(n_seg, SEGS_PER_BLOCK), n < ((int64_t)1 << 31) ? 4 : 8, {0}, 0};
+    for (int i = 0, shift = 0; i < MAX_PARTS; i++) {
+        if (!((k + 1) & widths[i])) continue;
+        int64_t *part = z.parts + 3 * z.nparts++;
+        part[0] = widths[i], part[1] = shift, part[2] = z.raw;
+        shift += widths[i];
+        z.raw += 16 * tc_ceil_div(n * widths[i], 128) + 16;
+    }
+    return z;
+}
+
 /* _decode.c: decodes `lanes` (1..MAX_LANES) runs interleaved, checking that each ends at
  * its recorded bit; with `verify`, also the CRC-32C of each run's output. */
 int tc_decode_runs(const tc_table *table, const tc_target *target, tc_run *runs, int lanes,
@@ -92,6 +117,17 @@ int tc_decode_runs(const tc_table *table, const tc_target *target, tc_run *runs,
  * planes in `raw`. */
 void tc_pack_raw(const void *in, int64_t a, int64_t z, int width, int k, uint8_t *raw,
                  const int64_t *parts, int nparts);
+
+/* _encode.c, _huffman.c, _crc32c.c: what _many.c calls of them (see there, and native.py). */
+void tc_histogram(const void *in, int width, int k, const int64_t *chunk_first, int64_t nchunks,
+                  int64_t *counts, int threads);
+int tc_split_candidates(const int64_t *counts, int64_t nchunks, int64_t symbols, int ncand,
+                        int max_len, uint8_t *lengths, int64_t *chunk_bits);
+int tc_encode(const void *in, int width, int k, const uint8_t *lengths, uint8_t *stream,
+              uint8_t *raw, const int64_t *parts, int nparts, uint8_t *gaps,
+              int64_t *block_first, const int64_t *chunk_first, const int64_t *chunk_bit,
+              int64_t nchunks, int threads);
+uint32_t tc_crc32c(uint32_t crc, const void *buf, int64_t n, int threads);
 
 /* _pool.c: fn(arg) on the calling thread and on up to threads - 1 helper threads kept
  * between calls; returns when every one of them has returned. */

@@ -1,8 +1,8 @@
-"""The C fast path (_encode.c, _pack.c, _huffman.c, _decode.c, _crc32c.c, _batch.c, _pool.c;
-declarations in _codec.h): built on first use with the system C compiler into a cache folder
-keyed by the sources' hash, loaded with ctypes (which releases the GIL during calls). `load()`
-returns None where no compiler works (or on a big-endian or 32-bit host); callers then use the
-numpy reference."""
+"""The C fast path (_encode.c, _pack.c, _huffman.c, _many.c, _decode.c, _crc32c.c, _batch.c,
+_pool.c; declarations in _codec.h): built on first use with the system C compiler into a cache
+folder keyed by the sources' hash, loaded with ctypes (which releases the GIL during calls).
+`load()` returns None where no compiler works (or on a big-endian or 32-bit host); callers then
+use the numpy reference."""
 
 import ctypes
 import logging
@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [
     _HERE / f
-    for f in ("_encode.c", "_pack.c", "_huffman.c", "_decode.c", "_crc32c.c", "_batch.c", "_pool.c")
+    for f in ("_encode.c", "_pack.c", "_huffman.c", "_many.c", "_decode.c", "_crc32c.c")
+    + ("_batch.c", "_pool.c")
 ]
 _HEADER = _HERE / "_codec.h"
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
@@ -46,7 +47,22 @@ class Job(ctypes.Structure):
     ]
 
 
+# One tensor of tc_stats_many and tc_encode_many (tc_many_job in _many.c, every field 8 bytes):
+# the caller's inputs, tc_stats_many's split and plane sizes, the caller's plane addresses,
+# tc_encode_many's plane CRC-32C. A numpy record array of these is the calls' job list.
+MANY_JOB = np.dtype(
+    [(name, np.int64) for name in (
+        "bits", "n", "width", "finest", "ncand", "lengths", "chunk_bits",
+        "status", "crc", "k", "total_bits", "stream_len", "raw_len", "packed_len", "gaps_len",
+        "n_blocks", "index_width", "first_symbol",
+        "stream", "raw", "packed", "gaps", "index", "planes_crc",
+    )]
+)  # fmt: skip
+
+
 _SIGNATURES = {
+    "tc_stats_many": (None, [_ptr, _i64, _int, _int]),
+    "tc_encode_many": (None, [_ptr, _i64, _int]),
     "tc_histogram": (None, [_ptr, _int, _int, _ptr, _i64, _ptr, _int]),
     "tc_code_lengths": (_int, [_ptr, _i64, _int, _ptr]),
     "tc_split_candidates": (_int, [_ptr, _i64, _i64, _int, _int, _ptr, _ptr]),
@@ -175,11 +191,50 @@ def encode(
         _addr(planes["block_first"]), _addr(bounds), _addr(chunk_bits), len(bounds) - 1,
         num_threads,
     )  # fmt: skip
+    _check_encode_status(status)
+    return planes
+
+
+def _check_encode_status(status: int) -> None:
     if status == NO_MEMORY:
         raise MemoryError("codec: no memory for the encoder's bookkeeping")
     if status != 0:
         raise AssertionError(f"encoder status {status}: codes do not fill the expected bits")
-    return planes
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_memory() -> None:
+    """Asks glibc's malloc to keep up to 256 MiB of freed memory and to serve blocks of up to
+    64 MiB from it, instead of unmapping them: the encoder allocates and frees its planes
+    tensor after tensor, and a fresh mapping faults every page in while unmapping one stops
+    every core the process runs on (a TLB shootdown). Left to itself, glibc unmapped MiniLM's
+    planes every round: ~1,900 faults and 12-37 ms of system time in a 40-60 ms encode on 2
+    threads. For the whole process, once; nothing where the C library has no mallopt."""
+    if "malloc" in _state:
+        return
+    _state["malloc"] = True
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, 64 << 20)
+        mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+
+
+def stats_many(lib, jobs: np.ndarray, max_len: int, num_threads: int) -> None:
+    """tc_stats_many on the MANY_JOB records `jobs` (contiguous), on up to num_threads threads;
+    raises on the first job whose code lengths could not be made."""
+    lib.tc_stats_many(_addr(jobs), len(jobs), max_len, num_threads)
+    for status in jobs["status"][jobs["status"] != 0][:1]:
+        _check_lengths_status(int(status), max_len)
+
+
+def encode_many(lib, jobs: np.ndarray, num_threads: int) -> None:
+    """tc_encode_many on the MANY_JOB records `jobs` (contiguous): their planes, on up to
+    num_threads threads."""
+    lib.tc_encode_many(_addr(jobs), len(jobs), num_threads)
+    for status in jobs["status"][jobs["status"] != 0][:1]:
+        _check_encode_status(int(status))
 
 
 def decode_batch(lib, jobs: list[Job], num_threads: int, verify: bool) -> list[tuple[int, int]]:

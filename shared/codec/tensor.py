@@ -247,16 +247,22 @@ def _encode_planes(
 
 
 def _choose_split(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bounds, threads):
-    """(k, code lengths, plane sizes, chunk_bits) of the split point storing fewest bytes (or
-    of the given k), or None if storing the tensor raw is no bigger. chunk_bits: where the
-    codes of each chunk at `bounds` start in the stream, then the total."""
-    best, best_bytes = None, flat.size * flat.itemsize if k is None else None
-    for candidate, lengths, chunk_bits in _candidates(lib, flat, layout, k, bounds, threads):
-        sizes = _plane_sizes(int(chunk_bits[-1]), flat.size, candidate)
-        index_bytes = sizes["block_first"] * (4 if flat.size < 1 << 31 else 8)
-        stored = sizes["stream"] + sizes["raw"] + sizes["gaps"] + index_bytes
-        used = np.flatnonzero(lengths)
-        stored += (int(used[-1]) - int(used[0]) + 2) // 2  # len(pack_lengths(lengths)[1])
+    """_best_split of the split points worth trying (or of the given k)."""
+    candidates = _candidates(lib, flat, layout, k, bounds, threads)
+    return _best_split(candidates, flat.size, flat.itemsize, forced=k is not None)
+
+
+def _best_split(candidates, n: int, itemsize: int, forced: bool = False):
+    """(k, code lengths, plane sizes, chunk_bits) of the candidate (k, code lengths, chunk_bits,
+    bytes of its stored code table) storing the n elements in fewest bytes, or None if storing
+    them raw is no bigger (unless `forced`: the one candidate given is taken). chunk_bits:
+    where the codes of each chunk start in the stream, then the total."""
+    best, best_bytes = None, None if forced else n * itemsize
+    index_width = block_index_dtype(n).itemsize
+    for candidate, lengths, chunk_bits, table_bytes in candidates:
+        sizes = _plane_sizes(int(chunk_bits[-1]), n, candidate)
+        stored = sizes["stream"] + sizes["raw"] + sizes["gaps"] + table_bytes
+        stored += sizes["block_first"] * index_width
         if best_bytes is None or stored < best_bytes:
             best, best_bytes = (candidate, lengths, sizes, chunk_bits), stored
     return best
@@ -272,10 +278,7 @@ def _candidates(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bound
         lengths, chunk_bits = native.split_candidates(
             lib, counts, max(ks) - finest + 1, MAX_CODE_LEN
         )
-        symbols = counts.shape[1]
-        return [
-            (c, lengths[c - finest, : symbols >> (c - finest)], chunk_bits[c - finest]) for c in ks
-        ]
+        return _candidate_splits(ks, lengths, chunk_bits)
     symbols, _ = reference.split(flat, layout.width, finest)
     counts = np.bincount(symbols, minlength=1 << (layout.width - 1 - finest))
     out = []
@@ -283,8 +286,26 @@ def _candidates(lib, flat: np.ndarray, layout: FloatLayout, k: int | None, bound
         # Symbols at a coarser split are the finer ones shifted right: sum runs of counts.
         merged = counts.reshape(-1, 1 << (candidate - finest)).sum(axis=1)
         lengths = code_lengths(merged)
-        out.append((candidate, lengths, np.array([0, np.dot(merged, lengths.astype(np.int64))])))
+        used = np.flatnonzero(lengths)
+        table_bytes = (int(used[-1]) - int(used[0]) + 2) // 2  # len(pack_lengths(lengths)[1])
+        chunk_bits = np.array([0, np.dot(merged, lengths.astype(np.int64))])
+        out.append((candidate, lengths, chunk_bits, table_bytes))
     return out
+
+
+def _candidate_splits(ks: list[int], lengths: np.ndarray, chunk_bits: np.ndarray) -> list:
+    """(k, code lengths, chunk_bits, bytes of the stored code table) of each split point in ks
+    from the C encoder's rows for them (native.split_candidates: row c is split min(ks) + c,
+    its first symbols >> c lengths in use, the rest zero)."""
+    finest, symbols = min(ks), lengths.shape[1]
+    used = lengths != 0
+    first, last = used.argmax(axis=1), symbols - 1 - used[:, ::-1].argmax(axis=1)
+    table_bytes = (last - first + 2) // 2  # len(pack_lengths(lengths)[1])
+    return [
+        (c, lengths[c - finest, : symbols >> (c - finest)], chunk_bits[c - finest],
+         int(table_bytes[c - finest]))
+        for c in ks
+    ]  # fmt: skip
 
 
 def _plane_sizes(total_bits: int, n: int, k: int) -> dict:
