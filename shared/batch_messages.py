@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 # BatchMsg.status, as OpenAI's Batch API names them
-VALIDATING, IN_PROGRESS, COMPLETED, CANCELLING, CANCELLED, FAILED = (
+VALIDATING, IN_PROGRESS, COMPLETED, CANCELLING, CANCELLED, FAILED, EXPIRED = (
     "validating",
     "in_progress",
     "completed",
     "cancelling",
     "cancelled",
     "failed",
+    "expired",
 )
+ENDED = (COMPLETED, CANCELLED, FAILED, EXPIRED)  # nothing more happens to a batch in these
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
@@ -55,6 +57,11 @@ class BatchResultMsg:
         return self.status_code != 200
 
 
+def unrun(item: BatchItemMsg, code: str, message: str) -> BatchResultMsg:
+    """The result of a line that never ran (why: `code`, `message`)."""
+    return BatchResultMsg(item.batch_id, item.key, item.custom_id, item.line, 0, "", code, message)
+
+
 @dataclass(frozen=True)
 class BatchMsg:
     """A batch's record in the status bucket (key: its id). Its request counts are not kept
@@ -74,6 +81,9 @@ class BatchMsg:
     completed_at: int = 0
     cancelling_at: int = 0
     cancelled_at: int = 0
+    expired_at: int = 0  # its completion window ended first: its unrun lines got batch_expired
+    failed_at: int = 0  # it could not be created (error says why); no line of it runs
+    error: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,30 @@
 """Batches over a real nats-server's JetStream (services/batch/store.py): what a batch puts on
 the work stream, results stored at most once a line, counts and completion from the results,
-output and error files made from them, cancel, and all of it kept across a server restart."""
+output and error files made from them, cancel, expiry at the end of the completion window, a
+creation cut short by a kill -9 finished by a sweep, and all of it kept across a server
+restart."""
 
+import asyncio
 import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
 
 import nats
 import pytest
 
 from services.batch import jsonl
-from services.batch.store import RESULTS_STREAM, WORK_STREAM, BatchError, Batches, batch_object
+from services.batch.objects import batch_object
+from services.batch.store import (
+    RESULTS_STREAM,
+    STALE_CREATE_S,
+    WINDOWS,
+    WORK_STREAM,
+    BatchError,
+    Batches,
+)
 from shared import protocol
 from shared.batch_messages import BatchItemMsg, BatchResultMsg
 from shared.nats_server import NatsServer
@@ -150,3 +166,140 @@ def test_result_keys_fit_a_subject_whatever_the_custom_id():
     for custom_id in ["a.b", "x y", "*", ">", "ünï", "a" * 512]:
         key = jsonl.result_key(custom_id)
         assert len(key) == 32 and key.isalnum()
+
+
+async def queued(store: Batches, batch_id: str) -> int:
+    """The batch's lines on the work stream."""
+    info = await store.js.stream_info(
+        WORK_STREAM, subjects_filter=f"tison.v1.batch.work.{batch_id}"
+    )
+    return sum((info.state.subjects or {}).values())
+
+
+def later(seconds: float):
+    return lambda: time.time() + seconds
+
+
+async def test_a_batch_past_its_window_expires_and_its_unrun_lines_say_so(batches):
+    batch = await batches.submit(lines(["a", "b", "c", "d"], bad=1), CHAT)
+    items = sorted(await work_items(batches), key=lambda i: i.line)  # held, as by a runner
+    await batches.put_result(ok(items[0]))
+    assert (await batches.refresh(batch.id))[0].status == "in_progress"  # window still open
+
+    batches.clock = later(WINDOWS["24h"] + 1)
+    expired, counts = await batches.refresh(batch.id)
+    assert expired.status == "expired" and expired.expired_at > batch.expires_at
+    assert (counts.total, counts.completed, counts.failed) == (5, 1, 4)
+    assert await queued(batches, batch.id) == 0
+    assert await batches.put_result(ok(items[1])) is False  # its runner finishing late: refused
+    obj = batch_object(expired, counts)
+    assert obj["status"] == "expired" and obj["expired_at"] == expired.expired_at
+    output = await batches.file_content(obj["output_file_id"])
+    assert [json.loads(x)["custom_id"] for x in output.splitlines()] == ["a"]
+    errors = [
+        json.loads(x) for x in (await batches.file_content(obj["error_file_id"])).splitlines()
+    ]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("b", "batch_expired"), ("c", "batch_expired"), ("d", "batch_expired"),
+        (None, "invalid_json"),
+    ]  # fmt: skip
+    assert (await batches.refresh(batch.id))[0].expired_at == expired.expired_at  # recorded once
+    with pytest.raises(BatchError, match="already expired") as e:
+        await batches.cancel(batch.id)
+    assert e.value.status == 409
+
+
+async def test_the_sweep_expires_batches_nobody_asks_about(batches):
+    batch = await batches.submit(lines(["a", "b"]), CHAT)
+    await batches.sweep()
+    assert (await batches.batch(batch.id)).status == "in_progress"
+    batches.clock = later(WINDOWS["24h"] + 1)
+    await batches.sweep()
+    assert (await batches.batch(batch.id)).status == "expired"
+    assert (await batches.counts(await batches.batch(batch.id))).failed == 2
+    # An expirer that died between recording the expiry and answering the lines: the next
+    # sweep answers them.
+    other = await batches.submit(lines(["x", "y", "z"]), CHAT)
+    record = await batches.batch(other.id)
+    await batches._kv.put(
+        f"batch.{other.id}", protocol.encode(replace(record, status="expired", expired_at=1))
+    )
+    await batches.sweep()
+    assert (await batches.counts(record)).failed == 3 and await queued(batches, other.id) == 0
+
+
+CREATOR = """
+import asyncio, sys
+import nats
+from services.batch.store import Batches
+
+async def main(url, count):
+    nc = await nats.connect(url)
+    store = Batches(nc)
+    await store.ensure()
+    published = 0
+    publish = store.js.publish_async
+
+    async def publish_then_die(*args, **kwargs):  # the creator's host dies half-way
+        nonlocal published
+        published += 1
+        if published > count:
+            await nc.flush()
+            print("half-way", flush=True)
+            await asyncio.sleep(3600)
+        return await publish(*args, **kwargs)
+
+    store.js.publish_async = publish_then_die
+    data = sys.stdin.buffer.read()
+    record = await store.upload(data, "in.jsonl")
+    await store.create(record.id, "/v1/chat/completions")
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def create_and_die(server, data: bytes, count: int) -> None:
+    """A process that creates a batch of `data` is killed -9 after queueing `count` lines."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CREATOR, server.url, str(count)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    child.stdin.write(data)
+    child.stdin.close()
+    line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert line == b"half-way\n"
+
+
+async def test_a_creation_cut_short_by_kill_9_is_finished_by_a_sweep(server, batches):
+    ids = [str(i) for i in range(30)]
+    await create_and_die(server, lines(ids, bad=2), count=10)
+    (batch,) = await batches.recent()
+    assert batch.status == "validating" and batch.total == 32
+    assert await queued(batches, batch.id) == 10
+    await batches.sweep()  # its creator might still be at work: left alone
+    assert (await batches.batch(batch.id)).status == "validating"
+
+    batches.clock = later(STALE_CREATE_S + 1)
+    await batches.sweep()
+    resumed, counts = await batches.refresh(batch.id)
+    assert resumed.status == "in_progress" and resumed.in_progress_at > 0
+    assert await queued(batches, batch.id) == 30  # the first 10 once, not twice
+    assert sorted(i.custom_id for i in await work_items(batches)) == sorted(ids)
+    assert (counts.completed, counts.failed) == (0, 2)  # the bad lines' results, once each
+
+
+async def test_a_cut_short_creation_whose_file_is_gone_fails_saying_so(server, batches):
+    await create_and_die(server, lines([str(i) for i in range(20)]), count=5)
+    (batch,) = await batches.recent()
+    await batches.delete_file(batch.input_file_id)
+    batches.clock = later(STALE_CREATE_S + 1)
+    await batches.sweep()
+    failed, counts = await batches.refresh(batch.id)
+    assert failed.status == "failed" and failed.failed_at > 0
+    assert await queued(batches, batch.id) == 0  # what it had queued does not run
+    obj = batch_object(failed, counts)
+    (error,) = obj["errors"]["data"]
+    assert batch.input_file_id in error["message"] and obj["failed_at"] == failed.failed_at
+    assert [b async for b in batches.follow(batch.id, poll_s=0.2)] == []  # ends at once

@@ -24,11 +24,19 @@ import nats.js.errors
 from nats.js import api
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from services.batch.store import ACK_WAIT_S, WORK_STREAM, BatchError, Batches
+from services.batch.store import ACK_WAIT_S, EXPIRED_MESSAGE, WORK_STREAM, BatchError, Batches
 from services.gateway.openai_request import PRIORITY_HEADER
 from services.runtime import TaskSet
 from shared import protocol, subjects
-from shared.batch_messages import CANCELLED, CANCELLING, BatchItemMsg, BatchMsg, BatchResultMsg
+from shared.batch_messages import (
+    CANCELLED,
+    CANCELLING,
+    FAILED,
+    BatchItemMsg,
+    BatchMsg,
+    BatchResultMsg,
+    unrun,
+)
 from shared.errors import ProtocolError
 
 log = logging.getLogger("tison.batch")
@@ -131,12 +139,12 @@ class BatchRunner:
             self.metrics.lines.labels("skipped").inc()
             return
         batch = await self._batch(item.batch_id)
-        if batch is None or batch.status in (CANCELLING, CANCELLED):
+        if batch is None or batch.status in (CANCELLING, CANCELLED, FAILED):
             await msg.ack_sync()
             self.metrics.lines.labels("skipped").inc()
             return
-        if time.time() > batch.expires_at:
-            result = _unrun(item, "batch_expired", "the batch's completion window ended")
+        if batches.clock() > batch.expires_at:
+            result = unrun(item, "batch_expired", EXPIRED_MESSAGE)
         else:
             status, body = await self._post(http, msg, item)
             attempt = msg.metadata.num_delivered
@@ -146,7 +154,7 @@ class BatchRunner:
                 self.metrics.lines.labels("retried").inc()
                 return
             if status is None:
-                result = _unrun(item, "gateway_unreachable", body)
+                result = unrun(item, "gateway_unreachable", body)
             else:
                 result = BatchResultMsg(
                     item.batch_id, item.key, item.custom_id, item.line, status, body
@@ -205,10 +213,6 @@ class BatchRunner:
                 self._refreshing.discard(batch_id)
 
         self._checks.spawn(check())
-
-
-def _unrun(item: BatchItemMsg, code: str, message: str) -> BatchResultMsg:
-    return BatchResultMsg(item.batch_id, item.key, item.custom_id, item.line, 0, "", code, message)
 
 
 async def _quietly(call) -> None:

@@ -17,6 +17,7 @@ own included, in the server's store):
 """
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,13 +32,21 @@ from shared.batch_messages import (
     CANCELLED,
     CANCELLING,
     COMPLETED,
+    ENDED,
     ENDPOINTS,
+    EXPIRED,
+    FAILED,
     IN_PROGRESS,
+    VALIDATING,
+    BatchItemMsg,
     BatchMsg,
     BatchResultMsg,
     FileMsg,
+    unrun,
 )
-from shared.errors import TisonError
+from shared.errors import ProtocolError, TisonError
+
+log = logging.getLogger("tison.batch")
 
 WORK_STREAM = "TISON_BATCH_WORK"
 RESULTS_STREAM = "TISON_BATCH_RESULTS"
@@ -46,6 +55,8 @@ FILES = "TISON_FILES"
 ACK_WAIT_S = 10.0  # a runner that neither acks nor reports progress this long has died
 DEDUP_WINDOW_S = 3600.0  # a line published twice within this is stored once (Nats-Msg-Id)
 WINDOWS = {"24h": 24 * 3600}  # completion_window values, as OpenAI's
+STALE_CREATE_S = 60.0  # a batch validating this long lost its creator (sweep finishes it)
+EXPIRED_MESSAGE = "the batch's completion window ended before this line ran"
 PER_SUBJECT_LIMIT = 10077  # JetStream's error code: a second message on a one-message subject
 OUTPUT, ERRORS = "output", "errors"  # the two files a batch's results make
 
@@ -83,8 +94,9 @@ class BatchError(TisonError):
 
 
 class Batches:
-    def __init__(self, nc):
+    def __init__(self, nc, clock=time.time):
         self.js = nc.jetstream()
+        self.clock = clock  # unix seconds: completion windows and stale creations are read on it
         self._kv = None
         self._files = None
 
@@ -130,7 +142,9 @@ class Batches:
     async def upload(self, data: bytes, filename: str, purpose: str = "batch") -> FileMsg:
         if purpose != "batch":
             raise BatchError("purpose", f"purpose must be 'batch', got {purpose!r}")
-        record = FileMsg(f"file-{uuid.uuid4().hex}", filename, purpose, len(data), int(time.time()))
+        record = FileMsg(
+            f"file-{uuid.uuid4().hex}", filename, purpose, len(data), int(self.clock())
+        )
         await self._files.put(record.id, data)
         await self._kv.put(f"file.{record.id}", protocol.encode(record))
         return record
@@ -147,11 +161,7 @@ class Batches:
     async def files(self) -> list[FileMsg]:
         """The uploaded files, newest first (a batch's output and error files are not listed:
         they are made from its results)."""
-        try:
-            keys = [k for k in await self._kv.keys() if k.startswith("file.")]
-        except nats.js.errors.NoKeysError:
-            return []
-        records = [await self.file(k.removeprefix("file.")) for k in keys]
+        records = await self._records("file.", FileMsg)
         return sorted(records, key=lambda r: r.created_at, reverse=True)
 
     async def delete_file(self, file_id: str) -> FileMsg:
@@ -183,7 +193,9 @@ class Batches:
         metadata: dict[str, str] | None = None,
     ) -> BatchMsg:
         """A batch of the file's lines: each line that can run goes to the work stream, each
-        that cannot gets its error result at once."""
+        that cannot gets its error result at once. The batch is recorded (validating) before
+        its lines are queued, so one whose creator died half-way is found and finished by
+        `sweep` (queueing is idempotent)."""
         if endpoint not in ENDPOINTS:
             raise BatchError("endpoint", f"endpoint must be one of {', '.join(ENDPOINTS)}")
         if completion_window not in WINDOWS:
@@ -194,7 +206,7 @@ class Batches:
         ):
             raise BatchError("metadata", "metadata must map strings to strings")
         data = await self.file_content(input_file_id)
-        now = int(time.time())
+        now = int(self.clock())
         batch_id = f"batch_{uuid.uuid4().hex}"
         parsed = jsonl.parse(data, batch_id, endpoint)
         if parsed.total == 0:
@@ -203,21 +215,35 @@ class Batches:
             batch_id, input_file_id, endpoint, completion_window, now,
             now + WINDOWS[completion_window], parsed.total, metadata=metadata,
         )  # fmt: skip
-        await self._kv.put(f"batch.{batch_id}", protocol.encode(batch))
+        revision = await self._kv.create(f"batch.{batch_id}", protocol.encode(batch))
+        await self._queue(parsed)
+        await self._start(batch, revision)
+        return (await self.refresh(batch_id))[0]
+
+    async def _queue(self, parsed: jsonl.Parsed) -> None:
+        """The lines that cannot run get their results, the others go to the work stream.
+        Twice is as once: results are stored once, and a line's Nats-Msg-Id (batch id and
+        line key) makes the stream keep one copy within DEDUP_WINDOW_S."""
         for result in parsed.rejected:
             await self.put_result(result)
         acks = [
             await self.js.publish_async(
-                subjects.batch_work(batch_id),
+                subjects.batch_work(item.batch_id),
                 protocol.encode(item),
-                headers={"Nats-Msg-Id": f"{batch_id}:{item.key}"},
+                headers={"Nats-Msg-Id": f"{item.batch_id}:{item.key}"},
             )
             for item in parsed.items
         ]
         await asyncio.gather(*acks)
-        batch = replace(batch, status=IN_PROGRESS, in_progress_at=int(time.time()))
-        await self._kv.put(f"batch.{batch_id}", protocol.encode(batch))
-        return (await self.refresh(batch_id))[0]
+
+    async def _start(self, batch: BatchMsg, revision: int) -> None:
+        """validating -> in_progress, unless someone else changed the record first (another
+        sweep finished the creation, or the batch was cancelled meanwhile)."""
+        started = replace(batch, status=IN_PROGRESS, in_progress_at=int(self.clock()))
+        try:
+            await self._kv.update(f"batch.{batch.id}", protocol.encode(started), revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
 
     async def submit(self, data: bytes, endpoint: str, filename: str = "batch.jsonl", **kw):
         """Upload and create in one call: the BatchMsg."""
@@ -229,12 +255,24 @@ class Batches:
         return protocol.decode(entry.value, BatchMsg)
 
     async def recent(self) -> list[BatchMsg]:
-        try:
-            keys = await self._kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        batches = [await self.batch(k[len("batch.") :]) for k in keys if k.startswith("batch.")]
+        batches = await self._records("batch.", BatchMsg)
         return sorted(batches, key=lambda b: b.created_at, reverse=True)
+
+    async def _records(self, prefix: str, cls):
+        """The bucket's records under `prefix` (one deleted as they are read is left out).
+        The keys come from the stream's subjects, not KeyValue.keys(): its watcher can
+        signal "no more keys" before delivering the ones the server already sent (nats-py
+        checks the consumer's pending count before its callback has run), and a listing
+        then came back empty."""
+        info = await self.js.stream_info(f"KV_{BUCKET}", subjects_filter=f"$KV.{BUCKET}.{prefix}>")
+        keys = [s.removeprefix(f"$KV.{BUCKET}.") for s in sorted(info.state.subjects or {})]
+        records = []
+        for key in keys:
+            try:
+                records.append(protocol.decode((await self._kv.get(key)).value, cls))
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                continue
+        return records
 
     async def counts(self, batch: BatchMsg) -> Counts:
         done = await self._subjects(subjects.batch_results(batch.id))
@@ -242,32 +280,97 @@ class Batches:
         return Counts(batch.total, done - failed, failed)
 
     async def refresh(self, batch_id: str) -> tuple[BatchMsg, Counts]:
-        """The batch and its counts; a batch whose every line has its result is completed
-        (recorded once, by whoever sees it first)."""
+        """The batch and its counts, recording what has happened (by whoever sees it first):
+        a batch whose every line has its result is completed; one whose completion window
+        ended first is expired, and each of its lines still queued gets a batch_expired
+        result (OpenAI's error line)."""
         entry = await self._get(f"batch.{batch_id}", "batch_id", batch_id)
         batch = protocol.decode(entry.value, BatchMsg)
         counts = await self.counts(batch)
         if batch.status == IN_PROGRESS and counts.done >= batch.total:
-            done = replace(batch, status=COMPLETED, completed_at=int(time.time()))
+            ended = replace(batch, status=COMPLETED, completed_at=int(self.clock()))
+        elif batch.status == IN_PROGRESS and self.clock() > batch.expires_at:
+            ended = replace(batch, status=EXPIRED, expired_at=int(self.clock()))
+        elif batch.status == EXPIRED and counts.done < batch.total:
+            ended = batch  # its expirer died before it had answered every line
+        else:
+            return batch, counts
+        if ended is not batch:
             try:
-                await self._kv.update(f"batch.{batch_id}", protocol.encode(done), entry.revision)
-                batch = done
+                await self._kv.update(f"batch.{batch_id}", protocol.encode(ended), entry.revision)
             except nats.js.errors.KeyWrongLastSequenceError:
-                batch = await self.batch(batch_id)
-        return batch, counts
+                return await self.batch(batch_id), counts
+        if ended.status == EXPIRED:
+            await self._expire_lines(ended)
+            counts = await self.counts(ended)
+        return ended, counts
+
+    async def _expire_lines(self, batch: BatchMsg) -> None:
+        """Each line of the batch still on the work stream (queued, or held by a runner)
+        gets its batch_expired result, then the stream forgets them. A runner holding one
+        finds its own result refused (one a line), so every line ends once."""
+        subject, seq = subjects.batch_work(batch.id), 0
+        while True:
+            try:
+                msg = await self.js.get_msg(WORK_STREAM, seq + 1, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            seq = msg.seq
+            try:
+                item = protocol.decode(msg.data, BatchItemMsg)
+            except ProtocolError as e:
+                protocol.dropped(BatchItemMsg.KIND, subject, e)
+                continue
+            await self.put_result(unrun(item, "batch_expired", EXPIRED_MESSAGE))
+        await self.js.purge_stream(WORK_STREAM, subject=subject)
+
+    async def sweep(self) -> None:
+        """What no request may be there to see: batches whose completion window ended are
+        expired, and batches left validating by a creator that died half-way (older than
+        STALE_CREATE_S) are created to the end. Every gateway runs it now and then; any
+        number may at once."""
+        for batch in await self.recent():
+            if batch.status == VALIDATING and self.clock() - batch.created_at > STALE_CREATE_S:
+                await self.resume(batch.id)
+            elif batch.status in (IN_PROGRESS, EXPIRED):
+                await self.refresh(batch.id)
+
+    async def resume(self, batch_id: str) -> BatchMsg:
+        """Finishes the creation of a batch left validating: its lines are queued again from
+        its input file (what was queued already is kept once). A batch whose input file is
+        gone fails, saying so."""
+        entry = await self._get(f"batch.{batch_id}", "batch_id", batch_id)
+        batch = protocol.decode(entry.value, BatchMsg)
+        if batch.status != VALIDATING:
+            return batch
+        try:
+            data = await self.file_content(batch.input_file_id)
+        except BatchError as e:
+            failed = replace(batch, status=FAILED, failed_at=int(self.clock()), error=e.message)
+            try:
+                await self._kv.update(f"batch.{batch_id}", protocol.encode(failed), entry.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return await self.batch(batch_id)
+            log.warning("batch %s failed: %s", batch_id, e.message)
+            await self.js.purge_stream(WORK_STREAM, subject=subjects.batch_work(batch_id))
+            return failed
+        log.info("batch %s: its creation was cut short; finishing it", batch_id)
+        await self._queue(jsonl.parse(data, batch_id, batch.endpoint))
+        await self._start(batch, entry.revision)
+        return await self.batch(batch_id)
 
     async def cancel(self, batch_id: str) -> BatchMsg:
         """Lines not yet taken by a runner are dropped; lines running finish and count."""
         batch = await self.batch(batch_id)
-        if batch.status in (COMPLETED, CANCELLED):
+        if batch.status in ENDED:
             raise BatchError("batch_id", f"batch {batch_id} is already {batch.status}", 409)
-        now = int(time.time())
+        now = int(self.clock())
         await self._kv.put(
             f"batch.{batch_id}",
             protocol.encode(replace(batch, status=CANCELLING, cancelling_at=now)),
         )
         await self.js.purge_stream(WORK_STREAM, subject=subjects.batch_work(batch_id))
-        batch = replace(batch, status=CANCELLED, cancelling_at=now, cancelled_at=int(time.time()))
+        batch = replace(batch, status=CANCELLED, cancelling_at=now, cancelled_at=int(self.clock()))
         await self._kv.put(f"batch.{batch_id}", protocol.encode(batch))
         return batch
 
@@ -306,13 +409,13 @@ class Batches:
 
     async def follow(self, batch_id: str, poll_s: float = 1.0) -> AsyncIterator[BatchResultMsg]:
         """The batch's results as they land (those stored already first), until every line
-        has one or the batch is cancelled and nothing more comes."""
+        has one or the batch is cancelled (or failed) and nothing more comes."""
         batch = await self.batch(batch_id)
         seen = 0
         async for result in self._read(batch_id, poll_s):
             if result is None:
                 batch, counts = await self.refresh(batch_id)
-                if batch.status == CANCELLED and counts.done <= seen:
+                if batch.status in (CANCELLED, FAILED) and counts.done <= seen:
                     return
                 continue
             seen += 1
@@ -366,50 +469,3 @@ async def _stream(js, config: api.StreamConfig) -> None:
         await js.stream_info(config.name)
     except nats.js.errors.NotFoundError:
         await js.add_stream(config)
-
-
-def batch_object(batch: BatchMsg, counts: Counts) -> dict:
-    """The batch as OpenAI's Batch object."""
-    done = batch.status in (COMPLETED, CANCELLED)
-
-    def at(value: int) -> int | None:
-        return value or None
-
-    return {
-        "id": batch.id,
-        "object": "batch",
-        "endpoint": batch.endpoint,
-        "errors": None,
-        "input_file_id": batch.input_file_id,
-        "completion_window": batch.completion_window,
-        "status": batch.status,
-        "output_file_id": output_file_id(batch.id, OUTPUT) if done and counts.completed else None,
-        "error_file_id": output_file_id(batch.id, ERRORS) if done and counts.failed else None,
-        "created_at": batch.created_at,
-        "in_progress_at": at(batch.in_progress_at),
-        "expires_at": batch.expires_at,
-        "finalizing_at": at(batch.completed_at),
-        "completed_at": at(batch.completed_at),
-        "failed_at": None,
-        "expired_at": None,
-        "cancelling_at": at(batch.cancelling_at),
-        "cancelled_at": at(batch.cancelled_at),
-        "request_counts": {
-            "total": counts.total,
-            "completed": counts.completed,
-            "failed": counts.failed,
-        },
-        "metadata": batch.metadata or None,
-    }
-
-
-def file_object(record: FileMsg) -> dict:
-    return {
-        "id": record.id,
-        "object": "file",
-        "bytes": record.bytes,
-        "created_at": record.created_at,
-        "filename": record.filename,
-        "purpose": record.purpose,
-        "status": "processed",
-    }

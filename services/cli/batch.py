@@ -16,8 +16,9 @@ from pathlib import Path
 
 from services import nats_client
 from services.batch import jsonl
-from services.batch.store import BatchError, Batches, Counts, batch_object
-from shared.batch_messages import CANCELLED, COMPLETED, ENDPOINTS
+from services.batch.objects import batch_object
+from services.batch.store import BatchError, Batches, Counts
+from shared.batch_messages import ENDPOINTS, FAILED
 
 WIDTH = 30  # characters of the progress bar
 
@@ -121,8 +122,8 @@ async def _progress(batches: Batches, batch_id: str) -> None:
     batch, counts = await batches.refresh(batch_id)
     _draw(counts, time.monotonic() - started)
     print(f"\n{batch.id} {batch.status}", file=sys.stderr)
-    if batch.status not in (COMPLETED, CANCELLED):
-        raise BatchError("id", f"batch {batch_id} ended {batch.status}")
+    if batch.status == FAILED:  # an expired or cancelled batch has the results it got
+        raise BatchError("id", f"batch {batch_id} failed: {batch.error}")
 
 
 def _draw(counts: Counts, elapsed_s: float) -> None:

@@ -10,14 +10,16 @@ import nats.errors
 import nats.js.errors
 from aiohttp import web
 
+from services.batch.objects import batch_object, file_object
 from services.batch.runner import BatchRunner, RunnerMetrics
-from services.batch.store import BatchError, Batches, batch_object, file_object
+from services.batch.store import BatchError, Batches
 from services.gateway.completions import json_error
 from services.gateway.config import GatewayConfig
 from services.nats_client import connect_nats
 
 log = logging.getLogger(__name__)
 MAX_FILE_BYTES = 200 << 20  # an input file, at most (OpenAI's limit for batch files)
+SWEEP_S = 10.0  # how often a gateway expires batches and finishes half-created ones
 
 
 class BatchService:
@@ -31,7 +33,7 @@ class BatchService:
         self.unavailable = "not started"  # why batches is None
         self.runner: BatchRunner | None = None
         self._nc = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
@@ -46,6 +48,7 @@ class BatchService:
             log.warning("%s; /v1/batches answers 503", self.unavailable)
             return
         self.batches = batches
+        self._tasks.append(asyncio.create_task(self._keep_sweeping(batches)))
         if self.config.batch_runners > 0:
             self.runner = BatchRunner(
                 batches,
@@ -54,7 +57,7 @@ class BatchService:
                 self.config.batch_runners,
                 self.metrics,
             )
-            self._task = asyncio.create_task(self._keep_running(self.runner))
+            self._tasks.append(asyncio.create_task(self._keep_running(self.runner)))
 
     async def _keep_running(self, runner: BatchRunner) -> None:
         """The runner until stop, started again should it fail (NATS gone as it subscribed)."""
@@ -65,10 +68,24 @@ class BatchService:
                 log.exception("batch runner failed; starting it again in 1 s")
                 await asyncio.sleep(1.0)
 
+    async def _keep_sweeping(self, batches: Batches) -> None:
+        """Batches.sweep every SWEEP_S until stop (a sweep NATS cut short is the next one's)."""
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), SWEEP_S)
+            except asyncio.TimeoutError:
+                pass
+            if self._stop.is_set():
+                return
+            try:
+                await batches.sweep()
+            except Exception as e:
+                log.warning("batch sweep failed (%r); the next one is in %.0f s", e, SWEEP_S)
+
     async def close(self) -> None:
         self._stop.set()
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._nc is not None:
             await self._nc.close()
 
