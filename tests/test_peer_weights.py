@@ -3,9 +3,12 @@ it equals the disk load parameter for parameter (raw float32, compressed float32
 folders; a PP stage, TP ranks; TP=2 ranks each reading for themselves, generating as from
 disk); a wrong secret is refused and the server serves on; the
 server gives out only the files and tensors its index lists; a peer dying mid-load fails the
-load with an error naming it, and no thread is left."""
+load with an error naming it, and so does one that goes silent mid-load (stopped, its host cut
+off: the connection stays open), after the read timeout; no thread is left."""
 
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -172,8 +175,8 @@ def test_garbage_before_the_handshake_is_dropped(servers):
     peer.close()
 
 
-class DyingServer(WeightsServer):
-    """Sends the first tensors asked for, then its connection drops, as a killed peer's does."""
+class FailingServer(WeightsServer):
+    """Answers a request for tensors with the first two, then fails as `fail` does."""
 
     def _answer(self, sock: socket.socket, header: dict) -> None:
         if header.get("op") != "tensors":
@@ -181,6 +184,16 @@ class DyingServer(WeightsServer):
         for name in header["names"][:2]:
             frame, parts = wire.tensor_frame(self.source.encoded(str(name)))
             wire.send_frame(sock, frame, parts)
+        self.fail(sock)
+
+    def fail(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class DyingServer(FailingServer):
+    """Its connection drops after the first tensors, as a killed peer's does."""
+
+    def fail(self, sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
         raise ConnectionError("killed")
 
@@ -188,8 +201,6 @@ class DyingServer(WeightsServer):
 @pytest.mark.parametrize("kind", ["raw", "compressed"])
 def test_a_peer_dying_mid_load_fails_the_load_with_a_clear_error(folders, kind):
     """The load ends with an error naming the peer, not a hang, and leaves no thread behind."""
-    import threading
-
     server = DyingServer(folders[kind], SECRET)
     endpoint = server.start()
     before = set(threading.enumerate())
@@ -199,5 +210,42 @@ def test_a_peer_dying_mid_load_fails_the_load_with_a_clear_error(folders, kind):
             load_model(folders["raw"], cfg, torch.float32, weights=PeerCheckpoint(endpoint, SECRET))
         assert endpoint in str(failed.value), failed.value
         wait_until(lambda: set(threading.enumerate()) <= before, 10, "the loader's threads to end")
+    finally:
+        server.close()
+
+
+class SilentServer(FailingServer):
+    """Sends nothing after the first tensors, the connection left open: a peer stopped
+    (SIGSTOP, a hung process) or on a host cut off without a reset."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.released = threading.Event()
+
+    def fail(self, sock: socket.socket) -> None:
+        self.released.wait(60)
+        raise ConnectionError("released")
+
+    def close(self) -> None:
+        self.released.set()
+        super().close()
+
+
+def test_a_peer_silent_mid_load_fails_the_load_after_the_read_timeout(folders):
+    server = SilentServer(folders["compressed"], SECRET)
+    endpoint = server.start()
+    before = set(threading.enumerate())
+    try:
+        cfg = ModelConfig.from_dir(folders["raw"])
+        peer = PeerCheckpoint(endpoint, SECRET, read_timeout_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(WeightsPeerError, match="sent nothing for 1 s") as failed:
+            load_model(folders["raw"], cfg, torch.float32, weights=peer)
+        assert endpoint in str(failed.value)
+        assert time.monotonic() - started < 30  # the timeout, not the 120 s default
+        loader = [
+            t for t in threading.enumerate() if t not in before and t.name.startswith("peer-")
+        ]
+        wait_until(lambda: not any(t.is_alive() for t in loader), 10, "the loader's threads to end")
     finally:
         server.close()

@@ -78,6 +78,11 @@ def register(subparsers) -> None:
             help="seconds to wait for a peer to announce the model (--weights-from peer)",
         )  # fmt: skip
         p.add_argument(
+            "--weights-timeout", type=float, default=D.weights_timeout_s,
+            help="seconds a peer may send nothing in the middle of the weights before the "
+            "load is given up (a stopped peer, a host cut off)",
+        )  # fmt: skip
+        p.add_argument(
             "--cache-dir", type=Path, default=D.cache_dir,
             help="the small files (config, tokenizer) of a model from a peer go under it",
         )  # fmt: skip
@@ -120,6 +125,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         cpus=args.cpus,
         weights_from=args.weights_from,
         weights_wait_s=args.weights_wait,
+        weights_timeout_s=args.weights_timeout,
         cache_dir=args.cache_dir,
     )
     return run_service(functools.partial(run_worker, config), args.log_level)

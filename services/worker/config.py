@@ -60,6 +60,7 @@ class WorkerConfig:
     # its weights server (shared/peer); auto: disk if model_dir is a folder, else a peer
     weights_from: str = "auto"
     weights_wait_s: float = 60.0  # peer: how long to wait for a worker to announce the model
+    weights_timeout_s: float = 120.0  # peer: a peer silent this long mid-load fails the load
     cache_dir: Path = DEFAULT_CACHE_DIR  # peer: the small files of a model go under it
 
     def __post_init__(self) -> None:
@@ -71,8 +72,8 @@ class WorkerConfig:
             raise ValueError(
                 f"weights_from must be one of {WEIGHTS_FROM}, got {self.weights_from!r}"
             )
-        if self.heartbeat_s <= 0 or self.reservation_lease_s <= 0:
-            raise ValueError("heartbeat_s and reservation_lease_s must be > 0")
+        if self.heartbeat_s <= 0 or self.reservation_lease_s <= 0 or self.weights_timeout_s <= 0:
+            raise ValueError("heartbeat_s, reservation_lease_s and weights_timeout_s must be > 0")
         if not self.max_num_batched_tokens:
             object.__setattr__(self, "max_num_batched_tokens", STEP_TOKENS[self.role])
         if not self.worker_id:

@@ -55,10 +55,15 @@ async def resolve_weights(config: WorkerConfig) -> Weights:
     start = time.perf_counter()
     try:
         files = await asyncio.to_thread(
-            fetch_files, offer.endpoint, config.kv_secret.encode(), cache
+            fetch_files, offer.endpoint, config.kv_secret.encode(), cache, config.weights_timeout_s
         )
     except SecretRefusedError:
         raise WeightsPeerError(_refused(config, offer)) from None
+    except TimeoutError:
+        raise WeightsPeerError(
+            f"weights peer {offer.endpoint} sent nothing for {config.weights_timeout_s:g} s "
+            "(stopped, or its host cut off)"
+        ) from None
     except OSError as e:
         raise WeightsPeerError(f"weights peer {offer.endpoint} broke off: {e}") from e
     log.info(

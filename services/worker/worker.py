@@ -54,6 +54,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) 
         kv_transport=config.kv_transport,
         kv_secret=config.kv_secret,
         weights_peer=weights.peer,
+        weights_timeout_s=config.weights_timeout_s,
     )
     eos = Tokenizer.from_dir(weights.model_dir).eos_token_ids
     return LLMEngine(engine_config, extra_eos_ids=eos)

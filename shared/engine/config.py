@@ -49,6 +49,7 @@ class EngineConfig:
     # host:port of a running worker's weights server (shared/peer): every rank reads its
     # tensors from it, authenticated with kv_secret; model_dir holds the small files only
     weights_peer: str = ""
+    weights_timeout_s: float = 120.0  # a weights peer silent this long mid-load fails the load
     cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
     device: str = "cpu"  # the device of every rank's tensors (weights, KV pool, steps)
     attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | torch
@@ -85,6 +86,8 @@ class EngineConfig:
             raise InvalidRequestError("memory_bytes", "must be >= 1")
         if self.memory_reserve_bytes < 0:
             raise InvalidRequestError("memory_reserve_bytes", "must be >= 0")
+        if self.weights_timeout_s <= 0:
+            raise InvalidRequestError("weights_timeout_s", "must be > 0")
         if self.weights_peer and not self.kv_secret:
             raise InvalidRequestError(
                 "weights_peer", "weights from a peer need the shared secret (TISON_KV_SECRET)"

@@ -79,7 +79,12 @@ def build_shard(
     start = time.perf_counter()
     weights = None
     if config.weights_peer:  # only this stage's layers; TP ranks fetch whole tensors
-        weights = PeerCheckpoint(config.weights_peer, config.kv_secret.encode(), for_stage(stage))
+        weights = PeerCheckpoint(
+            config.weights_peer,
+            config.kv_secret.encode(),
+            for_stage(stage),
+            read_timeout_s=config.weights_timeout_s,
+        )
     model = load_model(config.model_dir, cfg, dtype, tp, stage, device, attention, weights)
     loaded = time.perf_counter()
     source = f"from {weights.source}" if weights is not None else "from disk"

@@ -31,6 +31,7 @@ BATCH_BYTES = 8 << 20
 WINDOW_BYTES = 1 << 30
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # a peer silent this long in the middle of an answer is taken for stuck
+# (stopped, or its host cut off without a reset); EngineConfig.weights_timeout_s sets it
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # as load_weights finds a tensor's layer
 
 
@@ -45,7 +46,7 @@ def for_stage(stage: PPStage) -> Callable[[str], bool]:
     return wanted
 
 
-def connect(endpoint: str, secret: bytes) -> socket.socket:
+def connect(endpoint: str, secret: bytes, read_timeout_s: float = READ_TIMEOUT_S) -> socket.socket:
     """An authenticated connection to a weights server; SecretRefusedError if it refuses
     the secret, OSError if it cannot be reached."""
     host, port = endpoint.rsplit(":", 1)
@@ -53,7 +54,7 @@ def connect(endpoint: str, secret: bytes) -> socket.socket:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         auth.client_handshake(sock, secret, confirm=True)
-        sock.settimeout(READ_TIMEOUT_S)
+        sock.settimeout(read_timeout_s)
     except BaseException:
         sock.close()
         raise
@@ -65,11 +66,13 @@ def request(sock: socket.socket, header: dict) -> tuple[dict, bytearray]:
     return wire.recv_frame(sock)
 
 
-def fetch_files(endpoint: str, secret: bytes, out_dir: Path) -> list[str]:
+def fetch_files(
+    endpoint: str, secret: bytes, out_dir: Path, read_timeout_s: float = READ_TIMEOUT_S
+) -> list[str]:
     """Copies the peer's small files into out_dir (replacing older copies; each written to a
     temporary name first, so a folder never holds half a file). Returns their paths."""
     out_dir = Path(out_dir)
-    with connect(endpoint, secret) as sock:
+    with connect(endpoint, secret, read_timeout_s) as sock:
         index, _ = request(sock, {"op": "index"})
         paths = [str(rel) for rel, _ in index["files"]]
         for rel in paths:
@@ -94,8 +97,9 @@ class PeerCheckpoint:
         wanted: Callable[[str], bool] = lambda name: True,
         num_threads: int | None = None,
         window_bytes: int = WINDOW_BYTES,
+        read_timeout_s: float = READ_TIMEOUT_S,
     ):
-        self.endpoint = endpoint
+        self.endpoint, self.read_timeout_s = endpoint, read_timeout_s
         self.source = f"weights peer {endpoint}"
         self.num_threads = num_threads
         self.bytes_received = 0
@@ -114,7 +118,7 @@ class PeerCheckpoint:
 
     def _connect(self, secret: bytes) -> socket.socket:
         try:
-            return connect(self.endpoint, secret)
+            return connect(self.endpoint, secret, self.read_timeout_s)
         except auth.SecretRefusedError:
             raise WeightsPeerError(
                 f"{self.source} refused the secret (TISON_KV_SECRET differs from its own)"
@@ -145,6 +149,11 @@ class PeerCheckpoint:
             header, payload = wire.recv_frame(sock)
             self.bytes_received += len(payload)
             return wire.encoded_from_frame(header, payload, self.source)
+        except TimeoutError:
+            raise WeightsPeerError(
+                f"{self.source} sent nothing for {self.read_timeout_s:g} s in the middle of "
+                "the weights (stopped, or its host cut off); the load is given up"
+            ) from None
         except (ConnectionError, OSError, ValueError, KeyError, TypeError) as e:
             raise ModelFolderError(self.source, f"reading a tensor failed ({e})") from e
 
