@@ -23,6 +23,9 @@ from services_harness import free_port, scheduler_routes, wait_metric
 from waiting import until
 
 BEAT_S = 0.05
+# Routing, not liveness, is under test: a worker counts as dead only after 2 s without a beat,
+# so a loaded CI host that stalls this loop for 150 ms (3 beats) does not unregister them all.
+MISS_LIMIT = 40
 WORKERS = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
 
 
@@ -41,9 +44,17 @@ class Cluster:
     async def __aenter__(self):
         self.scheduler_stop = asyncio.Event()
         self.scheduler = Scheduler(
-            SchedulerConfig(nats_url=self.url, routing=RoutingConfig(mode=self.routing))
+            SchedulerConfig(
+                nats_url=self.url, routing=RoutingConfig(mode=self.routing), miss_limit=MISS_LIMIT
+            )
         )
-        gateway = GatewayConfig(self.model_dir, port=self.port, nats_url=self.url, gateway_id="gw")
+        gateway = GatewayConfig(
+            self.model_dir,
+            port=self.port,
+            nats_url=self.url,
+            gateway_id="gw",
+            miss_limit=MISS_LIMIT,
+        )
         workers = [
             FakeWorkerConfig(
                 role=role,

@@ -50,6 +50,7 @@ from shared.registry import DEFAULT_MISS_LIMIT, WorkerRegistry
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # dispatch loop wake-up period without events (deadlines, dead workers)
 BEAT_S = 0.5  # gateways fail the submits this scheduler acknowledged after 3 missed beats
+SNAPSHOT_ASK_S = 1.0  # a worker out of step is asked for its KV set again this long after
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Scheduler:
         # Requests being placed (chosen, reservation under way) → cancelled meanwhile?
         self._placing: dict[str, bool] = {}
         self._placements = TaskSet("placing a request")
+        self._snapshot_asked: dict[str, float] = {}  # worker id -> when (monotonic)
         self.scheduler_id = f"sched-{uuid.uuid4().hex[:12]}"  # a restart is a new scheduler
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -147,7 +149,13 @@ class Scheduler:
         self.metrics.index_pages.labels(events.worker_id).set(
             self.router.index.num_pages(events.worker_id)
         )
-        if not in_step:
+        # Out of step: ask for the whole set, once until it has had time to come (every
+        # message until then is out of step too: a reconnect would ask once each).
+        now = time.monotonic()
+        if in_step:
+            self._snapshot_asked.pop(events.worker_id, None)
+        elif now - self._snapshot_asked.get(events.worker_id, -1e9) >= SNAPSHOT_ASK_S:
+            self._snapshot_asked[events.worker_id] = now
             ask = KVSnapshotAskMsg(events.worker_id, reason=f"gap at {events.seq}")
             self.metrics.snapshot_asks.inc()
             subject = subjects.kv_snapshot(events.role, events.worker_id)
