@@ -1,7 +1,8 @@
 """compose.yaml read as Docker Compose reads it, so that what the multi-host harness runs is the
 deployment file itself: `${VAR}` / `${VAR:-default}` / `${VAR:?message}` interpolation from an
 environment, YAML anchors and `<<` merges, each service's command, environment, volumes, ports,
-dependencies and deploy section, and the image's ENTRYPOINT from the Dockerfile it builds.
+dependencies, restart policy, configs (`content:` or `file:`) and deploy section, and the
+image's ENTRYPOINT from the Dockerfile it builds.
 
     spec = Compose.load(REPO_ROOT / "compose.yaml", env)
     spec.services["decode"].argv            # ["tison", "decode", "--model", "/model", ...]
@@ -60,6 +61,18 @@ class Service:
     image: str
     deploy: dict = field(default_factory=dict)
     profiles: list[str] = field(default_factory=list)
+    restart: str = "no"  # no | always | unless-stopped | on-failure[:N]
+    configs: list[tuple[str, str]] = field(default_factory=list)  # (config name, target path)
+
+    def restarts_after(self, returncode: int, restarts: int) -> bool:
+        """Whether Compose starts the container again after it exited with `returncode`,
+        having restarted it `restarts` times already (never after a stop it was asked for)."""
+        if self.restart in ("always", "unless-stopped"):
+            return True
+        if self.restart.startswith("on-failure"):
+            limit = self.restart.partition(":")[2]
+            return returncode != 0 and (not limit or restarts < int(limit))
+        return False
 
     def port(self, container_port: int) -> int:
         """The container port published as `container_port`'s host side, or itself."""
@@ -74,6 +87,7 @@ class Compose:
     path: Path
     services: dict[str, Service]
     header: str  # the file's leading comment block (its documentation)
+    configs: dict[str, str] = field(default_factory=dict)  # name -> its content
 
     @classmethod
     def load(cls, path: Path, env: dict[str, str]) -> "Compose":
@@ -87,11 +101,17 @@ class Compose:
             name: _service(name, body or {}, path.parent, env)
             for name, body in doc["services"].items()
         }
+        configs = {
+            name: _config(name, body, path.parent) for name, body in _mapping(doc, "configs", path)
+        }
         for svc in services.values():
             for dep in svc.depends_on:
                 if dep not in services:
                     raise ComposeError(f"{path}: {svc.name} depends on unknown service {dep!r}")
-        spec = cls(path, services, header)
+            for name, _ in svc.configs:
+                if name not in configs:
+                    raise ComposeError(f"{path}: {svc.name} uses unknown config {name!r}")
+        spec = cls(path, services, header, configs)
         spec.order(tuple({p for svc in services.values() for p in svc.profiles}))  # no cycles
         return spec
 
@@ -155,6 +175,42 @@ def _service(name: str, body: dict, root: Path, env: dict[str, str]) -> Service:
         image=str(body.get("image", "")),
         deploy=body.get("deploy", {}) or {},
         profiles=list(body.get("profiles", []) or []),
+        restart=_restart(body.get("restart", "no"), where),
+        configs=[_config_use(c, where) for c in body.get("configs", []) or []],
+    )
+
+
+def _mapping(doc: dict, key: str, path: Path):
+    section = doc.get(key) or {}
+    if not isinstance(section, dict):
+        raise ComposeError(f"{path}: {key}: must be a mapping")
+    return section.items()
+
+
+def _config(name: str, body, root: Path) -> str:
+    """A top-level config's content: `content:` inline, or the `file:` it names."""
+    if isinstance(body, dict) and isinstance(body.get("content"), str):
+        return body["content"]
+    if isinstance(body, dict) and isinstance(body.get("file"), str):
+        return (root / body["file"]).read_text()
+    raise ComposeError(f"compose.yaml configs.{name}: give it content: or file:")
+
+
+def _config_use(spec, where: str) -> tuple[str, str]:
+    """(config name, path in the container) of a service's configs entry."""
+    if isinstance(spec, str):
+        return spec, f"/{spec}"
+    if isinstance(spec, dict) and isinstance(spec.get("source"), str):
+        return spec["source"], str(spec.get("target", f"/{spec['source']}"))
+    raise ComposeError(f"{where}.configs: {spec!r} is not NAME or {{source, target}}")
+
+
+def _restart(policy, where: str) -> str:
+    policy = "no" if policy is False else str(policy)
+    if policy in ("no", "always", "unless-stopped") or re.fullmatch(r"on-failure(:\d+)?", policy):
+        return policy
+    raise ComposeError(
+        f"{where}.restart: {policy!r} is not no, always, unless-stopped or on-failure[:N]"
     )
 
 

@@ -10,15 +10,18 @@ What stands in for Docker: the `nats` image is the nats-server of the nats-serve
 an image built from the Dockerfile is this checkout, its ENTRYPOINT run by this interpreter
 (`tison` -> `python -m services.cli`), from the repository (its WORKDIR copies it); a bind
 mount's container path in an argument becomes the host path, a named volume a folder of
-`workdir`; a service name resolves, in every host, to its first replica (Compose's DNS).
-`restart:` policies are not emulated (a process that exits stays down)."""
+`workdir`; a service name resolves, in every host, to its first replica (Compose's DNS). Once
+up, a process that exits is started again on its host as its service's `restart:` policy says
+(Compose's daemon does this), RESTART_DELAY_S later; `restarts` counts them."""
 
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from loadtest.compose import Compose, ComposeError, Service
@@ -29,6 +32,7 @@ from shared.nats_server import find_binary
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 GATEWAY_PORT = 8000  # the gateway's container port in compose.yaml
 NATS_PORT = 4222  # the nats image's client port
+RESTART_DELAY_S = 0.5  # after an exit, before a restart (Docker waits 100 ms, then doubles it)
 
 
 class Deployment:
@@ -50,6 +54,10 @@ class Deployment:
         self.extra_args = extra_args or {}  # service -> arguments appended to its command
         self.hosts: dict[str, Host] = {}  # replica name (service, or service-i) -> host
         self.cluster = Cluster(self.workdir)  # the processes, their logs and their end
+        self.restarts: Counter[str] = Counter()  # replica -> times its restart policy ran
+        self._service_of: dict[str, Service] = {}  # replica -> its service
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def __enter__(self) -> "Deployment":
         return self
@@ -89,6 +97,21 @@ class Deployment:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the gateway at {self.base_url} is not serving\n{self.logs()}")
             time.sleep(0.2)
+        self._supervisor = threading.Thread(target=self._supervise, name="compose-restart")
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Restart policies: each replica that exited, started again if its service says so."""
+        while not self._stopping.wait(0.1):
+            for replica, proc in list(self.procs.items()):
+                svc = self._service_of[replica]
+                code = proc.poll()
+                if code is None or not svc.restarts_after(code, self.restarts[replica]):
+                    continue
+                if self._stopping.wait(RESTART_DELAY_S):
+                    return
+                self.start(replica, svc)
+                self.restarts[replica] += 1  # after: procs[replica] is the new process
 
     def _all_heard(self) -> bool:
         """Whether the gateway has heard a heartbeat of every worker replica."""
@@ -128,6 +151,7 @@ class Deployment:
         return found[0]
 
     def start(self, replica: str, svc: Service) -> None:
+        self._service_of[replica] = svc
         argv = [self._path(a, svc) for a in self._program(svc)]
         argv += self.extra_args.get(svc.name, [])
         self.cluster.start(replica, self.hosts[replica].command(argv), env=svc.environment)
@@ -140,12 +164,24 @@ class Deployment:
         return [sys.executable, "-m", "services.cli", *svc.argv[1:]]
 
     def _path(self, arg: str, svc: Service) -> str:
-        """A container path in an argument mapped onto the host path of its volume."""
+        """A container path in an argument mapped onto the host path of its volume or config."""
+        for name, target in svc.configs:
+            if arg == target:
+                return self._config_file(name)
         for vol in svc.volumes:
             if arg == vol.target or arg.startswith(vol.target + "/"):
                 source = self._named(vol.source) if vol.named else vol.source
                 return source + arg[len(vol.target) :]
         return arg
+
+    def _config_file(self, name: str) -> str:
+        """The config's content in a file of `workdir` only its owner reads (it may hold a
+        secret, as Compose's configs do inside the container)."""
+        path = self.workdir / "configs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(self.compose.configs[name])
+        return str(path)
 
     def _named(self, volume: str) -> str:
         folder = self.workdir / "volumes" / volume
@@ -179,4 +215,7 @@ class Deployment:
         return self.cluster.logs()
 
     def close(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         self.cluster.stop_all(10.0)

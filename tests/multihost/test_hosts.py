@@ -6,7 +6,9 @@ on this process's own address on the switch. Skips where the machine cannot make
 import asyncio
 import subprocess
 import time
+from pathlib import Path
 
+import nats
 import openai
 import pytest
 
@@ -60,6 +62,17 @@ async def test_greedy_outputs_across_hosts_equal_one_host(deployment, client, ll
     async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as stranger:
         with pytest.raises(openai.AuthenticationError):  # compose.yaml's API key is required
             await stranger.models.list()
+
+
+async def test_nats_takes_only_token_holders_and_keeps_the_token_off_its_command_line(deployment):
+    nats_proc = deployment.procs["nats"]
+    cmdline = Path(f"/proc/{nats_proc.pid}/cmdline").read_bytes().decode()
+    assert "nats-server" in cmdline and ENV["TISON_NATS_TOKEN"] not in cmdline
+    url = f"nats://{deployment.hosts['nats'].address}:4222"
+    with pytest.raises(Exception, match="(?i)authorization"):
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+    nc = await nats.connect(url, token=ENV["TISON_NATS_TOKEN"], allow_reconnect=False)
+    await nc.close()
 
 
 async def test_kv_bytes_cross_only_the_prefill_decode_links(deployment, client, llm):
@@ -142,6 +155,37 @@ async def test_a_cut_decode_host_fails_its_streams_and_rejoins_when_healed(deplo
     # no page stays reserved, on the prefill host or either decode host
     pages = deployment.metric
     await until(lambda: not any(pages("tison_kv_pages_used").values()), 15, "every page free")
+
+
+async def test_a_killed_decode_worker_comes_back_by_its_restart_policy(deployment, client):
+    """compose.yaml's `restart: unless-stopped`: decode-2 killed -9 is started again on its
+    host, is heard under a new id, is routed to, and no page stays reserved."""
+    old_id = deployment.worker_id("decode-2")
+    deployment.procs["decode-2"].kill()
+    killed_at = time.monotonic()
+    await until(lambda: deployment.restarts["decode-2"] == 1, 10, "decode-2 started again")
+
+    def new_id() -> str | None:
+        try:
+            found = deployment.worker_id("decode-2")
+        except LookupError:
+            return None
+        return found if found != old_id else None
+
+    back = await until(new_id, 60, "decode-2 heard again under its new pid", 0.2)
+    await until(lambda: old_id not in deployment.workers(), 15, "the dead id forgotten", 0.2)
+    for i in range(4):  # served meanwhile and after, whichever decode host a request gets
+        out = await client.completions.create(model=MODEL.name, prompt=f"{i}", max_tokens=4)
+        assert out.choices[0].finish_reason in ("length", "stop")
+
+    async def serves() -> bool:
+        await client.completions.create(model=MODEL.name, prompt="again", max_tokens=2)
+        return deployment.metric("tison_kv_transfer_bytes").get(back, 0) > 0
+
+    await until(serves, 30, "the restarted decode-2 given a request")
+    pages = deployment.metric
+    await until(lambda: not any(pages("tison_kv_pages_used").values()), 15, "every page free")
+    print(f"decode-2 back and serving {time.monotonic() - killed_at:.1f} s after the kill")
 
 
 def test_the_network_leaves_nothing_behind(tmp_path):
