@@ -8,7 +8,8 @@ import asyncio
 import nats
 import pytest
 
-from services.scheduler.service import SNAPSHOT_ASK_S, Scheduler, SchedulerConfig
+from services.scheduler import service
+from services.scheduler.service import Scheduler, SchedulerConfig
 from shared import protocol, subjects
 from shared.nats_server import NatsServer
 from shared.protocol import KVEventsMsg, KVSnapshotAskMsg
@@ -17,7 +18,9 @@ from waiting import until
 
 
 @pytest.fixture
-async def scheduler(tmp_path):
+async def scheduler(tmp_path, monkeypatch):
+    # A window far longer than the burst below takes, even on a loaded host.
+    monkeypatch.setattr(service, "SNAPSHOT_ASK_S", 3.0)
     with NatsServer(tmp_path / "nats") as server:
         stop = asyncio.Event()
         task = asyncio.create_task(Scheduler(SchedulerConfig(nats_url=server.url)).run(stop))
@@ -44,21 +47,29 @@ async def test_a_run_of_out_of_step_messages_gets_one_ask(scheduler):
         await nc.publish(subjects.kv_events("decode", "d9"), protocol.encode(events))
         await nc.flush()
 
-    await until(lambda: nc.is_connected, 5, "connected")
-    for seq in range(5, 15):  # numbered past 0: the scheduler never saw this worker's set
+    # Numbered past 0: the scheduler never saw this worker's set. It may not have subscribed
+    # yet (it starts beside this client), so the first messages go until it answers.
+    seq = 5
+    async with asyncio.timeout(10):
+        while not asks:
+            await send(seq)
+            seq += 1
+            await asyncio.sleep(0.02)
+    more = seq
+    for seq in range(more, more + 10):  # ten more, out of step too
         await send(seq)
-    await until(lambda: asks, 5, "the first ask")
     await asyncio.sleep(0.3)
-    assert [a.worker_id for a in asks] == ["d9"]  # one, for ten messages
+    assert [a.worker_id for a in asks] == ["d9"]  # one, for all of them
 
-    await asyncio.sleep(SNAPSHOT_ASK_S)  # still out of step a while later: asked again
-    await send(15)
+    await asyncio.sleep(service.SNAPSHOT_ASK_S)  # still out of step a while later: asked again
+    await send(seq + 1)
     await until(lambda: len(asks) == 2, 5, "the second ask")
 
-    await send(16, reset=True)  # the snapshot: in step from here
-    for seq in range(17, 20):
+    snapshot = seq + 2
+    await send(snapshot, reset=True)  # the snapshot: in step from here
+    for seq in range(snapshot + 1, snapshot + 4):
         await send(seq)
     await asyncio.sleep(0.3)
     assert len(asks) == 2
-    await send(30)  # a gap after being in step: asked at once
+    await send(seq + 10)  # a gap after being in step: asked at once
     await until(lambda: len(asks) == 3, 5, "the ask after a gap")
