@@ -31,21 +31,25 @@ MOE_VARIANTS = {  # moe.c: softmax top-k, renormalised or not, beside dense laye
 MOE_LOGPROB_TOL = 0.1  # nats: its routing weights round at other places than torch's softmax
 
 
-def generate(model_dir, fused: bool, threads: int, calls: list) -> list:
-    """Token ids and top-3 logprobs of 8 greedy requests, 4 joining after the others decode."""
+def generate(model_dir, fused: bool, threads: int, copies: int = 1) -> list:
+    """Token ids and top-3 logprobs of 8 * copies greedy requests, half of them joining after the
+    others decode."""
     engine = new_engine(model_dir, dtype="bfloat16")
     assert engine.model.model.fused is not None, "every layer's linears run on the C linear"
     if not fused:
         engine.model.model.fused = None
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
-    prompts = make_prompts()
+    prompts = make_prompts() * copies
+    half = len(prompts) // 2
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts[:4])]
+        requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts[:half])]
         for _ in range(6):
             engine.step()
-        requests += [engine.add_request(str(i + 4), p, params) for i, p in enumerate(prompts[4:])]
+        requests += [
+            engine.add_request(str(i + half), p, params) for i, p in enumerate(prompts[half:])
+        ]
         run_all(engine)
     finally:
         torch.set_num_threads(previous)
@@ -63,16 +67,16 @@ def test_fused_layer_gives_the_op_by_op_bits(
     assert op_by_op == fused
 
 
-def both_ways(tiny_model_factory, monkeypatch, model, threads, tier) -> tuple[list, list]:
+def both_ways(tiny_model_factory, monkeypatch, model, threads, tier, copies=1) -> tuple[list, list]:
     """generate's outputs for model (family, overrides) at a tier, fused, then op by op."""
     use_tier(tier, monkeypatch)
     family, overrides = model
     model_dir = tiny_model_factory(family, **overrides)
     calls = count_fused_calls(monkeypatch)
-    fused = generate(model_dir, True, threads, calls)
-    assert calls and max(calls) == 8, "decode steps of all 8 requests ran fused"
+    fused = generate(model_dir, True, threads, copies)
+    assert calls and max(calls) == 8 * copies, "decode steps of all requests ran fused"
     calls.clear()
-    op_by_op = generate(model_dir, False, threads, calls)
+    op_by_op = generate(model_dir, False, threads, copies)
     assert not calls
     return fused, op_by_op
 
@@ -86,8 +90,24 @@ def test_fused_experts_give_the_op_by_op_tokens(
     """MoE layers in the fused call: the op-by-op tokens, their logprobs within
     MOE_LOGPROB_TOL (expf against torch's vectorised exp in the softmax moves a routing weight
     by an ulp, and a bf16 rounding downstream can flip)."""
-    model = MOE_VARIANTS[variant]
-    fused, op_by_op = both_ways(tiny_model_factory, monkeypatch, model, threads, tier)
+    fused, op_by_op = both_ways(
+        tiny_model_factory, monkeypatch, MOE_VARIANTS[variant], threads, tier
+    )
+    assert_same_tokens(fused, op_by_op)
+
+
+@pytest.mark.parametrize("tier", tier_params(emulated_amx=True))
+def test_wide_steps_fused_and_op_by_op_agree(tiny_model_factory, monkeypatch, tier):
+    """40 rows a step: avx2's outer products (packed x blocks, the last one partial; Mixtral's 4
+    experts get 20 rows each on average, so its experts' linears take them too) in the fused
+    call and op by op."""
+    dense = both_ways(tiny_model_factory, monkeypatch, VARIANTS["llama"], 2, tier, copies=5)
+    assert dense[0] == dense[1]
+    moe = both_ways(tiny_model_factory, monkeypatch, MOE_VARIANTS["mixtral"], 2, tier, copies=5)
+    assert_same_tokens(*moe)
+
+
+def assert_same_tokens(fused: list, op_by_op: list) -> None:
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, op_by_op):
         assert tokens == ref_tokens
         for ours, ref in zip(logprobs, ref_logprobs):

@@ -38,15 +38,16 @@ def assert_close_to_reference(y: torch.Tensor, x, weight, bias=None) -> None:
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=scale * 2**-20)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 25, 32, 33, 64, 100])
 @pytest.mark.parametrize(
     "out_features,in_features", [(16, 32), (48, 96), (80, 64), (1280, 768), (24, 2080)]
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_reference(rows, out_features, in_features, with_bias):
-    """Every row count (partial tiles and row blocks; from 16 rows the vector tiers widen the
-    weights first), output count (a last group of 16) and input count (2080: widened in
-    chunks of 1024, the last one short)."""
+    """Every row count (partial tiles and row blocks; from 16 rows avx2 runs outer products on
+    x packed in blocks of 16, the last one partial: 17 and 33 one row, 25 nine), output count (a
+    last group of 16, or of avx2's 6) and input count (2080: widened in chunks, the last one
+    short)."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     weight = (torch.randn(out_features, in_features, generator=g) / 8).bfloat16()

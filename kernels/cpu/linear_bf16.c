@@ -1,5 +1,5 @@
-/* bfloat16 linear layers for the few rows of a decode step: y (M, N) = x (M, K) w (N, K)^T
- * (+ bias), float32 sums, rounded to bfloat16 once. The weight stays in its plain row-major
+/* bfloat16 linear layers for the few rows of a decode step (on avx2, prefill chunks too):
+ * y (M, N) = x (M, K) w (N, K)^T (+ bias), float32 sums, rounded to bfloat16 once. The weight stays in its plain row-major
  * layout (one copy, shared with a tied embedding and with F.linear for prefill).
  *
  * Where the build has AMX (amx_linear.c) the tiles do the work (all but the last N % 16
@@ -11,8 +11,8 @@
  * - avx512 / avx2: a 32-bit lane of w holds two bf16 (k even in the low half): lane << 16 and
  *   lane & 0xffff0000 are those two as float32 with no other work, so x is laid out once per
  *   call as float32 in that order (the even k of a block, then the odd k) and fed to FMAs;
- *   on avx2, from WIDE_ROWS rows of x on, each group is widened to float32 once instead
- *   (wide_group: the shifts and masks of every block would take the FMAs' ports);
+ *   on avx2, from WIDE_ROWS rows of x on, outer products instead (outer_group: groups of NR
+ *   outputs widened to float32 once, x packed in blocks of XB rows, k-major);
  * - portable: plain C on x as float32 that the compiler vectorizes for any target.
  */
 #include <stdint.h>
@@ -24,6 +24,7 @@
 #endif
 
 #define R 4 /* weight rows (outputs) a group */
+#define XB 16 /* rows of x a packed block (avx2's outer products) */
 #define AHEAD 16384 /* bytes: how far ahead of the weights being read to ask for more */
 /* (measured at one row of x: 4 KiB 77%, 16 KiB 81-85%, 32 KiB 68% of the probe) */
 
@@ -63,7 +64,7 @@ static inline vec w_odd(__m256i p) {
     return _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u)));
 }
 #define wload(p) _mm256_loadu_si256((const __m256i *)(p))
-#define MW 3 /* rows of x a block on widened weights: 12 accumulators, 3 x, 1 w of 16 */
+#define OUTER 1 /* outer_group from WIDE_ROWS rows on */
 /* 8 bf16 at p (in order) -> float32 */
 static inline vec widen(const bf16 *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -86,20 +87,16 @@ static inline void store_sums(const float sums[R][MB], const bf16 *bias, int64_t
 }
 
 #if XF32
-/* x (M, K; row stride xs) -> xf (M, K) float32: in order when `natural` (for widened weights),
- * else each block of 2 * VW k as its VW even k then its VW odd k (the order w_even / w_odd give
- * the weights in). */
-static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf, int natural) {
+/* x (M, K; row stride xs) -> xf (M, K) float32, each block of 2 * VW k as its VW even k then
+ * its VW odd k (the order w_even / w_odd give the weights in). */
+static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf) {
 #pragma omp for
     for (int64_t m = 0; m < M; m++)
-        if (natural)
-            for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * xs + k]);
-        else
-            for (int64_t k = 0; k < K; k += 2 * VW)
-                for (int i = 0; i < VW; i++) {
-                    xf[m * K + k + i] = bf16_to_f32(x[m * xs + k + 2 * i]);
-                    xf[m * K + k + VW + i] = bf16_to_f32(x[m * xs + k + 2 * i + 1]);
-                }
+        for (int64_t k = 0; k < K; k += 2 * VW)
+            for (int i = 0; i < VW; i++) {
+                xf[m * K + k + i] = bf16_to_f32(x[m * xs + k + 2 * i]);
+                xf[m * K + k + VW + i] = bf16_to_f32(x[m * xs + k + 2 * i + 1]);
+            }
 }
 #endif
 
@@ -195,64 +192,123 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     }
 }
 
-#if defined(MW)
-/* avx2, from WIDE_ROWS rows of x on: converting each weight vector again for every block of
- * x rows costs more than the FMAs it feeds (measured on Zen 3: ~62 GFLOP/s on 2 cores at 32
- * rows, ~85 this way), so a group's weights are widened to float32 once, KC k at a time, into
- * L1, and blocks of MW rows of x (in order) run plain FMAs on them: R x MW accumulators, one
- * FMA each a step, the weight a memory operand. Below WIDE_ROWS the widening costs more than
- * it saves. */
+#if defined(OUTER)
+/* avx2, from WIDE_ROWS rows of x on: outer products. The dot-product form converts each weight
+ * vector again for every block of x rows and ends each sum with a horizontal add (measured on
+ * Zen 3: ~80 GFLOP/s on 2 cores at 32 rows), so here a group of NR outputs is widened to
+ * float32 once, KC k at a time, into L1, and x is packed once a call in blocks of 16 rows, each
+ * (K, 16) float32, so that 16 rows of one k are two vectors in a row: a block is 16 rows x NR
+ * outputs in 2 x NR accumulators, a step of k two loads of x, NR broadcasts of a weight,
+ * 2 x NR FMAs, and no horizontal sums. Below WIDE_ROWS the widening costs more than it saves. */
 #define WIDE_ROWS 16
-#define KC 1024 /* R x KC float32: 16 KiB */
-#define KS (KC + 16) /* their stride: rows 4 KiB apart would share L1 sets */
+#define NR 6 /* outputs a group */
+#define KC 128 /* NR x KC float32 (3 KiB) beside the KC x XB of x a block streams (8 KiB); measured
+                   * on Zen 3 against 256: 1.1-1.4x at 16 rows, 1.0-1.15x at 32 */
+#define KS (KC + 16) /* their stride: rows 512 B apart would share L1 sets */
 
-/* Widened rows wf[r] (r < R, KS floats apart) against x rows m0.. m0 + mb over kc k (x already
- * at the chunk's first k, row stride xstride): adds the sums to sums[r * M + m]. */
-__attribute__((always_inline)) static inline void wide_block(const float *wf, int64_t kc,
-                                                             const float *x, int64_t xstride,
-                                                             int64_t m0, int mb, float *sums,
-                                                             int64_t M) {
-    vec acc[R][MW];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mb; m++) acc[r][m] = vzero();
-    for (int64_t k = 0; k < kc; k += VW) {
-        vec xv[MW];
-        for (int m = 0; m < mb; m++) xv[m] = vload(x + (m0 + m) * xstride + k);
-        for (int r = 0; r < R; r++) {
-            vec wv = vload(wf + r * KS + k);
-            for (int m = 0; m < mb; m++) acc[r][m] = vfma(xv[m], wv, acc[r][m]);
+/* Packed blocks of `rows` rows. */
+static inline int64_t blocks_of(int64_t rows) { return (rows + XB - 1) / XB; }
+
+/* k [k_from, k_to) of rows [0, rows) of x (row stride xs; rows <= XB) -> those k of one packed
+ * block xp (K, XB) float32, the rows past `rows` zero: 8 k of 8 rows widened, then transposed
+ * in registers. */
+static void pack_block(const bf16 *x, int64_t xs, int64_t rows, int64_t k_from, int64_t k_to,
+                       float *xp) {
+    for (int64_t k = k_from; k < k_to; k += 8)
+        for (int h = 0; h < XB / 8; h++) {
+            vec r[8], t[8], u[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = h * 8 + i < rows ? widen(x + (h * 8 + i) * xs + k) : vzero();
+            for (int i = 0; i < 8; i += 2)
+                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]),
+                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+            for (int i = 0; i < 8; i += 4) {
+                u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+                u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+                u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+                u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+            }
+            for (int j = 0; j < 4; j++) { /* u[j] holds k + j (low half) and k + 4 + j (high) */
+                vstore(xp + (k + j) * XB + h * 8, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+                vstore(xp + (k + 4 + j) * XB + h * 8,
+                       _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+            }
         }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mb; m++) sums[r * M + m0 + m] += vsum(acc[r][m]);
 }
 
-/* group() on widened weights; x (M, K) float32 in order. */
-static void wide_group(const bf16 *w, const bf16 *bias, const float *x, int64_t M, int64_t N,
-                       int64_t K, int64_t n0, bf16 *y) {
-    int rows = N - n0 < R ? (int)(N - n0) : R;
-    const bf16 *wr[R];
-    for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
-    float wf[R * KS] __attribute__((aligned(64)));
-    float sums[R * M];
-    for (int64_t i = 0; i < R * M; i++) sums[i] = 0.0f;
+/* Block rows [m0, m0 + 8 * nv) (nv = 1 or 2 vectors) of a packed block at the chunk's first k
+ * against the widened rows wf[r] over kc k: adds into sums[r * XB + m] (r < NR). */
+__attribute__((always_inline)) static inline void outer_block(const float *wf, int64_t kc,
+                                                              const float *xp, int nv,
+                                                              float *sums) {
+    vec acc[NR][2];
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = vload(sums + r * XB + v * VW);
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; k++) {
+        vec xv[2];
+        for (int v = 0; v < nv; v++) xv[v] = vload(xp + k * XB + v * VW);
+        for (int r = 0; r < NR; r++) {
+            vec wv = _mm256_broadcast_ss(wf + r * KS + k);
+            for (int v = 0; v < nv; v++) acc[r][v] = vfma(xv[v], wv, acc[r][v]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < nv; v++) vstore(sums + r * XB + v * VW, acc[r][v]);
+}
+
+/* The team packs the rows [start[e], start[e + 1]) of x (row stride xs) of each active expert
+ * e = active[a] (a < count; one matrix: count 1, start {0, M}) in blocks of their own from
+ * block start[e] / XB + a on (apart: ceil(c / XB) <= floor(c / XB) + 1), into xp: a block and
+ * KC k an item. */
+static void pack_x(const bf16 *x, int64_t xs, const int64_t *start, const int64_t *active,
+                   int64_t count, int64_t K, float *xp) {
+    int64_t chunks = (K + KC - 1) / KC, last = active[count - 1];
+    int64_t blocks = start[last] / XB + count - 1 + blocks_of(start[last + 1] - start[last]);
+#pragma omp for
+    for (int64_t i = 0; i < blocks * chunks; i++) {
+        int64_t b = i / chunks, k0 = i % chunks * KC, a = 0;
+        while (a + 1 < count && start[active[a + 1]] / XB + a + 1 <= b) a++;
+        int64_t e = active[a], row = start[e] + (b - start[e] / XB - a) * XB;
+        if (row >= start[e + 1]) continue; /* between two experts' blocks */
+        int64_t left = start[e + 1] - row;
+        pack_block(x + row * xs, xs, left < XB ? left : XB, k0, K - k0 < KC ? K : k0 + KC,
+                   xp + b * K * XB);
+    }
+}
+
+/* Outputs [n0, n0 + NR) of y (M, N) from M rows packed in blocks at xp. */
+static void outer_group(const bf16 *w, const bf16 *bias, const float *xp, int64_t M, int64_t N,
+                        int64_t K, int64_t n0, bf16 *y) {
+    int rows = N - n0 < NR ? (int)(N - n0) : NR;
+    const bf16 *wr[NR]; /* past the last row: that row again, computed and not stored */
+    for (int r = 0; r < NR; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
+    int64_t blocks = blocks_of(M);
+    float wf[NR * KS] __attribute__((aligned(64)));
+    float sums[blocks][NR * XB] __attribute__((aligned(32))); /* [block][r][row of the block] */
+    for (int64_t b = 0; b < blocks; b++)
+        for (int i = 0; i < NR * XB; i++) sums[b][i] = 0.0f;
     const char *ahead = (const char *)(w + n0 * K) + AHEAD; /* the group's rows lie in a row */
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < NR; r++)
             for (int64_t k = 0; k < kc; k += VW) {
                 if (k % 32 == 0) __builtin_prefetch(ahead + (r * K + k0 + k) * 2, 0, 1);
                 vstore(wf + r * KS + k, widen(wr[r] + k0 + k));
             }
-        int64_t m0 = 0;
-        for (; m0 + MW <= M; m0 += MW) wide_block(wf, kc, x + k0, K, m0, MW, sums, M);
-        for (; m0 + 2 <= M; m0 += 2) wide_block(wf, kc, x + k0, K, m0, 2, sums, M);
-        if (m0 < M) wide_block(wf, kc, x + k0, K, m0, 1, sums, M);
+        for (int r = 0; r < NR; r++) /* the next chunk (or group's) into L1 while this one runs */
+            for (int64_t k = 0; k < KC; k += 32)
+                __builtin_prefetch(k0 + KC < K ? wr[r] + k0 + KC + k : wr[r] + NR * K + k, 0, 3);
+        for (int64_t b = 0; b < blocks; b++)
+            if (M - b * XB > VW)
+                outer_block(wf, kc, xp + (b * K + k0) * XB, 2, sums[b]);
+            else
+                outer_block(wf, kc, xp + (b * K + k0) * XB, 1, sums[b]);
     }
     for (int64_t m = 0; m < M; m++)
         for (int r = 0; r < rows; r++)
-            y[m * N + n0 + r] = f32_to_bf16(
-                sums[r * M + m] + (bias == NULL ? 0.0f : bf16_to_f32(bias[n0 + r])));
+            y[m * N + n0 + r] = f32_to_bf16(sums[m / XB][r * XB + m % XB] +
+                                            (bias == NULL ? 0.0f : bf16_to_f32(bias[n0 + r])));
 }
 #define WIDE(M) ((M) >= WIDE_ROWS)
 #else
@@ -276,7 +332,68 @@ static void amx_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
 #endif
 
 /* Bytes of scratch vec_linear_team needs for x of M rows of K. */
-int64_t vec_linear_scratch(int64_t M, int64_t K) { return XF32 ? M * K * 4 : 0; }
+int64_t vec_linear_scratch(int64_t M, int64_t K) {
+#if defined(OUTER)
+    /* packed blocks: at most M / XB + 1 for one matrix, M / XB + count <= M / 8 for experts (wide
+     * when they have XB rows on average) */
+    if (WIDE(M)) return K * XB * (M / 8 + 2) * 4;
+#endif
+    return XF32 ? M * K * 4 : 0;
+}
+
+/* The team lays out x (M rows; for experts, pack_x's rows of each active one) for the kernel:
+ * packed in blocks (outer_group), spread (group, on float32 x) or as it is. Returns the x the
+ * kernel reads; *stride: its row stride (for group). */
+static const void *lay_out_x(const bf16 *x, int64_t xs, int64_t M, const int64_t *start,
+                             const int64_t *active, int64_t count, int64_t K, int wide,
+                             void *scratch, int64_t *stride) {
+#if defined(OUTER)
+    if (wide) {
+        pack_x(x, xs, start, active, count, K, (float *)scratch);
+        *stride = 0;
+        return scratch;
+    }
+#endif
+    (void)wide, (void)start, (void)active, (void)count;
+#if XF32
+    spread_x(x, xs, M, K, (float *)scratch);
+    *stride = K;
+    return scratch;
+#else
+    (void)scratch;
+    *stride = xs;
+    return x;
+#endif
+}
+
+/* Where rows from `row` on (of the a-th active expert, when packed) lie in lay_out_x's x. */
+static inline const void *rows_at(const void *xv, int64_t xstride, int64_t row, int64_t a,
+                                  int64_t K, int wide) {
+    if (wide) return (const float *)xv + (row / XB + a) * K * XB;
+    return (const char *)xv + row * xstride * (XF32 ? 4 : 2);
+}
+
+/* Outputs [n0, n0 + R or NR) of y (M, N) from the M rows of x at xv (rows_at). */
+static inline void any_group(const bf16 *w, const bf16 *bias, const void *xv, int64_t xstride,
+                             int64_t M, int64_t N, int64_t K, int64_t n0, bf16 *y, int wide) {
+#if defined(OUTER)
+    if (wide) {
+        outer_group(w, bias, (const float *)xv, M, N, K, n0, y);
+        return;
+    }
+#endif
+    (void)wide;
+    group(w, bias, xv, xstride, M, N, K, n0, y);
+}
+
+/* Outputs a group for M rows. */
+static inline int64_t group_size(int wide) {
+#if defined(OUTER)
+    if (wide) return NR;
+#endif
+    (void)wide;
+    return R;
+}
 
 /* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL, w (N, K) contiguous,
  * K % 32 == 0; scratch: vec_linear_scratch(M, K) bytes shared by the team. A team kernel
@@ -284,31 +401,19 @@ int64_t vec_linear_scratch(int64_t M, int64_t K) { return XF32 ? M * K * 4 : 0; 
 void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                      int64_t N, int64_t K, bf16 *y, void *scratch) {
     int wide = WIDE(M);
-#if XF32
-    spread_x(x, xs, M, K, (float *)scratch, wide);
-    const void *xv = scratch;
-    int64_t xstride = K;
-#else
-    (void)scratch;
-    const void *xv = x;
-    int64_t xstride = xs;
-#endif
-    int64_t groups = (N + R - 1) / R, previous = -2;
+    int64_t rows[2] = {0, M}, one = 0, xstride, size = group_size(wide);
+    int64_t groups = (N + size - 1) / size;
+    const void *xv = lay_out_x(x, xs, M, rows, &one, 1, K, wide, scratch, &xstride);
+    int64_t previous = -2;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         if (g != previous + 1) { /* a thread's first group: ask for the AHEAD bytes from here */
-            const char *from = (const char *)(w + g * R * K), *end = (const char *)(w + N * K);
+            const char *from = (const char *)(w + g * size * K), *end = (const char *)(w + N * K);
             for (const char *p = from; p < from + AHEAD && p < end; p += 64)
                 __builtin_prefetch(p, 0, 1);
         }
         previous = g;
-#if defined(MW)
-        if (wide) {
-            wide_group(w, bias, (const float *)xv, M, N, K, g * R, y);
-            continue;
-        }
-#endif
-        group(w, bias, xv, xstride, M, N, K, g * R, y);
+        any_group(w, bias, xv, xstride, M, N, K, g * size, y, wide);
     }
 }
 
@@ -329,26 +434,13 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
     }
 #else
     int wide = count > 0 && WIDE(start[E] / count); /* rows an active expert, on average */
-#if XF32
-    spread_x(x, K, start[E], K, (float *)scratch, wide);
-    const float *xv = (const float *)scratch;
-#else
-    (void)scratch;
-    const bf16 *xv = x;
-#endif
-    int64_t groups = (N + R - 1) / R;
+    int64_t xstride, size = group_size(wide), groups = (N + size - 1) / size;
+    const void *xv = lay_out_x(x, K, start[E], start, active, count, K, wide, scratch, &xstride);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < count * groups; g++) {
-        int64_t e = active[g / groups], first = start[e];
-#if defined(MW)
-        if (wide) {
-            wide_group(w + e * w_stride, NULL, xv + first * K, start[e + 1] - first, N, K,
-                       g % groups * R, y + first * N);
-            continue;
-        }
-#endif
-        group(w + e * w_stride, NULL, xv + first * K, K, start[e + 1] - first, N, K,
-              g % groups * R, y + first * N);
+        int64_t a = g / groups, e = active[a], first = start[e];
+        any_group(w + e * w_stride, NULL, rows_at(xv, xstride, first, a, K, wide),
+                  xstride, start[e + 1] - first, N, K, g % groups * size, y + first * N, wide);
     }
 #endif
 }

@@ -1,5 +1,6 @@
-"""bfloat16 matmuls on CPU. Decode-sized inputs (up to linear_max_rows() rows) run
-in our kernel on the plain weight (kernels/cpu/linear.py: AMX tiles or the vector units of the CPU's
+"""bfloat16 matmuls on CPU. Decode-sized inputs (up to linear_max_rows() rows; on avx2, whose
+outer-product kernel beats the float32 fallback below, prefill chunks up to 512 too) run in our
+kernel on the plain weight (kernels/cpu/linear.py: AMX tiles or the vector units of the CPU's
 tier), which streams the weight at near the memory bandwidth where oneDNN's small-batch kernels
 reach two thirds of it. Larger inputs (prefill) go to F.linear: oneDNN's bf16 kernel where the
 tier has one (AVX-512 and up), else a float32 matmul on the weight widened for the call (torch's
