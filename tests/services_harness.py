@@ -178,12 +178,17 @@ async def metric(cluster, name: str, role: str | None = None) -> float:
 
 
 async def wait_metric(cluster, name: str, ok, what: str, role: str | None = None) -> None:
-    """Until ok(metric(cluster, name, role)) holds."""
+    """Until ok(metric(cluster, name, role)) holds; a timeout says the value last read."""
+    seen: list[float] = []
 
     async def holds() -> bool:
-        return ok(await metric(cluster, name, role))
+        seen.append(await metric(cluster, name, role))
+        return ok(seen[-1])
 
-    await until(holds, 30, what)
+    try:
+        await until(holds, 30, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e} ({name} last read {seen[-1] if seen else None})") from None
 
 
 async def wait_pages_free(cluster) -> None:

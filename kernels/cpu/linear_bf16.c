@@ -202,8 +202,9 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
  * 2 x NR FMAs, and no horizontal sums. Below WIDE_ROWS the widening costs more than it saves. */
 #define WIDE_ROWS 16
 #define NR 6 /* outputs a group */
-#define KC 128 /* NR x KC float32 (3 KiB) beside the KC x XB of x a block streams (8 KiB); measured
-                   * on Zen 3 against 256: 1.1-1.4x at 16 rows, 1.0-1.15x at 32 */
+/* KC: NR x KC float32 (3 KiB) beside the KC x XB of x a block streams (8 KiB); measured on Zen 3
+ * against 256: 1.1-1.4x at 16 rows, 1.0-1.15x at 32 */
+#define KC 128
 #define KS (KC + 16) /* their stride: rows 512 B apart would share L1 sets */
 
 /* Packed blocks of `rows` rows. */
@@ -236,8 +237,8 @@ static void pack_block(const bf16 *x, int64_t xs, int64_t rows, int64_t k_from, 
         }
 }
 
-/* Block rows [m0, m0 + 8 * nv) (nv = 1 or 2 vectors) of a packed block at the chunk's first k
- * against the widened rows wf[r] over kc k: adds into sums[r * XB + m] (r < NR). */
+/* Rows [0, 8 * nv) (nv = 1 or 2 vectors) of a packed block, from the chunk's first k, against
+ * the widened rows wf[r] over kc k: adds into sums[r * XB + m] (r < NR). */
 __attribute__((always_inline)) static inline void outer_block(const float *wf, int64_t kc,
                                                               const float *xp, int nv,
                                                               float *sums) {
