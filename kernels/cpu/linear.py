@@ -14,13 +14,15 @@ OUTER_MAX_ROWS = 512
 LINEAR_K_ALIGN = 32  # linear_bf16.c: input features, a multiple of this
 
 
+_MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx2": OUTER_MAX_ROWS}  # by the tier the library was built for
+
+
 def linear_max_rows() -> int:
     """Rows of x up to which linear_bf16 beats F.linear (measured: AMX_MAX_ROWS on AMX tiles,
-    OUTER_MAX_ROWS on avx2, VEC_MAX_ROWS on the other vector units)."""
-    if library.amx_ready():
-        return AMX_MAX_ROWS
+    OUTER_MAX_ROWS on avx2, VEC_MAX_ROWS on the other vector units). One lookup: every linear
+    of a step asks."""
     tier = library.built_tier()
-    return OUTER_MAX_ROWS if tier is not None and tier.name == "avx2" else VEC_MAX_ROWS
+    return VEC_MAX_ROWS if tier is None else _MAX_ROWS.get(tier.name, VEC_MAX_ROWS)
 
 
 def linear_fits(weight: torch.Tensor) -> bool:
