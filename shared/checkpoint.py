@@ -51,6 +51,11 @@ class Checkpoint:
         """The file holding the tensor, for errors."""
         return self._files[name]
 
+    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype name, shape) of a tensor, from its file's header."""
+        lazy = self._lazy(name)
+        return lazy.get_dtype(), tuple(lazy.get_shape())
+
     def get(self, name: str) -> torch.Tensor:
         path = self._files[name]
         handle = self._handles.get(path) or self._handles.setdefault(path, _open(path))
@@ -61,9 +66,12 @@ class Checkpoint:
 
     def get_slice(self, name: str) -> "TensorSlice":
         """The tensor, unread: `narrow` reads only the rows or columns asked for."""
+        return TensorSlice(self._lazy(name), f"{self._files[name]}: tensor {name!r}")
+
+    def _lazy(self, name: str):
         path = self._files[name]
         handle = self._handles.get(path) or self._handles.setdefault(path, _open(path))
-        return TensorSlice(handle.get_slice(name), f"{path}: tensor {name!r}")
+        return handle.get_slice(name)
 
     def tensors(self, names: list[str], whole: bool = True) -> Iterator[tuple[str, object]]:
         """(name, tensor) of each name, in file order. whole: each tensor read whole by a

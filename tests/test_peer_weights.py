@@ -1,7 +1,7 @@
 """Weights from a peer (shared/peer) over a real WeightsServer on loopback: a model loaded from
 it equals the disk load parameter for parameter (raw float32, compressed float32 and bf16, FP8
-folders; a PP stage, TP ranks; TP=2 ranks each reading for themselves, generating as from
-disk); a wrong secret is refused and the server serves on; the
+folders; a PP stage; TP ranks, which fetch only their slices; TP=2 ranks each reading for
+themselves, generating as from disk); a wrong secret is refused and the server serves on; the
 server gives out only the files and tensors its index lists; a peer dying mid-load fails the
 load with an error naming it, and so does one that goes silent mid-load (stopped, its host cut
 off: the connection stays open), after the read timeout; no thread is left."""
@@ -87,14 +87,41 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+@pytest.mark.parametrize("kind", ["raw", "bf16-compressed", "fp8"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_tp_rank_from_a_peer_holds_the_shard_of_the_disk_load(folders, servers, rank):
-    """Each TP rank fetches whole tensors; its weight_loaders narrow them to its shard."""
+def test_a_tp_rank_from_a_peer_holds_the_shard_of_the_disk_load(folders, servers, kind, rank):
+    """A TP rank's weight_loaders narrow PeerSlices as they narrow a folder's lazy slices, and
+    only the rank's rows or columns cross the wire: about half of the model at TP=2 (the
+    norms, replicated, whole), raw bytes however the folder stores them."""
     _, endpoints = servers
     tp = TPGroup(rank, 2)
-    peer = PeerCheckpoint(endpoints["bf16-compressed"], SECRET)
-    on_disk = load(folders["bf16-compressed"], tp=tp)
-    assert_same_parameters(load(folders["bf16-compressed"], peer, tp=tp), on_disk)
+    peer = PeerCheckpoint(endpoints[kind], SECRET, sliced=True)
+    assert_same_parameters(load(folders[kind], peer, tp=tp), load(folders[kind], tp=tp))
+    disk = Checkpoint.open(folders[kind])
+    decoded = sum(_nbytes(disk.get(name)) for name in disk.names())
+    assert 0.45 * decoded < peer.bytes_received < 0.55 * decoded
+
+
+def test_a_slice_outside_the_tensor_is_refused_and_the_server_serves_on(servers):
+    """Checked by the client before it asks; a request the server cannot cut is answered with
+    an error and the connection closed, and the next connection is served."""
+    _, endpoints = servers
+    peer = PeerCheckpoint(endpoints["compressed"], SECRET, sliced=True)
+    lazy = peer.get_slice("model.embed_tokens.weight")
+    rows, cols = lazy.shape
+    with pytest.raises(ValueError, match=f"rows 0..{rows + 1} of dimension 0"):
+        lazy.narrow(0, 0, rows + 1)
+    with pytest.raises(ValueError, match="no dimension 2"):
+        lazy.narrow(2, 0, 1)
+    assert torch.equal(lazy.narrow(-1, 3, 5), peer.get("model.embed_tokens.weight")[:, 3:8])
+    peer.close()
+    with connect(endpoints["compressed"], SECRET) as sock:
+        ask = {"op": "slice", "name": "model.embed_tokens.weight", "dim": 0, "start": rows}
+        with pytest.raises(wire.PeerError):
+            request(sock, dict(ask, length=4))
+    with connect(endpoints["compressed"], SECRET) as sock:
+        header, _ = request(sock, dict(ask, start=0, length=4))
+        assert header["shape"] == [4, cols] and header["coded"] is None
 
 
 def test_a_pipeline_stage_reads_only_its_layers(tiny_llama, servers):

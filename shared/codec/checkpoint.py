@@ -40,6 +40,10 @@ class CompressedCheckpoint:
         """The shard holding the tensor, for errors."""
         return self._reader(name).path
 
+    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype name, shape) of a tensor, without reading it."""
+        return self._reader(name).meta(name)
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor, decoded on the CPU (checked against the CRC-32C of the original)."""
         encoded = self._reader(name).encoded(name)

@@ -89,6 +89,14 @@ class ShardReader:
         except Exception as e:  # safetensors' own error types on truncated data
             raise self._error(name, f"unreadable ({e})") from e
 
+    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype name, shape) of tensor `name`, from the header alone."""
+        entry = self._entry(name)
+        try:
+            return str(entry["dtype"]), tuple(int(d) for d in entry["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise self._error(name, f"invalid entry ({e})") from e
+
     def stored_names(self, name: str) -> tuple[list[str], int]:
         """(the file's tensors that hold tensor `name`: itself if raw, else its planes; the
         bytes it decodes to)."""

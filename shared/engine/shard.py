@@ -78,12 +78,13 @@ def build_shard(
     attention = select_backend(device, dtype, config.attention_backend)  # once, for all layers
     start = time.perf_counter()
     weights = None
-    if config.weights_peer:  # only this stage's layers; TP ranks fetch whole tensors
+    if config.weights_peer:  # only this stage's layers; a TP rank only its slices of them
         weights = PeerCheckpoint(
             config.weights_peer,
             config.kv_secret.encode(),
             for_stage(stage),
             read_timeout_s=config.weights_timeout_s,
+            sliced=tp.size > 1,
         )
     model = load_model(config.model_dir, cfg, dtype, tp, stage, device, attention, weights)
     loaded = time.perf_counter()

@@ -3,13 +3,18 @@ the names() / get() / get_many() of shared/checkpoint.py's Checkpoint, so load_w
 open_checkpoint) loads a rank from it as from a folder; fetch_files copies the peer's small
 files (config, tokenizer, ...) into a local folder the engine reads as its model folder.
 
-Pipelined, never a round trip per tensor: at open it asks, on a connection of its own, for
-every tensor the rank wants (`wanted`: a PP stage's layers; TP ranks fetch whole tensors and
-their weight_loaders narrow them), in the order of names(), the order load_weights reads them
-in. A receiving thread reads the stream into batches of about BATCH_BYTES, a decoding thread
-decodes each batch in one decode_tensors call on all its threads (checking every tensor's
-CRC-32C), and get() takes them as they come. At most `window_bytes` of decoded tensors wait to
-be taken: past that the threads stop reading and TCP holds the peer back."""
+A rank that needs whole tensors is pipelined, never a round trip per tensor: at open it asks,
+on a connection of its own, for every tensor the rank wants (`wanted`: a PP stage's layers),
+in the order of names(), the order load_weights reads them in. A receiving thread reads the
+stream into batches of about BATCH_BYTES, a decoding thread decodes each batch in one
+decode_tensors call on all its threads (checking every tensor's CRC-32C), and get() takes them
+as they come. At most `window_bytes` of decoded tensors wait to be taken: past that the threads
+stop reading and TCP holds the peer back.
+
+A TP rank (`sliced`) owns only part of most tensors, so it gets PeerSlices instead: its
+weight_loaders narrow them as they narrow a folder's lazy TensorSlices, and each narrow asks
+the peer for just those rows or columns (one round trip each, raw bytes on the wire: 1/tp of a
+sharded tensor instead of all of it)."""
 
 import contextlib
 import queue
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from shared.codec.format import DTYPES_BY_NAME
 from shared.codec.tensor import decode_tensors
 from shared.errors import ModelFolderError, WeightsPeerError
 from shared.parallel.pipeline import PPStage
@@ -98,23 +104,28 @@ class PeerCheckpoint:
         num_threads: int | None = None,
         window_bytes: int = WINDOW_BYTES,
         read_timeout_s: float = READ_TIMEOUT_S,
+        sliced: bool = False,  # a TP rank: get_slice gives PeerSlices, nothing is streamed
     ):
         self.endpoint, self.read_timeout_s = endpoint, read_timeout_s
         self.source = f"weights peer {endpoint}"
         self.num_threads = num_threads
         self.bytes_received = 0
-        self._control = self._connect(secret)  # the index; tensors asked out of order
+        self._control = self._connect(secret)  # the index; slices; tensors asked out of order
+        self._stream: _Stream | None = None
         try:
             index, _ = request(self._control, {"op": "index"})
             self._names = [str(n) for n in index["tensors"]]
-            self._order = {n: i for i, n in enumerate(n for n in self._names if wanted(n))}
-            stream = self._connect(secret)
+            self._meta = dict(zip(self._names, index["meta"], strict=True))
+            wanted_names = [n for n in self._names if wanted(n)]
+            self._order = {} if sliced else {n: i for i, n in enumerate(wanted_names)}
+            stream = None if sliced else self._connect(secret)
         except BaseException as e:
             self._control.close()
-            if isinstance(e, OSError):
+            if isinstance(e, (OSError, KeyError, TypeError, ValueError)):
                 raise WeightsPeerError(f"{self.source}: no index of its weights ({e})") from e
             raise
-        self._stream = _Stream(self, stream, list(self._order), window_bytes)
+        if stream is not None:
+            self._stream = _Stream(self, stream, wanted_names, window_bytes)
 
     def _connect(self, secret: bytes) -> socket.socket:
         try:
@@ -134,15 +145,30 @@ class PeerCheckpoint:
         return self.source
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._order:
+        if self._stream is None or name not in self._order:
             return self.get_many([name])[0]
         tensor = self._stream.take(self._order[name])
         return tensor if tensor is not None else self.get_many([name])[0]
+
+    def get_slice(self, name: str):
+        """sliced: the tensor unread (a PeerSlice); else the tensor, as get() gives it."""
+        if self._stream is not None:
+            return self.get(name)
+        if name not in self._meta:
+            raise ModelFolderError(self.source, f"no tensor {name!r}")
+        dtype_name, shape = self._meta[name]
+        return PeerSlice(self, name, DTYPES_BY_NAME.get(str(dtype_name)), shape)
 
     def get_many(self, names: list[str]) -> list[torch.Tensor]:
         """The tensors, asked for in one request on the control connection (not the stream)."""
         wire.send_frame(self._control, {"op": "tensors", "names": list(names)})
         return self.decode([self.receive(self._control) for _ in names])
+
+    def narrowed(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows or columns [start, start + length) of dimension dim of a tensor."""
+        ask = {"op": "slice", "name": name, "dim": dim, "start": start, "length": length}
+        wire.send_frame(self._control, ask)
+        return self.decode([self.receive(self._control)])[0]
 
     def receive(self, sock: socket.socket):
         try:
@@ -161,8 +187,33 @@ class PeerCheckpoint:
         return decode_tensors(encoded, num_threads=self.num_threads, verify=True)
 
     def close(self) -> None:
-        self._stream.close()
+        if self._stream is not None:
+            self._stream.close()
         self._control.close()
+
+
+class PeerSlice:
+    """A peer's tensor, unread, as shared/checkpoint.py's TensorSlice: `narrow` fetches only the
+    rows or columns asked for, `read` the whole tensor."""
+
+    def __init__(self, owner: PeerCheckpoint, name: str, dtype: torch.dtype | None, shape):
+        self.owner, self.name = owner, name
+        self.dtype = dtype  # None: a dtype torch lacks
+        self.shape = tuple(int(d) for d in shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if not -len(self.shape) <= dim < len(self.shape):
+            raise ValueError(f"tensor {self.name!r} has no dimension {dim} (shape {self.shape})")
+        size = self.shape[dim]
+        if start < 0 or length < 0 or start + length > size:
+            raise ValueError(
+                f"tensor {self.name!r}: rows {start}..{start + length} of dimension {dim}, "
+                f"which has {size}"
+            )
+        return self.owner.narrowed(self.name, dim, start, length)
+
+    def read(self) -> torch.Tensor:
+        return self.owner.get_many([self.name])[0]
 
 
 class _Stream:

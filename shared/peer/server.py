@@ -5,14 +5,20 @@ tokenizer, generation config, chat template: every file but the weights) by thei
 path, looked up in that list and never joined to the folder, and the checkpoint's tensors by
 name. A compressed folder (`tison compress`) sends its stored planes as they are, so the wire
 carries the compressed bytes and the receiver decodes them; a raw folder sends each tensor's
-bytes (uncompressed), with its CRC-32C. Blocking sockets on threads of their own: reading and
-sending a tensor never holds up the worker's event loop."""
+bytes (uncompressed), with its CRC-32C. A TP rank asks for slices (the rows or columns it
+owns): those travel as raw bytes, read alone from a raw folder's memory map, cut from the
+decoded tensor of a compressed one (kept a while for the other ranks' slices). Blocking
+sockets on threads of their own: reading and sending a tensor never holds up the worker's
+event loop."""
 
 import logging
 import socket
 import socketserver
 import threading
+from collections import OrderedDict
 from pathlib import Path
+
+import torch
 
 from shared.checkpoint import INDEX_FILE, Checkpoint
 from shared.codec import CompressedCheckpoint, native
@@ -27,6 +33,7 @@ log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", SHARD_SUFFIX, ".bin", ".pt", ".pth", ".gguf")
 WEIGHT_FILES = (INDEX_FILE, MANIFEST, "pytorch_model.bin.index.json")
 MAX_FILE_BYTES = 256 << 20  # a small file larger than this is not served (a stray blob)
+DECODED_BYTES = 512 << 20  # decoded tensors kept for the next rank's slice of them
 
 
 def small_files(folder: Path) -> dict[str, Path]:
@@ -57,11 +64,18 @@ class FolderSource:
         self.checkpoint = checkpoint
         self.names = checkpoint.names()
         self._known = set(self.names)
-        self._lock = threading.Lock()  # the checkpoints' lazily opened handles
+        self._meta = [list(checkpoint.meta(name)) for name in self.names]  # [dtype, shape]
+        self._lock = threading.Lock()  # the checkpoints' lazily opened handles; _decoded
+        self._decoded: OrderedDict[str, torch.Tensor] = OrderedDict()  # least recent first
 
     def index(self) -> dict:
         sizes = [[rel, path.stat().st_size] for rel, path in self.files.items()]
-        return {"files": sizes, "tensors": self.names, "compressed": self.compressed}
+        return {
+            "files": sizes,
+            "tensors": self.names,
+            "meta": self._meta,
+            "compressed": self.compressed,
+        }
 
     def encoded(self, name: str) -> EncodedTensor:
         if name not in self._known:
@@ -70,15 +84,35 @@ class FolderSource:
             if self.compressed:
                 return self.checkpoint.get_encoded(name)
             tensor = self.checkpoint.get(name)
-        return EncodedTensor(
-            name,
-            "",
-            tensor.dtype,
-            tuple(tensor.shape),
-            checksum(tensor, native.load()),
-            None,
-            tensor,
-        )
+        return _raw(name, tensor)
+
+    def slice(self, name: str, dim: int, start: int, length: int) -> EncodedTensor:
+        """Rows or columns [start, start + length) of dimension `dim`, as raw bytes."""
+        if name not in self._known:
+            raise KeyError(f"no tensor {name!r}")
+        with self._lock:
+            if self.compressed:
+                part = self._whole(name).narrow(dim, start, length)
+            else:
+                part = self.checkpoint.get_slice(name).narrow(dim, start, length)
+        return _raw(name, part.contiguous())
+
+    def _whole(self, name: str) -> torch.Tensor:
+        """A compressed tensor decoded, from the recently decoded ones where it is there."""
+        tensor = self._decoded.pop(name, None)
+        if tensor is None:
+            tensor = self.checkpoint.get(name)
+        if tensor.numel() * tensor.element_size() <= DECODED_BYTES:
+            self._decoded[name] = tensor
+            while sum(t.numel() * t.element_size() for t in self._decoded.values()) > DECODED_BYTES:
+                self._decoded.popitem(last=False)
+        return tensor
+
+
+def _raw(name: str, tensor: torch.Tensor) -> EncodedTensor:
+    """A tensor sent as its bytes, with their CRC-32C."""
+    crc = checksum(tensor, native.load())
+    return EncodedTensor(name, "", tensor.dtype, tuple(tensor.shape), crc, None, tensor)
 
 
 class WeightsServer:
@@ -152,8 +186,14 @@ class WeightsServer:
             self.bytes_sent += len(data)
         elif op == "tensors":
             for name in header.get("names", []):
-                frame, parts = wire.tensor_frame(self.source.encoded(str(name)))
-                wire.send_frame(sock, frame, parts)
-                self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
+                self._send(sock, self.source.encoded(str(name)))
+        elif op == "slice":
+            where = [int(header[key]) for key in ("dim", "start", "length")]
+            self._send(sock, self.source.slice(str(header.get("name")), *where))
         else:
             raise ValueError(f"unknown request {op!r}")
+
+    def _send(self, sock: socket.socket, encoded: EncodedTensor) -> None:
+        frame, parts = wire.tensor_frame(encoded)
+        wire.send_frame(sock, frame, parts)
+        self.bytes_sent += sum(memoryview(p).nbytes for p in parts)

@@ -2,9 +2,12 @@
 the payload `header["n"]` bytes (0 if absent). After the handshake (transfer/auth.py, with
 confirm) the client sends requests, each answered in order:
 
-    {"op": "index"}             -> {"files": [[path, bytes], ...], "tensors": [name, ...]}
+    {"op": "index"}             -> {"files": [[path, bytes], ...], "tensors": [name, ...],
+                                    "meta": [[dtype, shape] per tensor], "compressed": bool}
     {"op": "file", "path": p}   -> {"n": bytes} + the file (p one of the index's files)
     {"op": "tensors", "names": [...]} -> one tensor frame per name, in order
+    {"op": "slice", "name", "dim", "start", "length"} -> one tensor frame, uncoded: the
+                                    tensor narrowed (torch.narrow) to what a TP rank owns
 
 A tensor frame: {"name", "dtype" (safetensors name), "shape", "crc" (CRC-32C of the tensor's
 bytes), "n", "coded": null (the payload is the tensor's bytes) or {"k", "total_bits",
