@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from shared.codec import native
 from shared.codec.format import DTYPES_BY_NAME
 from shared.codec.tensor import decode_tensors
 from shared.errors import ModelFolderError, WeightsPeerError
@@ -110,6 +111,7 @@ class PeerCheckpoint:
         self.source = f"weights peer {endpoint}"
         self.num_threads = num_threads
         self.bytes_received = 0
+        native.keep_freed_memory()  # payloads and decoded tensors reuse freed memory, unfaulted
         self._control = self._connect(secret)  # the index; slices; tensors asked out of order
         self._stream: _Stream | None = None
         try:
@@ -172,7 +174,7 @@ class PeerCheckpoint:
 
     def receive(self, sock: socket.socket):
         try:
-            header, payload = wire.recv_frame(sock)
+            header, payload = wire.recv_frame(sock, wire.unzeroed)
             self.bytes_received += len(payload)
             return wire.encoded_from_frame(header, payload, self.source)
         except TimeoutError:
