@@ -104,8 +104,9 @@ def test_a_tp_rank_from_a_peer_holds_the_shard_of_the_disk_load(folders, servers
 
 def test_a_slice_outside_the_tensor_is_refused_and_the_server_serves_on(servers):
     """Checked by the client before it asks; a request the server cannot cut is answered with
-    an error and the connection closed, and the next connection is served."""
-    _, endpoints = servers
+    an error and the connection closed, and the next connection is served. The tensors a
+    compressed folder decoded for slices are let go when the last connection closes."""
+    server, endpoints = servers
     peer = PeerCheckpoint(endpoints["compressed"], SECRET, sliced=True)
     lazy = peer.get_slice("model.embed_tokens.weight")
     rows, cols = lazy.shape
@@ -122,6 +123,8 @@ def test_a_slice_outside_the_tensor_is_refused_and_the_server_serves_on(servers)
     with connect(endpoints["compressed"], SECRET) as sock:
         header, _ = request(sock, dict(ask, start=0, length=4))
         assert header["shape"] == [4, cols] and header["coded"] is None
+        assert server["compressed"].source.decoded_bytes() > 0  # for the other ranks
+    wait_until(lambda: server["compressed"].source.decoded_bytes() == 0, 10, "decoded let go")
 
 
 def test_a_pipeline_stage_reads_only_its_layers(tiny_llama, servers):

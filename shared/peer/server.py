@@ -7,7 +7,8 @@ name. A compressed folder (`tison compress`) sends its stored planes as they are
 carries the compressed bytes and the receiver decodes them; a raw folder sends each tensor's
 bytes (uncompressed), with its CRC-32C. A TP rank asks for slices (the rows or columns it
 owns): those travel as raw bytes, read alone from a raw folder's memory map, cut from the
-decoded tensor of a compressed one (kept a while for the other ranks' slices). Blocking
+decoded tensor of a compressed one (kept for the other ranks' slices while a connection is
+open). Blocking
 sockets on threads of their own: reading and sending a tensor never holds up the worker's
 event loop."""
 
@@ -67,6 +68,21 @@ class FolderSource:
         self._meta = [list(checkpoint.meta(name)) for name in self.names]  # [dtype, shape]
         self._lock = threading.Lock()  # the checkpoints' lazily opened handles; _decoded
         self._decoded: OrderedDict[str, torch.Tensor] = OrderedDict()  # least recent first
+        self._connections = 0  # authenticated and open; _decoded is let go at 0
+
+    def opened(self) -> None:
+        with self._lock:
+            self._connections += 1
+
+    def closed(self) -> None:
+        """A connection ended; the last one lets the decoded tensors go."""
+        with self._lock:
+            self._connections -= 1
+            if not self._connections:
+                self._decoded.clear()
+
+    def decoded_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._decoded.values())
 
     def index(self) -> dict:
         sizes = [[rel, path.stat().st_size] for rel, path in self.files.items()]
@@ -104,7 +120,7 @@ class FolderSource:
             tensor = self.checkpoint.get(name)
         if tensor.numel() * tensor.element_size() <= DECODED_BYTES:
             self._decoded[name] = tensor
-            while sum(t.numel() * t.element_size() for t in self._decoded.values()) > DECODED_BYTES:
+            while self.decoded_bytes() > DECODED_BYTES:
                 self._decoded.popitem(last=False)
         return tensor
 
@@ -161,9 +177,13 @@ class WeightsServer:
                 self.refused += 1
                 log.warning("weights peer %s failed authentication", peer)
                 return
-            while True:
-                header, _ = wire.recv_frame(sock)
-                self._answer(sock, header)
+            self.source.opened()
+            try:
+                while True:
+                    header, _ = wire.recv_frame(sock)
+                    self._answer(sock, header)
+            finally:
+                self.source.closed()
         except (ConnectionError, TimeoutError, OSError):
             pass  # the peer went away
         except Exception as e:  # a bad request ends this connection, never the worker

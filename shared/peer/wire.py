@@ -43,7 +43,7 @@ def send_frame(sock: socket.socket, header: dict, parts=()) -> None:
         sock.sendall(view)
 
 
-def recv_frame(sock: socket.socket, buffer=bytearray) -> tuple[dict, bytearray]:
+def recv_frame(sock: socket.socket, buffer=bytearray) -> tuple[dict, bytearray | np.ndarray]:
     """(header, payload), the payload read into buffer(n). PeerError for an error frame or an
     oversized header."""
     (size,) = _LEN.unpack(recv_into(sock, bytearray(_LEN.size)))
