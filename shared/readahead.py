@@ -25,7 +25,12 @@ from shared.errors import ModelFolderError
 
 READ_LIMIT_ENV = "TISON_READ_LIMIT_MBPS"
 READAHEAD_BYTES = 256 << 20  # read, not yet placed: bounds the load's extra memory
-BATCH_BYTES = 64 << 20  # decoded bytes a batch gathers before it is handed on
+# decoded bytes a batch gathers before it is handed on: the last batch's decode and placement
+# are the part that cannot overlap, and the batches in flight stay in cache. 16 MiB against 64,
+# fresh processes alternated 6 times on a Zen 3 (2 cores), the median load_weights: 1 GB
+# compressed 1.16 s against 1.26, 1 GB raw 0.95 against 1.00, the 150M compressed at 300 MB/s
+# reads 0.79 against 0.83.
+BATCH_BYTES = 16 << 20
 _CHUNK = 8 << 20  # one preadv; the read limit is applied chunk by chunk
 _POLL_S = 0.05  # how often a blocked thread checks whether the load stopped
 
