@@ -179,16 +179,17 @@ async def metric(cluster, name: str, role: str | None = None) -> float:
 
 async def wait_metric(cluster, name: str, ok, what: str, role: str | None = None) -> None:
     """Until ok(metric(cluster, name, role)) holds; a timeout says the value last read."""
-    seen: list[float] = []
+    last = None
 
     async def holds() -> bool:
-        seen.append(await metric(cluster, name, role))
-        return ok(seen[-1])
+        nonlocal last
+        last = await metric(cluster, name, role)
+        return ok(last)
 
     try:
         await until(holds, 30, what)
     except AssertionError as e:
-        raise AssertionError(f"{e} ({name} last read {seen[-1] if seen else None})") from None
+        raise AssertionError(f"{e} ({name} last read {last})") from None
 
 
 async def wait_pages_free(cluster) -> None:

@@ -150,9 +150,9 @@ def service_run(folders: dict[str, Path], served: str, rounds: int, work: Path) 
         gateway = ["gateway", "--model", str(folders["raw"]), "--port", str(port)]
         c.tison("gateway", [*gateway, "--served-model-name", NAME])
         wait_listening(c, url)
-        leave_after = join(c, url, "warm-up", sides["disk raw"])  # imports and kernels cached
+        warm_up_s = join(c, url, "warm-up", sides["disk raw"])  # imports and kernels cached
         leave(c, url, "warm-up")
-        print(f"[{served}] warm-up worker: {leave_after:.2f} s", file=sys.stderr)
+        print(f"[{served}] warm-up worker: {warm_up_s:.2f} s", file=sys.stderr)
         for r in range(rounds):
             for i, side in enumerate(round_order(list(sides), r)):
                 name = f"decode-{r}-{i}"

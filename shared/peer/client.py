@@ -118,8 +118,9 @@ class PeerCheckpoint:
             index, _ = request(self._control, {"op": "index"})
             self._names = [str(n) for n in index["tensors"]]
             self._meta = dict(zip(self._names, index["meta"], strict=True))
-            wanted_names = [n for n in self._names if wanted(n)]
-            self._order = {} if sliced else {n: i for i, n in enumerate(wanted_names)}
+            self._order = (
+                {} if sliced else {n: i for i, n in enumerate(n for n in self._names if wanted(n))}
+            )  # position in the stream of each tensor it carries
             stream = None if sliced else self._connect(secret)
         except BaseException as e:
             self._control.close()
@@ -127,7 +128,7 @@ class PeerCheckpoint:
                 raise WeightsPeerError(f"{self.source}: no index of its weights ({e})") from e
             raise
         if stream is not None:
-            self._stream = _Stream(self, stream, wanted_names, window_bytes)
+            self._stream = _Stream(self, stream, list(self._order), window_bytes)
 
     def _connect(self, secret: bytes) -> socket.socket:
         try:
