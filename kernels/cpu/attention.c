@@ -11,7 +11,23 @@
 
 #define MAX_GROUP 64 /* query heads per KV head, at most */
 #define PARALLEL_MIN_KEYS 1024 /* (key, kv head) pairs below which one thread runs */
-#define PREFETCH_KEYS 32 /* positions ahead of the one read that are asked for */
+#define PREFETCH_KEYS 32 /* this file's loops: positions ahead of the one read asked for */
+#define PREFETCH_PAGES 1 /* the vector loops: pages ahead of the one read that are asked for */
+
+/* The vector loops read positions [p, p + count) of one page while asking for the same rows
+ * PREFETCH_PAGES pages on: ahead_count of them, from pool row slot_ahead. A whole number of
+ * pages on, they lie in one page too. */
+static inline int64_t ahead_count(int64_t p, int64_t ctx, int64_t count, int64_t page_size) {
+    int64_t left = ctx - (p + PREFETCH_PAGES * page_size);
+    return left <= 0 ? 0 : left < count ? left : count;
+}
+
+static inline int64_t slot_ahead(const int32_t *pages, int64_t p, int64_t ctx, int64_t count,
+                                 int64_t page_size) {
+    if (ahead_count(p, ctx, count, page_size) == 0) return 0;
+    int64_t a = p + PREFETCH_PAGES * page_size;
+    return (int64_t)pages[a / page_size] * page_size + a % page_size;
+}
 
 #define TYPED_FILE "attention.c"
 #include "each_type.h"
@@ -163,6 +179,8 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
     int64_t per_thread = attention_scratch(heads_per_task * group, max_ctx, hd);
     int lanes = KV_VEC ? kv_lanes(hd) : 0;
     int64_t block = lanes > 0 ? lanes : 16; /* keys a scores call takes at most */
+    /* positions asked for at once as a pass starts (the vector loops: the first page) */
+    int64_t first_keys = lanes > 0 ? PREFETCH_PAGES * page_size : PREFETCH_KEYS;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * tasks_per_row; task++) {
         float *scores = scratch + per_thread * omp_get_thread_num();
@@ -174,8 +192,8 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
         int64_t row = q_rows != NULL ? q_rows[b] : b;
         const T *qrow = q + row * q_stride + g0 * group * hd;
         const int32_t *pages = block_table + b * table_stride;
-        NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, 0, PREFETCH_KEYS, page_size,
-                              nkv, hd, g0, g1);
+        NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, 0, first_keys, page_size, nkv,
+                              hd, g0, g1);
 #if KV_VEC
         const void *qv = lanes > 0 ? kv_prepare_q(lanes, qrow, task_heads, hd, qf) : qf;
 #endif
@@ -186,19 +204,27 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             count = count < ctx - p ? count : ctx - p;
             count = count < block ? count : block;
             int64_t slot = (int64_t)pages[p / page_size] * page_size + first;
-            NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, p - start + PREFETCH_KEYS,
-                                  p - start + count + PREFETCH_KEYS, page_size, nkv, hd, g0, g1);
             float *at = scores + p - start;
 #if KV_VEC
-            if (lanes > 0)
+            if (lanes > 0) {
+                int64_t ahead = slot_ahead(pages, p, ctx, count, page_size);
                 kv_scores(lanes, qv, scale, k_pool, slot, count, g0, g1, nkv, group, hd, at,
-                          max_ctx);
-            else
+                          max_ctx, ahead, ahead_count(p, ctx, count, page_size));
+            } else
 #endif
+            {
+                NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx,
+                                      p - start + PREFETCH_KEYS,
+                                      p - start + count + PREFETCH_KEYS, page_size, nkv, hd,
+                                      g0, g1);
                 NAME(page_scores)(qf, k_pool, slot, count, g0, g1, nkv, group, hd, at, max_ctx,
                                   key);
+            }
             p += count;
         }
+        if (lanes > 0) /* the values' first page: the vector loops ask for the rest */
+            NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, len, len + first_keys,
+                                  page_size, nkv, hd, g0, g1);
         for (int64_t h = 0; h < task_heads; h++)
             total[h] = NAME(softmax_weights)(scores + h * max_ctx, len);
         memset(acc, 0, sizeof(float) * task_heads * hd);
@@ -206,17 +232,21 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             int64_t first = p % page_size, count = page_size - first;
             count = count < ctx - p ? count : ctx - p;
             int64_t slot = (int64_t)pages[p / page_size] * page_size + first;
-            int64_t s = len + p - start + PREFETCH_KEYS;
-            NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, s, s + count, page_size,
-                                  nkv, hd, g0, g1);
             const float *w = scores + p - start;
 #if KV_VEC
             if (lanes > 0)
-                kv_values(lanes, w, max_ctx, v_pool, slot, count, g0, g1, nkv, group, hd, acc);
+                kv_values(lanes, w, max_ctx, v_pool, slot, count, g0, g1, nkv, group, hd, acc,
+                          slot_ahead(pages, p, ctx, count, page_size),
+                          ahead_count(p, ctx, count, page_size));
             else
 #endif
+            {
+                int64_t s = len + p - start + PREFETCH_KEYS;
+                NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, s, s + count,
+                                      page_size, nkv, hd, g0, g1);
                 NAME(page_values)(w, max_ctx, v_pool, slot, count, g0, g1, nkv, group, hd, acc,
                                   key);
+            }
             p += count;
         }
         T *o = out + row * nh * hd + g0 * group * hd;
