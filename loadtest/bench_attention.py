@@ -1,7 +1,8 @@
 """Decode attention alone (the C kernel of kernels/cpu/attention.py's paged_attention, bfloat16,
 the ~150M Llama's 12 query / 4 KV heads of 64, pages of 16 tokens) beside the memory bandwidth
 measured in the same run. Each call reads its rows' pages from another random draw out of a pool
-far larger than the last-level cache, as the engine's layers do, so the K and V come from
+far larger than the last-level cache, and a draw comes back only after 4x that cache has been
+read, as the engine's layers do (a step reads the weights between), so the K and V come from
 memory; the pool is on 2 MiB pages, as the `tison` command puts it. The kernel is called as the
 fused decoder calls it, with its arguments made beforehand (the Python wrapper adds ~20 us a
 call, which is most of a batch-1 call). Bandwidth and attention are measured in turn; the figure
@@ -12,6 +13,7 @@ spread.
 """
 
 import argparse
+import glob
 import os
 import statistics
 import time
@@ -25,7 +27,25 @@ from shared.huge_pages import restart_with_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 12, 4, 64, 16
 POOL_BYTES = 512 << 20  # K and V of the pool: 16x this machine's 32 MiB L3
-DRAWS = 16  # block tables per case, used in turn
+CACHE_COVER = 4  # a case's block tables read this many times the last-level cache in all
+
+
+def last_level_cache_bytes() -> int:
+    """The CPU's last-level cache as Linux reports it (32 MiB when it does not)."""
+    caches = sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"))
+    sizes = []
+    for path in caches:
+        text = open(path).read().strip()
+        unit = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * unit)
+    return max(sizes, default=32 << 20)
+
+
+def draws_for(batch: int, ctx: int) -> int:
+    """Block tables a case uses in turn: enough that one round of them reads CACHE_COVER times
+    the last-level cache, so no call finds its pages left in cache by an earlier one (at
+    least 16)."""
+    return max(16, -(-CACHE_COVER * last_level_cache_bytes() // kv_bytes(batch, ctx)))
 
 
 def pool() -> torch.Tensor:
@@ -36,14 +56,14 @@ def pool() -> torch.Tensor:
 
 
 def tables(num_pages: int, batch: int, ctx: int, g: torch.Generator) -> list[torch.Tensor]:
-    """DRAWS block tables (batch, ctx / S) int32, each of distinct random pages of the pool
-    (page 0 left out: the new tokens' K/V are written there)."""
+    """draws_for(batch, ctx) block tables (batch, ctx / S) int32, each of distinct random pages
+    of the pool (page 0 left out: the new tokens' K/V are written there)."""
     width = -(-ctx // PAGE_SIZE)
     return [
         (torch.randperm(num_pages - 1, generator=g)[: batch * width] + 1)
         .view(batch, width)
         .to(torch.int32)
-        for _ in range(DRAWS)
+        for _ in range(draws_for(batch, ctx))
     ]
 
 
@@ -74,7 +94,7 @@ def attention_seconds(kv: torch.Tensor, batch: int, ctx: int, budget: float) -> 
         raise AssertionError("the kernel called directly differs from paged_attention")
     times, end, i = [], time.perf_counter() + budget, 0
     while len(times) < 5 or time.perf_counter() < end:
-        args = calls[i % DRAWS]
+        args = calls[i % len(calls)]
         i += 1
         t = time.perf_counter()
         fn(*args)

@@ -202,6 +202,33 @@ def test_paged_attention_many_rows_uses_whole_row_tasks_alike():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 290])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_paged_attention_rows_cut_in_spans_merge_as_one(dtype, window, threads):
+    """Fewer rows than threads: each row's context is cut in spans of pages, the spans' softmax
+    parts merged after (flash decoding); rows shorter than the longest have fewer spans, a
+    window starts a row's spans mid-page, and scores that grow along the context give each
+    span another maximum, far apart (weights of the early spans underflow to 0)."""
+    contexts = [2048, 40, 700]
+    kv_layer, table = paged_case(contexts, 8, 2, 32, 16, dtype, seed=5)
+    pool, g = kv_layer.view(2, -1, 16, 2, 32), torch.Generator().manual_seed(6)
+    pos = torch.arange(2048)  # row 0 (2 spans, or 2 of 160 in the window): growing keys
+    ramp = (pos * 0.5)[:, None, None] + torch.randn(2048, 2, 32, generator=g) * 0.1
+    pool[0, table[0, pos // 16].long(), pos % 16] = ramp.to(dtype)
+    q = torch.randn(3, 8, 32, generator=g).to(dtype)
+    q[0] = 0.2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ours, ref = decode_against_sdpa(kv_layer, table, contexts, q, window)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.isfinite(ours).all()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
+
+
 def test_wrappers_name_what_is_wrong():
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="rms_norm weight.*bfloat16"):

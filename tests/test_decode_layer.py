@@ -31,15 +31,14 @@ MOE_VARIANTS = {  # moe.c: softmax top-k, renormalised or not, beside dense laye
 MOE_LOGPROB_TOL = 0.1  # nats: its routing weights round at other places than torch's softmax
 
 
-def generate(model_dir, fused: bool, threads: int, copies: int = 1) -> list:
-    """Token ids and top-3 logprobs of 8 * copies greedy requests, half of them joining after the
-    others decode."""
+def generate(model_dir, fused: bool, threads: int, prompts: list[list[int]]) -> list:
+    """Token ids and top-3 logprobs of greedy requests for the prompts, the second half of them
+    joining after the others decode."""
     engine = new_engine(model_dir, dtype="bfloat16")
     assert engine.model.model.fused is not None, "every layer's linears run on the C linear"
     if not fused:
         engine.model.model.fused = None
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
-    prompts = make_prompts() * copies
     half = len(prompts) // 2
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -67,16 +66,20 @@ def test_fused_layer_gives_the_op_by_op_bits(
     assert op_by_op == fused
 
 
-def both_ways(tiny_model_factory, monkeypatch, model, threads, tier, copies=1) -> tuple[list, list]:
-    """generate's outputs for model (family, overrides) at a tier, fused, then op by op."""
+def both_ways(
+    tiny_model_factory, monkeypatch, model, threads, tier, copies=1, prompts=None
+) -> tuple[list, list]:
+    """generate's outputs for model (family, overrides) at a tier, fused, then op by op, for
+    the prompts (make_prompts()'s 8, `copies` times, by default)."""
     use_tier(tier, monkeypatch)
     family, overrides = model
     model_dir = tiny_model_factory(family, **overrides)
+    prompts = prompts or make_prompts() * copies
     calls = count_fused_calls(monkeypatch)
-    fused = generate(model_dir, True, threads, copies)
-    assert calls and max(calls) == 8 * copies, "decode steps of all requests ran fused"
+    fused = generate(model_dir, True, threads, prompts)
+    assert calls and max(calls) == len(prompts), "decode steps of all requests ran fused"
     calls.clear()
-    op_by_op = generate(model_dir, False, threads, copies)
+    op_by_op = generate(model_dir, False, threads, prompts)
     assert not calls
     return fused, op_by_op
 
@@ -105,6 +108,17 @@ def test_wide_steps_fused_and_op_by_op_agree(tiny_model_factory, monkeypatch, ti
     assert dense[0] == dense[1]
     moe = both_ways(tiny_model_factory, monkeypatch, MOE_VARIANTS["mixtral"], 2, tier, copies=5)
     assert_same_tokens(*moe)
+
+
+@pytest.mark.parametrize("tier", tier_params())
+def test_long_contexts_cut_in_spans_fused_and_op_by_op_agree(tiny_model_factory, monkeypatch, tier):
+    """2 rows of 300-620 positions on 2 threads, fewer rows than the team's tasks: decode
+    attention cuts them in spans of pages and merges the spans' softmaxes (flash decoding), in
+    the fused call exactly as op by op."""
+    model = ("llama", {"max_position_embeddings": 1024})
+    prompts = make_prompts([600, 300], seed=1)
+    fused, op_by_op = both_ways(tiny_model_factory, monkeypatch, model, 2, tier, prompts=prompts)
+    assert op_by_op == fused
 
 
 def assert_same_tokens(fused: list, op_by_op: list) -> None:

@@ -10,7 +10,6 @@
 #include "typed.h"
 
 #define MAX_GROUP 64 /* query heads per KV head, at most */
-#define PARALLEL_MIN_KEYS 1024 /* (key, kv head) pairs below which one thread runs */
 #define PREFETCH_KEYS 32 /* this file's loops: positions ahead of the one read asked for */
 #define PREFETCH_PAGES 1 /* the vector loops: pages ahead of the one read that are asked for */
 
@@ -43,19 +42,19 @@ void NAME(kv_write_team)(const T *k, int64_t k_stride, const T *v, int64_t v_str
                          int64_t hd); /* kv_write.c */
 
 /* For the `count` keys of one page from `slot` on (pool rows of nkv * hd), KV heads
- * [g0, g1): scores[(g * group + j) * score_stride + i] = dot(q[g * group + j], key i of head
- * g), q and scores counted from head g0. count <= 16 with AVX-512. */
+ * g < nkv: scores[(g * group + j) * score_stride + i] = dot(q[g * group + j], key i of head
+ * g). count <= 16 with AVX-512. */
 static void NAME(page_scores)(const float *restrict q, const T *restrict pool, int64_t slot,
-                              int64_t count, int64_t g0, int64_t g1, int64_t nkv,
-                              int64_t group, int64_t hd, float *restrict scores,
-                              int64_t score_stride, float *restrict key) {
+                              int64_t count, int64_t nkv, int64_t group, int64_t hd,
+                              float *restrict scores, int64_t score_stride,
+                              float *restrict key) {
 #if defined(__AVX512F__)
     (void)key; /* 16 keys at a time, their dot products held in 16 registers */
-    for (int64_t g = g0; g < g1; g++) {
+    for (int64_t g = 0; g < nkv; g++) {
         const T *rows[16]; /* past `count`, the last key again: read, then masked off */
         for (int64_t i = 0; i < 16; i++)
             rows[i] = pool + ((slot + (i < count ? i : count - 1)) * nkv + g) * hd;
-        for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+        for (int64_t j = g * group; j < (g + 1) * group; j++) {
             __m512 dots[16];
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) dots[i] = _mm512_setzero_ps();
@@ -71,10 +70,10 @@ static void NAME(page_scores)(const float *restrict q, const T *restrict pool, i
     }
 #else
     for (int64_t i = 0; i < count; i++) {
-        for (int64_t g = g0; g < g1; g++) {
+        for (int64_t g = 0; g < nkv; g++) {
             const T *restrict k = pool + ((slot + i) * nkv + g) * hd;
             for (int64_t d = 0; d < hd; d++) key[d] = LOAD(k[d]);
-            for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+            for (int64_t j = g * group; j < (g + 1) * group; j++) {
                 const float *restrict qj = q + j * hd;
                 float lane[LANES] = {0};
                 for (int64_t d = 0; d < hd; d += LANES)
@@ -87,16 +86,16 @@ static void NAME(page_scores)(const float *restrict q, const T *restrict pool, i
 }
 
 /* acc[h] += weights[h * weight_stride + i] * value i of h's KV head, for the query heads h of
- * KV heads [g0, g1) and the `count` values of one page from `slot` on. */
+ * every KV head and the `count` values of one page from `slot` on. */
 static void NAME(page_values)(const float *restrict weights, int64_t weight_stride,
-                              const T *restrict pool, int64_t slot, int64_t count, int64_t g0,
-                              int64_t g1, int64_t nkv, int64_t group, int64_t hd,
-                              float *restrict acc, float *restrict value) {
+                              const T *restrict pool, int64_t slot, int64_t count, int64_t nkv,
+                              int64_t group, int64_t hd, float *restrict acc,
+                              float *restrict value) {
 #if defined(__AVX512F__)
     (void)value; /* each accumulator stays in a register across the page's values */
-    for (int64_t g = g0; g < g1; g++) {
+    for (int64_t g = 0; g < nkv; g++) {
         const T *v = pool + (slot * nkv + g) * hd;
-        for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+        for (int64_t j = g * group; j < (g + 1) * group; j++) {
             const float *w = weights + j * weight_stride;
             for (int64_t d = 0; d < hd; d += LANES) {
                 __m512 sum = _mm512_loadu_ps(acc + j * hd + d);
@@ -108,10 +107,10 @@ static void NAME(page_values)(const float *restrict weights, int64_t weight_stri
     }
 #else
     for (int64_t i = 0; i < count; i++) {
-        for (int64_t g = g0; g < g1; g++) {
+        for (int64_t g = 0; g < nkv; g++) {
             const T *restrict v = pool + ((slot + i) * nkv + g) * hd;
             for (int64_t d = 0; d < hd; d++) value[d] = LOAD(v[d]);
-            for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+            for (int64_t j = g * group; j < (g + 1) * group; j++) {
                 float w = weights[j * weight_stride + i];
                 float *restrict aj = acc + j * hd;
                 for (int64_t d = 0; d < hd; d++) aj[d] += w * value[d];
@@ -121,8 +120,8 @@ static void NAME(page_values)(const float *restrict weights, int64_t weight_stri
 #endif
 }
 
-/* In place: scores (n,) -> e^(score - max); returns their sum. */
-static float NAME(softmax_weights)(float *restrict s, int64_t n) {
+/* In place: scores (n,) -> e^(score - max); returns their sum, and the max in *top_out. */
+static float NAME(softmax_weights)(float *restrict s, int64_t n, float *top_out) {
     float top[LANES], lane[LANES] = {0}; /* per-lane maxima and sums: both vectorize */
     for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
     int64_t i = 0;
@@ -131,6 +130,7 @@ static float NAME(softmax_weights)(float *restrict s, int64_t n) {
     for (; i < n; i++) top[0] = s[i] > top[0] ? s[i] : top[0];
     float best = top[0];
     for (int l = 1; l < LANES; l++) best = top[l] > best ? top[l] : best;
+    *top_out = best;
     for (i = 0; i < n; i++) s[i] = exp_approx(s[i] - best);
     for (i = 0; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) lane[l] += s[i + l];
@@ -139,22 +139,59 @@ static float NAME(softmax_weights)(float *restrict s, int64_t n) {
 }
 
 /* Asks for the rows of positions [from, to) of a task's stream: its keys, positions [start,
- * ctx) of KV heads [g0, g1) on its pages, then its values over the same positions (stream
+ * ctx) of every KV head on its pages, then its values over the same positions (stream
  * positions ctx - start and on). The loops read them in short strided runs (one key of a head
  * is hd values, the next a page row away) that the hardware prefetchers follow badly; asked
  * for PREFETCH_KEYS positions ahead of the one being read, the misses overlap the arithmetic. */
 static void NAME(prefetch_stream)(const T *k_pool, const T *v_pool, const int32_t *pages,
                                   int64_t start, int64_t ctx, int64_t from, int64_t to,
-                                  int64_t page_size, int64_t nkv, int64_t hd, int64_t g0,
-                                  int64_t g1) {
-    int64_t len = ctx - start, bytes = (g1 - g0) * hd * (int64_t)sizeof(T); /* of one key */
+                                  int64_t page_size, int64_t nkv, int64_t hd) {
+    int64_t len = ctx - start, bytes = nkv * hd * (int64_t)sizeof(T); /* of one position */
     to = to < 2 * len ? to : 2 * len;
     for (int64_t s = from; s < to; s++) {
         int64_t p = start + (s < len ? s : s - len);
-        int64_t at = ((int64_t)pages[p / page_size] * page_size + p % page_size) * nkv + g0;
+        int64_t at = ((int64_t)pages[p / page_size] * page_size + p % page_size) * nkv;
         const char *row = (const char *)((s < len ? k_pool : v_pool) + at * hd);
         for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
     }
+}
+
+/* A row's output o (nh, hd) = acc / total[h], acc split as the vector loops keep it when
+ * lanes > 0. */
+static void NAME(store_row)(const float *restrict acc, const float *restrict total, int64_t nh,
+                            int64_t hd, int lanes, T *o) {
+#if KV_VEC
+    if (lanes > 0) {
+        kv_store_out(lanes, acc, total, nh, hd, o);
+        return;
+    }
+#endif
+    (void)lanes;
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t d = 0; d < hd; d++) o[h * hd + d] = STORE(acc[h * hd + d] / total[h]);
+}
+
+/* Row b's output: its spans' partial results (acc, maximum, sum per head, from partials)
+ * rescaled to the greatest maximum and summed, into acc and total (nh heads), then stored. */
+static void NAME(merge_spans)(const float *restrict partials, int64_t spans, int64_t nh,
+                              int64_t hd, float *restrict acc, float *restrict total,
+                              int lanes, T *o) {
+    memset(acc, 0, sizeof(float) * nh * hd);
+    for (int64_t h = 0; h < nh; h++) {
+        float top = -INFINITY;
+        for (int64_t c = 0; c < spans; c++) {
+            float m = partials[(c * nh + h) * (hd + 2) + hd];
+            top = m > top ? m : top;
+        }
+        total[h] = 0;
+        for (int64_t c = 0; c < spans; c++) {
+            const float *part = partials + (c * nh + h) * (hd + 2);
+            float f = expf(part[hd] - top);
+            total[h] += f * part[hd + 1];
+            for (int64_t d = 0; d < hd; d++) acc[h * hd + d] += f * part[d];
+        }
+    }
+    NAME(store_row)(acc, total, nh, hd, lanes, o);
 }
 
 /* Decode attention, one query token per row b: keys and values read in place from the pages
@@ -162,43 +199,45 @@ static void NAME(prefetch_stream)(const T *k_pool, const T *v_pool, const int32_
  * start = context - window when a sliding window is set (window > 0), else 0.
  * q: row q_rows[b] (b when q_rows is NULL) of a (?, nh*hd) tensor, row stride q_stride;
  * out: the same row of a contiguous (?, nh*hd) tensor. Pools: (P*S, nkv, hd).
- * A task is one row and `heads_per_task` of its KV heads (nkv: pages are read front to back;
- * 1 when there are too few rows to keep the threads busy). The query heads that share a KV head
- * are done together, reading each key once. Scores and softmax in float32, two passes over the
- * pages (scores; weighted values): bfloat16 K/V in attention_vec_impl.h's loops on the vector
- * tiers, else in this file's. scratch: attention_scratch(...) floats per thread of the
- * team. Needs hd % 16 == 0 and nh / nkv <= MAX_GROUP (the wrapper checks). */
+ * A task is `span` positions of one row (attention_span's split), all its KV heads; the query
+ * heads that share a KV head are done together, reading each key once. Scores and softmax in
+ * float32, two passes over a span's pages (scores; weighted values): bfloat16 K/V in
+ * attention_vec_impl.h's loops on the vector tiers, else in this file's. A row cut in several
+ * spans leaves their partial results in scratch, merged once every task is done. scratch:
+ * attention_scratch(...) floats for the team. Needs hd % 16 == 0 and nh / nkv <= MAX_GROUP
+ * (the wrapper checks). */
 void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_rows,
                                  const T *k_pool, const T *v_pool, const int32_t *block_table,
                                  int64_t table_stride, const int32_t *context_lens, int64_t n,
                                  int64_t nh, int64_t nkv, int64_t hd, int64_t page_size,
-                                 int64_t window, float scale, T *out, int64_t heads_per_task,
+                                 int64_t window, float scale, T *out, int64_t span,
                                  float *scratch) {
-    int64_t group = nh / nkv, max_ctx = max_context(context_lens, n);
-    int64_t tasks_per_row = nkv / heads_per_task, task_heads = heads_per_task * group;
-    int64_t per_thread = attention_scratch(heads_per_task * group, max_ctx, hd);
+    int64_t group = nh / nkv, max_len = max_attended(context_lens, n, window);
+    int64_t spans = span == 0 ? 1 : (max_len + span - 1) / span; /* tasks a row at most */
+    int64_t per_thread = attention_thread_scratch(nh, span, hd);
+    float *partials = scratch + per_thread * omp_get_num_threads(); /* (n, spans, nh, hd + 2) */
     int lanes = KV_VEC ? kv_lanes(hd) : 0;
     int64_t block = lanes > 0 ? lanes : 16; /* keys a scores call takes at most */
     /* positions asked for at once as a pass starts (the vector loops: the first page) */
     int64_t first_keys = lanes > 0 ? PREFETCH_PAGES * page_size : PREFETCH_KEYS;
+    float *scores = scratch + per_thread * omp_get_thread_num();
+    float *qf = scores + nh * span, *acc = qf + nh * hd;
+    float *key = acc + nh * hd, *top = key + hd, *total = top + nh;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n * tasks_per_row; task++) {
-        float *scores = scratch + per_thread * omp_get_thread_num();
-        float *qf = scores + task_heads * max_ctx, *acc = qf + task_heads * hd;
-        float *key = acc + task_heads * hd, *total = key + hd;
-        int64_t b = task / tasks_per_row, g0 = task % tasks_per_row * heads_per_task;
-        int64_t g1 = g0 + heads_per_task, ctx = context_lens[b];
-        int64_t start = window > 0 && ctx > window ? ctx - window : 0, len = ctx - start;
-        int64_t row = q_rows != NULL ? q_rows[b] : b;
-        const T *qrow = q + row * q_stride + g0 * group * hd;
+    for (int64_t task = 0; task < n * spans; task++) {
+        int64_t b = task / spans, c = task % spans, ctx = context_lens[b];
+        int64_t start = ctx - attended(context_lens, b, window) + c * span;
+        if (start >= ctx) continue; /* a shorter row than the longest */
+        ctx = ctx - start > span ? start + span : ctx; /* from here: the span's end */
+        int64_t len = ctx - start, row = q_rows != NULL ? q_rows[b] : b;
+        const T *qrow = q + row * q_stride;
         const int32_t *pages = block_table + b * table_stride;
-        NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, 0, first_keys, page_size, nkv,
-                              hd, g0, g1);
+        NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, 0, first_keys, page_size, nkv, hd);
 #if KV_VEC
-        const void *qv = lanes > 0 ? kv_prepare_q(lanes, qrow, task_heads, hd, qf) : qf;
+        const void *qv = lanes > 0 ? kv_prepare_q(lanes, qrow, nh, hd, qf) : qf;
 #endif
         if (lanes == 0)
-            for (int64_t i = 0; i < task_heads * hd; i++) qf[i] = LOAD(qrow[i]) * scale;
+            for (int64_t i = 0; i < nh * hd; i++) qf[i] = LOAD(qrow[i]) * scale;
         for (int64_t p = start; p < ctx;) {
             int64_t first = p % page_size, count = page_size - first; /* keys left in page */
             count = count < ctx - p ? count : ctx - p;
@@ -208,26 +247,24 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
 #if KV_VEC
             if (lanes > 0) {
                 int64_t ahead = slot_ahead(pages, p, ctx, count, page_size);
-                kv_scores(lanes, qv, scale, k_pool, slot, count, g0, g1, nkv, group, hd, at,
-                          max_ctx, ahead, ahead_count(p, ctx, count, page_size));
+                kv_scores(lanes, qv, scale, k_pool, slot, count, nkv, group, hd, at, span, ahead,
+                          ahead_count(p, ctx, count, page_size));
             } else
 #endif
             {
                 NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx,
                                       p - start + PREFETCH_KEYS,
-                                      p - start + count + PREFETCH_KEYS, page_size, nkv, hd,
-                                      g0, g1);
-                NAME(page_scores)(qf, k_pool, slot, count, g0, g1, nkv, group, hd, at, max_ctx,
-                                  key);
+                                      p - start + count + PREFETCH_KEYS, page_size, nkv, hd);
+                NAME(page_scores)(qf, k_pool, slot, count, nkv, group, hd, at, span, key);
             }
             p += count;
         }
         if (lanes > 0) /* the values' first page: the vector loops ask for the rest */
             NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, len, len + first_keys,
-                                  page_size, nkv, hd, g0, g1);
-        for (int64_t h = 0; h < task_heads; h++)
-            total[h] = NAME(softmax_weights)(scores + h * max_ctx, len);
-        memset(acc, 0, sizeof(float) * task_heads * hd);
+                                  page_size, nkv, hd);
+        for (int64_t h = 0; h < nh; h++)
+            total[h] = NAME(softmax_weights)(scores + h * span, len, &top[h]);
+        memset(acc, 0, sizeof(float) * nh * hd);
         for (int64_t p = start; p < ctx;) {
             int64_t first = p % page_size, count = page_size - first;
             count = count < ctx - p ? count : ctx - p;
@@ -235,7 +272,7 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             const float *w = scores + p - start;
 #if KV_VEC
             if (lanes > 0)
-                kv_values(lanes, w, max_ctx, v_pool, slot, count, g0, g1, nkv, group, hd, acc,
+                kv_values(lanes, w, span, v_pool, slot, count, nkv, group, hd, acc,
                           slot_ahead(pages, p, ctx, count, page_size),
                           ahead_count(p, ctx, count, page_size));
             else
@@ -243,20 +280,28 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             {
                 int64_t s = len + p - start + PREFETCH_KEYS;
                 NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, s, s + count,
-                                      page_size, nkv, hd, g0, g1);
-                NAME(page_values)(w, max_ctx, v_pool, slot, count, g0, g1, nkv, group, hd, acc,
-                                  key);
+                                      page_size, nkv, hd);
+                NAME(page_values)(w, span, v_pool, slot, count, nkv, group, hd, acc, key);
             }
             p += count;
         }
-        T *o = out + row * nh * hd + g0 * group * hd;
-#if KV_VEC
-        if (lanes > 0)
-            kv_store_out(lanes, acc, total, task_heads, hd, o);
-        else
-#endif
-            for (int64_t h = 0; h < task_heads; h++)
-                for (int64_t d = 0; d < hd; d++) o[h * hd + d] = STORE(acc[h * hd + d] / total[h]);
+        if (spans > 1) { /* this span's part of the row: merged below */
+            float *part = partials + (b * spans + c) * nh * (hd + 2);
+            for (int64_t h = 0; h < nh; h++) {
+                memcpy(part + h * (hd + 2), acc + h * hd, sizeof(float) * hd);
+                part[h * (hd + 2) + hd] = top[h], part[h * (hd + 2) + hd + 1] = total[h];
+            }
+            continue;
+        }
+        NAME(store_row)(acc, total, nh, hd, lanes, out + row * nh * hd);
+    }
+    if (spans == 1) return;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < n; b++) {
+        int64_t len = attended(context_lens, b, window), row = q_rows != NULL ? q_rows[b] : b;
+        if (len == 0) continue;
+        NAME(merge_spans)(partials + b * spans * nh * (hd + 2), (len + span - 1) / span, nh, hd,
+                          acc, total, lanes, out + row * nh * hd);
     }
 }
 
@@ -272,17 +317,15 @@ int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v
                              int threads) {
     NAME(kv_write_team)(k, k_stride, v, v_stride, slots, n_new, k_pool, v_pool, nkv, hd);
     if (n == 0) return 0;
-    int64_t keys = 0;
-    for (int64_t b = 0; b < n; b++) keys += context_lens[b];
-    int team = keys * nkv >= PARALLEL_MIN_KEYS ? threads : 1;
-    int64_t heads_per_task = attention_heads_per_task(n, nkv, team);
-    float *scratch = malloc(sizeof(float) * team *
-                            attention_scratch(heads_per_task * (nh / nkv), max_context(context_lens, n), hd));
+    int team = attention_team(context_lens, n, nkv, threads);
+    int64_t max_len = max_attended(context_lens, n, window);
+    int64_t span = attention_span(context_lens, n, nkv, window, page_size, threads);
+    float *scratch = malloc(sizeof(float) * attention_scratch(team, n, nh, hd, max_len, span));
     if (scratch == NULL) return -1;
 #pragma omp parallel num_threads(team)
     NAME(decode_attention_team)(q, q_stride, q_rows, k_pool, v_pool, block_table, table_stride,
                                 context_lens, n, nh, nkv, hd, page_size, window, scale, out,
-                                heads_per_task, scratch);
+                                span, scratch);
     free(scratch);
     return 0;
 }

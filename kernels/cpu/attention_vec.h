@@ -135,18 +135,18 @@ static inline const void *kv_prepare_q(int lanes, const bf16 *q, int64_t heads, 
 }
 
 static inline void kv_scores(int lanes, const void *q, float scale, const bf16 *pool,
-                             int64_t slot, int64_t count, int64_t g0, int64_t g1, int64_t nkv,
-                             int64_t group, int64_t hd, float *scores, int64_t score_stride,
-                             int64_t ahead, int64_t ahead_count) {
-    KV_AT(lanes, scores)(q, scale, pool, slot, count, g0, g1, nkv, group, hd, scores,
-                         score_stride, ahead, ahead_count);
+                             int64_t slot, int64_t count, int64_t nkv, int64_t group, int64_t hd,
+                             float *scores, int64_t score_stride, int64_t ahead,
+                             int64_t ahead_count) {
+    KV_AT(lanes, scores)(q, scale, pool, slot, count, nkv, group, hd, scores, score_stride, ahead,
+                         ahead_count);
 }
 
 static inline void kv_values(int lanes, const float *weights, int64_t weight_stride,
-                             const bf16 *pool, int64_t slot, int64_t count, int64_t g0,
-                             int64_t g1, int64_t nkv, int64_t group, int64_t hd, float *acc,
-                             int64_t ahead, int64_t ahead_count) {
-    KV_AT(lanes, values)(weights, weight_stride, pool, slot, count, g0, g1, nkv, group, hd, acc,
+                             const bf16 *pool, int64_t slot, int64_t count, int64_t nkv,
+                             int64_t group, int64_t hd, float *acc, int64_t ahead,
+                             int64_t ahead_count) {
+    KV_AT(lanes, values)(weights, weight_stride, pool, slot, count, nkv, group, hd, acc,
                          ahead, ahead_count);
 }
 

@@ -27,20 +27,20 @@ static const void *VNAME(prepare_q)(const bf16 *restrict q, int64_t heads, int64
 }
 
 /* For the `count` (<= W) keys of one page from `slot` on (pool rows of nkv * hd), KV heads
- * [g0, g1): scores[(g * group + j) * score_stride + i] = scale * dot(q[g * group + j], key i of
- * head g), q (VNAME(prepare_q)'s) and scores counted from head g0. The query heads that share
- * a KV head read its keys from L1 after the first. Meanwhile the rows of the ahead_count
- * positions from pool row `ahead` on are asked for (prefetch_rows). */
+ * g < nkv: scores[(g * group + j) * score_stride + i] = scale * dot(q[g * group + j], key i
+ * of head g), q VNAME(prepare_q)'s. The query heads that share a KV head read its keys from
+ * L1 after the first. Meanwhile the rows of the ahead_count positions from pool row `ahead`
+ * on are asked for (prefetch_rows). */
 static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *restrict pool,
-                          int64_t slot, int64_t count, int64_t g0, int64_t g1, int64_t nkv,
-                          int64_t group, int64_t hd, float *restrict scores,
-                          int64_t score_stride, int64_t ahead, int64_t ahead_count) {
-    for (int64_t g = g0; g < g1; g++) {
+                          int64_t slot, int64_t count, int64_t nkv, int64_t group, int64_t hd,
+                          float *restrict scores, int64_t score_stride, int64_t ahead,
+                          int64_t ahead_count) {
+    for (int64_t g = 0; g < nkv; g++) {
         prefetch_rows(pool, ahead, ahead_count, g, nkv, hd);
         const bf16 *rows[W]; /* past `count`, the last key again: read, then masked off */
         for (int i = 0; i < W; i++)
             rows[i] = pool + ((slot + (i < count ? i : count - 1)) * nkv + g) * hd;
-        for (int64_t j = (g - g0) * group; j < (g - g0 + 1) * group; j++) {
+        for (int64_t j = g * group; j < (g + 1) * group; j++) {
             VEC dots[W];
 #pragma GCC unroll 16
             for (int i = 0; i < W; i++) dots[i] = VZERO();
@@ -109,17 +109,17 @@ __attribute__((always_inline)) static inline void VNAME(values_block)(
         break;
 
 /* acc[h] (split) += weights[h * weight_stride + i] * value i of h's KV head, for the query
- * heads h of KV heads [g0, g1) and the `count` values of one page from `slot` on, asking for
+ * heads h of every KV head and the `count` values of one page from `slot` on, asking for
  * the rows of the ahead_count positions from pool row `ahead` on meanwhile. */
 static void VNAME(values)(const float *restrict weights, int64_t weight_stride,
-                          const bf16 *restrict pool, int64_t slot, int64_t count, int64_t g0,
-                          int64_t g1, int64_t nkv, int64_t group, int64_t hd,
-                          float *restrict acc, int64_t ahead, int64_t ahead_count) {
-    for (int64_t g = g0; g < g1; g++) {
+                          const bf16 *restrict pool, int64_t slot, int64_t count, int64_t nkv,
+                          int64_t group, int64_t hd, float *restrict acc, int64_t ahead,
+                          int64_t ahead_count) {
+    for (int64_t g = 0; g < nkv; g++) {
         prefetch_rows(pool, ahead, ahead_count, g, nkv, hd);
         const bf16 *v = pool + (slot * nkv + g) * hd;
-        int64_t last = (g - g0 + 1) * group;
-        for (int64_t j = (g - g0) * group; j < last; j += VJ) {
+        int64_t last = (g + 1) * group;
+        for (int64_t j = g * group; j < last; j += VJ) {
             int jn = last - j < VJ ? (int)(last - j) : VJ;
             const float *w = weights + j * weight_stride;
             for (int64_t d = 0, cn; d < hd; d += cn * 2 * W) {

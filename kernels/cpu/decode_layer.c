@@ -39,7 +39,7 @@ static bf16 *grow_workspace(size_t elems) {
 
 /* One step's shapes and the team's scratch, shared by every layer of the call. */
 typedef struct {
-    int64_t n, table_stride, page_size, window, heads_per_task;
+    int64_t n, table_stride, page_size, window, span; /* span: attention_span's */
     const int64_t *positions, *slots;
     const int32_t *block_table, *context_lens;
     bf16 *xn, *qkv, *q, *k, *attn, *o, *gate_up, *act;
@@ -68,7 +68,7 @@ static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x,
                        v_pool, nkv, hd);
     decode_attention_team_bf16(S->q, q_size, NULL, k_pool, v_pool, S->block_table,
                                S->table_stride, S->context_lens, n, nh, nkv, hd, S->page_size,
-                               S->window, L->scale, S->attn, S->heads_per_task, S->scores);
+                               S->window, L->scale, S->attn, S->span, S->scores);
     linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
     rms_norm_team_bf16(S->o, H, S->xn, H, residual, L->post_norm, n, 1, H, L->eps);
     if (L->router != NULL) {
@@ -134,14 +134,14 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
     size_t per_row = (size_t)(3 * H + qkv_size + 2 * q_size + nkv * hd + 3 * F);
     bf16 *xn = grow_workspace(per_row * n);
     int64_t widest = H > q_size ? H : q_size;
+    int64_t max_len = max_attended(context_lens, n, window);
+    int64_t span = attention_span(context_lens, n, nkv, window, page_size, threads);
     step_args S = {.n = n, .table_stride = table_stride, .page_size = page_size,
-                   .window = window, .heads_per_task = attention_heads_per_task(n, nkv, threads),
+                   .window = window, .span = span,
                    .positions = positions, .slots = slots, .block_table = block_table,
                    .context_lens = context_lens};
     S.xp = linear_scratch(n * k, widest > F ? widest : F);
-    S.scores = malloc(sizeof(float) * threads *
-                      attention_scratch(S.heads_per_task * (nh / nkv),
-                                        max_context(context_lens, n), hd));
+    S.scores = malloc(sizeof(float) * attention_scratch(threads, n, nh, hd, max_len, S.span));
     int moe_failed;
     void *moe_block = moe_alloc(layers, count, n, &S.moe, &moe_failed);
     if (xn == NULL || S.xp == NULL || S.scores == NULL || moe_failed) {

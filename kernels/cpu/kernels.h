@@ -24,22 +24,62 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept, as
     return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* Decode attention's split for n rows on `team` threads: KV heads per task (all of a row's
- * when there are rows enough to keep the team busy, else one). */
-static inline int64_t attention_heads_per_task(int64_t n, int64_t nkv, int team) {
-    return n >= 4 * team ? nkv : 1;
+#define MIN_SPAN_PAGES 2 /* decode attention: the fewest pages a cut context's span holds */
+#define SPAN_TASKS 2 /* decode attention: tasks a thread, about, when rows are cut */
+
+/* Positions decode attention attends to in row b: the last `window` when window > 0. */
+static inline int64_t attended(const int32_t *context_lens, int64_t b, int64_t window) {
+    return window > 0 && context_lens[b] > window ? window : context_lens[b];
 }
 
-/* Floats of decode-attention scratch per thread, for tasks of `task_heads` query heads: scores
- * (task_heads, max_ctx), scaled q and acc (task_heads, hd), a key (hd), softmax sums. */
-static inline int64_t attention_scratch(int64_t task_heads, int64_t max_ctx, int64_t hd) {
-    return task_heads * (max_ctx + 2 * hd + 1) + hd;
-}
-
-static inline int64_t max_context(const int32_t *context_lens, int64_t n) {
+static inline int64_t max_attended(const int32_t *context_lens, int64_t n, int64_t window) {
     int64_t top = 0;
-    for (int64_t b = 0; b < n; b++) top = context_lens[b] > top ? context_lens[b] : top;
+    for (int64_t b = 0; b < n; b++)
+        top = attended(context_lens, b, window) > top ? attended(context_lens, b, window) : top;
     return top;
+}
+
+#define PARALLEL_MIN_KEYS 1024 /* decode attention: (key, kv head) pairs below it: 1 thread */
+
+/* Threads decode attention of n rows runs on, of `threads`: one for too little work. */
+static inline int attention_team(const int32_t *context_lens, int64_t n, int64_t nkv,
+                                 int threads) {
+    int64_t keys = 0;
+    for (int64_t b = 0; b < n; b++) keys += context_lens[b];
+    return keys * nkv >= PARALLEL_MIN_KEYS ? threads : 1;
+}
+
+/* Decode attention's split of n rows on `threads` threads: a task is a span of this many
+ * positions of one row, all its KV heads, so a page is read whole and once. A span is a whole
+ * row when one thread runs (attention_team) or there are rows enough to keep the team busy (4
+ * a thread); else the rows are cut in spans of whole pages, about SPAN_TASKS tasks a thread
+ * (flash decoding), whose partial softmaxes are merged after. A row of few KV heads (one per
+ * rank under TP) thus still spreads over the team. The fused decoder, whose team is always
+ * `threads`, cuts as the op-by-op call does, so both give the same bits. */
+static inline int64_t attention_span(const int32_t *context_lens, int64_t n, int64_t nkv,
+                                     int64_t window, int64_t page_size, int threads) {
+    int64_t max_len = max_attended(context_lens, n, window);
+    int team = attention_team(context_lens, n, nkv, threads);
+    if (team == 1 || n >= 4 * team || max_len == 0) return max_len;
+    int64_t pages = (max_len + page_size - 1) / page_size, cuts = (SPAN_TASKS * team + n - 1) / n;
+    int64_t span = (pages + cuts - 1) / cuts;
+    span = (span < MIN_SPAN_PAGES ? MIN_SPAN_PAGES : span) * page_size;
+    return span < max_len ? span : max_len;
+}
+
+/* Floats of decode-attention scratch per thread, for spans of `span` positions and nh query
+ * heads: scores (nh, span), scaled q and acc (nh, hd), a key (hd), softmax maxima and sums. */
+static inline int64_t attention_thread_scratch(int64_t nh, int64_t span, int64_t hd) {
+    return nh * (span + 2 * hd + 2) + hd;
+}
+
+/* Floats of decode-attention scratch for a team: each thread's, then the cut rows' partial
+ * results (n rows, their spans, nh heads: acc (hd), maximum, sum), none when no row is cut. */
+static inline int64_t attention_scratch(int team, int64_t n, int64_t nh, int64_t hd,
+                                        int64_t max_len, int64_t span) {
+    int64_t spans = span == 0 ? 1 : (max_len + span - 1) / span;
+    return team * attention_thread_scratch(nh, span, hd) +
+           (spans > 1 ? n * spans * nh * (hd + 2) : 0);
 }
 
 void rms_norm_team_bf16(const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride,
@@ -57,7 +97,7 @@ void decode_attention_team_bf16(const bf16 *q, int64_t q_stride, const int64_t *
                                 const int32_t *block_table, int64_t table_stride,
                                 const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
                                 int64_t hd, int64_t page_size, int64_t window, float scale,
-                                bf16 *out, int64_t heads_per_task, float *scratch);
+                                bf16 *out, int64_t span, float *scratch);
 /* moe.c: a decode step's routed experts. Its scratch, for n rows, E experts, top k, hidden H,
  * expert intermediate I: logits (n, E); ids, weights, pos (n * k); start (E + 1), fill (E);
  * token (n * k); rows, h (n * k, H); gate_up (n * k, 2I); act (n * k, I). */
