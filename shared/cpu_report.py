@@ -1,5 +1,5 @@
 """What Tison sees of this CPU and what it runs there (the tier, its kernels, torch's own choice,
-threads): `tison env` prints it, the benchmarks head their results with it."""
+threads), and of its GPUs: `tison env` prints it, the benchmarks head their results with it."""
 
 import os
 import platform
@@ -36,7 +36,30 @@ def report() -> dict:
         "MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS") or None,
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
+        **gpu_report(torch),
     }  # fmt: skip
+
+
+def gpu_report(torch) -> dict:
+    """What `--device auto` would take: torch's CUDA devices, and whether the CUDA kernels
+    can be compiled (cupy's NVRTC) here."""
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append(f"cuda:{i} {p.name} {p.total_memory / 2**30:.0f} GiB sm_{p.major}{p.minor}")
+    try:
+        import cupy
+
+        kernels = f"cupy {cupy.__version__}"
+    except ImportError:
+        kernels = None
+    return {
+        "torch_cuda": torch.version.cuda,
+        "gpus": gpus,
+        "device_auto": "cuda" if gpus else "cpu",
+        "cuda_kernels": kernels,
+    }
 
 
 def _cpu_model() -> str:

@@ -135,6 +135,7 @@ class KVRankPool:
     layers: tuple[int, ...]  # [first, end) global layers it holds
     units: tuple[int, ...]  # [first, end) units of the layout it holds (MHA: KV heads)
     shm: str  # its pool file (same host); "" when it has none
+    cuda_ipc: bytes = b""  # a GPU pool's CUDA IPC handle (transfer/cuda_ipc.py); b"" on CPU
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class KVPool:
     host: str  # transfer.base.host_id(): equal on the same boot of the same machine
     ranks: tuple[KVRankPool, ...]  # rank order
     tcp: str = ""  # "host:port" of its authenticated TCP KV server; "" when off
+    dist: str = ""  # "host:port" of its torch.distributed KV server's store; "" when off
 
 
 @dataclass(frozen=True)

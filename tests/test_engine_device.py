@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels.cpu import library
+from shared.engine import device as devices
 from shared.engine.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.kv.cache import KVCache
@@ -44,15 +45,53 @@ def test_auto_backend_follows_dtype_and_kernels(monkeypatch):
         select_backend("cpu", torch.bfloat16, "cpu_kernels")
 
 
-def test_device_is_cpu_for_now(tmp_path):
-    with pytest.raises(InvalidRequestError, match="CUDA path is not built yet") as e:
+def test_devices_are_named_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InvalidRequestError, match="cuda: torch sees no GPU") as e:
         EngineConfig(model_dir=tmp_path, device="cuda")
     assert e.value.field == "device"
-    with pytest.raises(InvalidRequestError, match="device: must be one of cpu"):
+    with pytest.raises(InvalidRequestError, match="device: must be one of auto, cpu, cuda"):
         EngineConfig(model_dir=tmp_path, device="tpu")
+    with pytest.raises(InvalidRequestError, match="device: must be one of"):
+        EngineConfig(model_dir=tmp_path, device="cpu:1")
     with pytest.raises(InvalidRequestError, match="attention_backend: must be one of"):
         EngineConfig(model_dir=tmp_path, attention_backend="flash")
-    assert EngineConfig(model_dir=tmp_path).torch_device == torch.device("cpu")
+    with pytest.raises(InvalidRequestError, match="gpu_memory_utilization"):
+        EngineConfig(model_dir=tmp_path, gpu_memory_utilization=1.5)
+    with pytest.raises(InvalidRequestError, match="decode_graphs"):
+        EngineConfig(model_dir=tmp_path, decode_graphs="sometimes")
+    config = EngineConfig(model_dir=tmp_path, device="auto")  # no GPU here: the CPU
+    assert config.device == "cpu" and config.rank_device(0) == torch.device("cpu")
+    assert not config.uses_graphs and EngineConfig(tmp_path, decode_graphs="on").uses_graphs
+
+
+def test_each_rank_takes_its_own_gpu(tmp_path, monkeypatch):
+    """As torch would see 2 GPUs: rank r on cuda:r, too many ranks refused, a named GPU for
+    one rank only; the pool budget is the smaller of the share and what is free."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = EngineConfig(model_dir=tmp_path, device="cuda", tp=2, allow_oversubscribe=True)
+    assert [config.rank_device(r) for r in (0, 1)] == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+    ]
+    assert config.on_gpu and config.uses_graphs
+    assert not EngineConfig(tmp_path, device="cuda", decode_graphs="off").uses_graphs
+    with pytest.raises(InvalidRequestError, match="4 ranks need a GPU each; torch sees 2"):
+        EngineConfig(tmp_path, device="cuda", tp=4, allow_oversubscribe=True).rank_device(3)
+    with pytest.raises(InvalidRequestError, match="names one GPU for 2 ranks"):
+        EngineConfig(tmp_path, device="cuda:1", tp=2, allow_oversubscribe=True).rank_device(0)
+    with pytest.raises(InvalidRequestError, match="cuda:2: torch sees 2 GPU"):
+        EngineConfig(tmp_path, device="cuda:2")
+    with pytest.raises(InvalidRequestError, match="kv_shm_path: a KV pool in shared memory"):
+        EngineConfig(tmp_path, device="cuda", kv_shm_path=tmp_path / "pool")
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2 * gib)
+    assert devices.memory_budget(torch.device("cuda", 0), 0.9) == 72 * gib  # 0.9 x 80
+    assert devices.memory_budget(torch.device("cuda", 0), 0.5) == 40 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (30 * gib, 80 * gib))
+    assert devices.memory_budget(torch.device("cuda", 0), 0.9) == 32 * gib  # free + our own
 
 
 def test_the_shared_memory_pool_is_a_cpu_pool(tmp_path):

@@ -1,7 +1,8 @@
-"""The KV handoff moves pages between prefill and decode workers of different shapes, over shm
-and TCP, byte for byte: MLA (one latent replicated on every TP rank), MHA (heads split across
-ranks) and a pool whose layer groups differ. Real pools (files in a temporary folder), real
-TCP server and senders; no model: each prefill rank's pool is filled with random KV."""
+"""The KV handoff moves pages between prefill and decode workers of different shapes, over shm,
+TCP and dist, byte for byte: MLA (one latent replicated on every TP rank), MHA (heads split
+across ranks) and a pool whose layer groups differ. Real pools (files in a temporary folder),
+real TCP and dist servers and senders; no model: each prefill rank's pool is filled with random
+KV."""
 
 import asyncio
 import threading
@@ -17,7 +18,7 @@ from shared.kv.layer_groups import LayerGroupKVSpec
 from shared.kv.spec import MHAKVSpec, MLAKVSpec
 from shared.parallel.shape import ParallelConfig
 from shared.protocol import KVPool
-from shared.transfer import tcp
+from shared.transfer import dist, tcp
 from shared.transfer.base import host_id
 from shared.transfer.handoff import KVHandoff
 from shared.transfer.pools import map_pools
@@ -48,11 +49,15 @@ def shape(tp_pp) -> ParallelConfig:
     return ParallelConfig(*tp_pp, allow_oversubscribe=True)
 
 
-class TcpServerThread:
-    """A decode worker's TCP KV server on an event loop of its own."""
+SERVERS = {"tcp": tcp.TcpKVServer, "dist": dist.DistKVServer}
 
-    def __init__(self, spec, ranks):
-        self.server = tcp.TcpKVServer(spec, map_pools(spec, ranks), SECRET, self.allowed)
+
+class ServerThread:
+    """A decode worker's KV server of a transport on an event loop of its own."""
+
+    def __init__(self, transport, spec, ranks):
+        server = SERVERS[transport]
+        self.server = server(spec, map_pools(spec, ranks), SECRET, self.allowed)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -118,7 +123,7 @@ def expected(spec, handoffs, layer: int) -> torch.Tensor:
     return torch.cat([p for _, p in parts], dim=2)  # (2, n, heads, hd)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "dist"])
 @pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("kind", SPECS.keys())
 def test_pages_arrive_byte_exact_between_shapes(tmp_path, kind, shapes, transport):
@@ -130,8 +135,9 @@ def test_pages_arrive_byte_exact_between_shapes(tmp_path, kind, shapes, transpor
         for r in range(decode.world_size)
     ]
     ranks = rank_pools(spec, decode, base)
-    server = TcpServerThread(spec, ranks) if transport == "tcp" else None
-    pool = KVPool(spec.layout, host_id(), ranks, server.address if server else "")
+    server = ServerThread(transport, spec, ranks) if transport in SERVERS else None
+    at = {transport: server.address} if server else {}
+    pool = KVPool(spec.layout, host_id(), ranks, at.get("tcp", ""), at.get("dist", ""))
     handoffs = prefill_ranks(spec, prefill, transport)
     try:
         assert run_prefill(handoffs, pool) is None

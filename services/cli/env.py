@@ -8,7 +8,9 @@ from shared.cpu_report import report
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("env", help="CPU flags seen, tier chosen, kernels built, threads")
+    p = subparsers.add_parser(
+        "env", help="CPU flags seen, tier chosen, kernels built, threads; GPUs seen"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.set_defaults(func=run)
 

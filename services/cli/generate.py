@@ -15,6 +15,32 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """--device/--gpu-memory-utilization/--enforce-eager, shared by every command that runs a
+    model (EngineConfig's device, gpu_memory_utilization and decode_graphs)."""
+    parser.add_argument(
+        "--device", default="auto",
+        help="cpu, cuda (rank r on the r-th visible GPU), cuda:N, or auto (cuda where torch "
+        "sees a GPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="share of each GPU for weights, activations and the KV pool (default 0.9)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="decode without CUDA graphs (debugging)"
+    )
+
+
+def device_options(args: argparse.Namespace) -> dict:
+    """EngineConfig's keyword arguments of add_device_options' flags."""
+    return dict(
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        decode_graphs="off" if args.enforce_eager else "auto",
+    )
+
+
 def add_parallel_options(parser: argparse.ArgumentParser) -> None:
     """--tp/--pp/--pp-layers/--ep/--allow-oversubscribe, shared by every command that runs a
     model."""
@@ -59,6 +85,7 @@ def resolve_model(model: str | None) -> str:
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="complete one prompt offline")
     add_model_options(p)
+    add_device_options(p)
     add_parallel_options(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -91,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             ep=args.ep,
             allow_oversubscribe=args.allow_oversubscribe,
         )
-        with LLM(resolve_model(args.model), dtype=args.dtype, **parallel) as llm:
+        options = {**parallel, **device_options(args)}
+        with LLM(resolve_model(args.model), dtype=args.dtype, **options) as llm:
             if args.chat:
                 out = llm.chat([[{"role": "user", "content": args.prompt}]], params)[0]
             else:

@@ -13,7 +13,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.cli.generate import add_model_options, cpulist_arg, resolve_model
+from services.cli.generate import (
+    add_device_options,
+    add_model_options,
+    cpulist_arg,
+    resolve_model,
+)
 from services.nats_client import TLS_ENV
 from services.scheduler import routing
 from services.up.identities import NatsIdentities, write_batch_password
@@ -33,6 +38,7 @@ log = logging.getLogger("tison.up")
 def register(subparsers) -> None:
     p = subparsers.add_parser("up", help="run the whole service on this machine")
     add_model_options(p)
+    add_device_options(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill-workers", type=int, default=1)
@@ -114,6 +120,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = UpConfig(
             model_dir=Path(resolve_model(args.model)),
             dtype=args.dtype,
+            device=args.device,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
             host=args.host,
             port=args.port,
             prefill_workers=args.prefill_workers,

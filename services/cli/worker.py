@@ -7,6 +7,7 @@ from pathlib import Path
 
 from services import nats_client
 from services.cli.generate import (
+    add_device_options,
     add_model_options,
     add_parallel_options,
     cpulist_arg,
@@ -15,6 +16,7 @@ from services.cli.generate import (
 from services.runtime import run_service
 from services.worker.config import WEIGHTS_FROM, WorkerConfig
 from services.worker.worker import run_worker
+from shared.transfer.handoff import TRANSPORTS
 
 D = WorkerConfig
 HELP = {
@@ -58,8 +60,12 @@ def register(subparsers) -> None:
             "--reservation-lease", type=float, default=D.reservation_lease_s,
             help="seconds a decode reservation waits for its KV before its pages are freed",
         )  # fmt: skip
-        p.add_argument("--kv-transport", choices=["auto", "shm", "tcp"], default=D.kv_transport)
-        p.add_argument("--kv-host", default=D.kv_host, help="address of the TCP KV server")
+        p.add_argument(
+            "--kv-transport", choices=TRANSPORTS, default=D.kv_transport,
+            help="prefill: how KV reaches decode workers (auto: shm on one host, else tcp; "
+            "dist: torch.distributed, chosen by name)",
+        )  # fmt: skip
+        p.add_argument("--kv-host", default=D.kv_host, help="address of the KV servers")
         p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
         p.add_argument(
             "--cpus",
@@ -87,6 +93,7 @@ def register(subparsers) -> None:
             help="the small files (config, tokenizer) of a model from a peer go under it",
         )  # fmt: skip
         add_parallel_options(p)
+        add_device_options(p)
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=functools.partial(main, role))
 
@@ -100,6 +107,9 @@ def main(role: str, args: argparse.Namespace) -> int:
         role=role,
         model_dir=Path(resolve_model(args.model)),
         dtype=args.dtype,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         nats_url=args.nats_url,
         nats=nats_client.NatsClientOptions.from_args(args),
         worker_id=args.worker_id,

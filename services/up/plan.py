@@ -13,6 +13,11 @@ from shared.parallel.cores import available_cores, format_cpulist
 class UpConfig:
     model_dir: Path
     dtype: str = "auto"
+    device: str = "auto"  # every worker's --device
+    # on GPUs: the share of each GPU all workers take together; they share the visible GPUs
+    # (every worker's rank r on GPU r), so each worker gets its part of it
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # every worker: decode without CUDA graphs
     host: str = "127.0.0.1"
     port: int = 8000
     prefill_workers: int = 1
@@ -47,6 +52,8 @@ class UpConfig:
             raise ValueError(f"--batch-max-share must be in (0, 1], got {self.batch_max_share}")
         if self.batch_runners is not None and self.batch_runners < 0:
             raise ValueError(f"--batch-runners must be >= 0, got {self.batch_runners}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -82,7 +89,12 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
     """Scheduler first, workers next, gateway last (it answers /health once workers report)."""
     where = where or placement(cfg)
     model = ["--model", str(cfg.model_dir)]
-    worker = [*model, "--dtype", cfg.dtype, *cfg.worker_args]
+    worker = [*model, "--dtype", cfg.dtype, "--device", cfg.device, *cfg.worker_args]
+    if cfg.device != "cpu":
+        share = cfg.gpu_memory_utilization / len(where.workers)
+        worker += ["--gpu-memory-utilization", f"{share:.4f}"]
+    if cfg.enforce_eager:
+        worker.append("--enforce-eager")
     if cfg.kv_cache_bytes:
         worker += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]
     if cfg.threads:

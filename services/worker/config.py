@@ -9,6 +9,7 @@ from pathlib import Path
 from services.nats_client import NatsClientOptions
 from shared import subjects
 from shared.engine.config import DEFAULT_KV_CACHE_BYTES
+from shared.transfer.handoff import TRANSPORTS
 
 ROLES = ("prefill", "decode", "colocated")
 WEIGHTS_FROM = ("auto", "disk", "peer")
@@ -31,6 +32,9 @@ class WorkerConfig:
     role: str  # prefill | decode | colocated (prefill and decode in one engine)
     model_dir: Path
     dtype: str = "auto"
+    device: str = "auto"  # EngineConfig.device: cpu | cuda | cuda:N | auto
+    gpu_memory_utilization: float = 0.9  # EngineConfig's: each GPU's share for this worker
+    enforce_eager: bool = False  # decode without CUDA graphs (EngineConfig.decode_graphs off)
     nats_url: str = "nats://127.0.0.1:4222"
     nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment
     worker_id: str = ""  # "" -> default_worker_id(role)
@@ -46,9 +50,9 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     # a reservation whose KV has not arrived by then is dropped, its pages freed
     reservation_lease_s: float = 120.0
-    kv_secret: str = ""  # shared secret of the TCP KV transport ("" -> TCP off)
-    kv_transport: str = "auto"  # prefill: auto | shm | tcp
-    kv_host: str = "127.0.0.1"  # decode: address the TCP KV server listens on and advertises
+    kv_secret: str = ""  # shared secret of the TCP and dist KV transports ("" -> both off)
+    kv_transport: str = "auto"  # prefill: auto | shm | tcp | dist | cuda_ipc
+    kv_host: str = "127.0.0.1"  # decode: address the TCP and dist KV servers listen on
     shm_dir: Path = Path("/dev/shm")
     tp: int = 1  # tensor-parallel ranks per pipeline stage
     pp: int = 1  # pipeline stages
@@ -66,8 +70,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.kv_transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"kv_transport must be auto, shm or tcp, got {self.kv_transport!r}")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.weights_from not in WEIGHTS_FROM:
             raise ValueError(
                 f"weights_from must be one of {WEIGHTS_FROM}, got {self.weights_from!r}"

@@ -26,7 +26,6 @@ from shared.protocol import (
     TokenItem,
     TokensMsg,
 )
-from shared.transfer.tcp import TcpKVServer
 
 log = logging.getLogger(__name__)
 ORPHAN_BEATS = 3  # a gateway silent this many beat intervals is gone
@@ -43,13 +42,13 @@ class DecodeRole:
         loop: EngineLoop,
         worker_id: str,
         pool: KVPool,
-        tcp_server: TcpKVServer | None = None,
+        kv_servers: tuple = (),  # its network KV servers (TcpKVServer, DistKVServer)
         lease_s: float = 120.0,  # a reservation whose KV has not come by then is dropped
     ):
         self.nc, self.loop, self.worker_id = nc, loop, worker_id
         self.engine = loop.engine
         self.pool = pool  # where prefill workers write our pages
-        self.tcp_server = tcp_server
+        self.kv_servers = kv_servers
         self.lease_s = lease_s
         self.gateways: dict[str, str] = {}  # request id -> gateway that streams it
         # gateway -> (when last heard of, its beat interval): its own beat, or an assignment
@@ -171,11 +170,10 @@ class DecodeRole:
         return token_item(req, [], []) if req is not None and req.finished else None
 
     def _missing_kv(self, request_id: str) -> str:
-        """Over TCP each prefill rank streams its own part: all of the prompt's KV must have
-        come (a rank whose connection broke cannot tell rank 0). "" when complete, or by shm."""
-        if self.tcp_server is None:
-            return ""
-        got = self.tcp_server.take_received(request_id)
+        """Over a network transport each prefill rank streams its own part: all of the prompt's
+        KV must have come (a rank whose connection broke cannot tell rank 0), whichever server
+        took it. "" when complete, or by shm."""
+        got = self._take_received(request_id)
         req = self.engine.requests.get(request_id)
         spec = self.engine.kv_spec
         # the prompt's tokens after those its pages held from the cache (still its computed ones)
@@ -183,10 +181,13 @@ class DecodeRole:
         want = new * spec.page_size_bytes // spec.page_size
         return f"KV incomplete: {got} of {want} bytes arrived" if got and got != want else ""
 
+    def _take_received(self, request_id: str) -> int:
+        """Payload bytes the KV servers wrote for the request; they forget it."""
+        return sum(server.take_received(request_id) for server in self.kv_servers)
+
     @protocol.on_message(CancelMsg)
     async def _on_cancel(self, cancel: CancelMsg, msg: Msg) -> None:
-        if self.tcp_server is not None:
-            self.tcp_server.take_received(cancel.request_id)
+        self._take_received(cancel.request_id)
         if self.gateways.pop(cancel.request_id, None) is not None:
             await self.loop.call(self.engine.abort, cancel.request_id)
 

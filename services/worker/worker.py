@@ -19,11 +19,12 @@ from services.worker.peer_weights import Weights, WeightsAnnouncer, resolve_weig
 from services.worker.prefill import PrefillRole
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
+from shared.engine.device import resolve as resolve_device
 from shared.engine.engine import LLMEngine
 from shared.engine.shard import rank_pools
 from shared.protocol import HeartbeatMsg, KVPool, PrefixStats
 from shared.tokenizer.tokenizer import Tokenizer
-from shared.transfer import tcp
+from shared.transfer import dist, tcp
 from shared.transfer.base import host_id
 from shared.transfer.pools import map_pools
 
@@ -35,6 +36,9 @@ def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) 
     engine_config = EngineConfig(
         model_dir=weights.model_dir,
         dtype=config.dtype,
+        device=config.device,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        decode_graphs="off" if config.enforce_eager else "auto",
         page_size=config.page_size,
         kv_cache_bytes=config.kv_cache_bytes,
         memory_bytes=config.memory_bytes,
@@ -64,7 +68,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     """Serves the configured role(s) until `stop` is set."""
     ids = config.role_ids()
     shm_path = None
-    if "decode" in ids:
+    if "decode" in ids and resolve_device(config.device) == "cpu":  # a GPU pool: cuda_ipc
         remove_stale_pools(config.shm_dir)
         shm_path = config.shm_dir / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     weights = await resolve_weights(config)
@@ -73,22 +77,24 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     roles: list = []
     loop = EngineLoop(engine, lambda outputs: _dispatch(roles, outputs))
     nc = await connect_nats(config.nats_url, f"tison-{config.worker_id}", config.nats)
-    tcp_server = announcer = None
+    announcer = None
+    kv_servers: dict = {}  # transport name -> the decode worker's server of it (with a secret)
     try:
         if secret and not weights.peer:  # weights on disk: served to new workers of the model
             announcer = await WeightsAnnouncer.start(nc, config, weights.model_dir)
-        if "decode" in ids:
-            ranks = rank_pools(engine.kv_spec, engine.config.parallel, shm_path)
+        if "decode" in ids:  # a CPU pool in shared memory, or GPU pools' CUDA IPC handles
+            handles = engine.executor.pool_handles() if shm_path is None else ()
+            ranks = rank_pools(engine.kv_spec, engine.config.parallel, shm_path, handles)
             if secret:
-                pools = map_pools(engine.kv_spec, ranks)
-                allowed = _reserved_check(engine)
-                tcp_server = tcp.TcpKVServer(engine.kv_spec, pools, secret, allowed)
-            address = (
-                await tcp_server.start(config.kv_host, toward=config.nats_url) if tcp_server else ""
-            )
-            pool = KVPool(engine.kv_spec.layout, host_id(), ranks, address)
-            lease = config.reservation_lease_s
-            roles.append(DecodeRole(nc, loop, ids["decode"], pool, tcp_server, lease))
+                kv_servers = _kv_servers(engine, ranks, secret)
+            at = {
+                name: await server.start(config.kv_host, toward=config.nats_url)
+                for name, server in kv_servers.items()
+            }
+            tcp_at, dist_at = at.get(tcp.NAME, ""), at.get(dist.NAME, "")
+            pool = KVPool(engine.kv_spec.layout, host_id(), ranks, tcp_at, dist_at)
+            servers, lease = tuple(kv_servers.values()), config.reservation_lease_s
+            roles.append(DecodeRole(nc, loop, ids["decode"], pool, servers, lease))
         if "prefill" in ids:
             roles.append(PrefillRole(nc, loop, ids["prefill"], engine.handoff, ids.get("decode")))
         for role in roles:
@@ -99,7 +105,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
         await kv_events.subscribe()
         tasks = [
             asyncio.create_task(loop.run()),
-            asyncio.create_task(_heartbeats(nc, config, engine, roles, tcp_server)),
+            asyncio.create_task(_heartbeats(nc, config, engine, roles, tuple(kv_servers.values()))),
             asyncio.create_task(kv_events.run()),
         ]
         log.info("worker %s serving %s", config.worker_id, ", ".join(ids.values()))
@@ -108,8 +114,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
             task.cancel()
         await asyncio.gather(*tasks, loop.handlers.cancel_all(), return_exceptions=True)
     finally:
-        if tcp_server is not None:
-            await tcp_server.close()
+        for server in kv_servers.values():
+            await server.close()
         if announcer is not None:
             await asyncio.to_thread(announcer.close)
         with contextlib.suppress(Exception):
@@ -122,8 +128,19 @@ async def _dispatch(roles: list, outputs) -> None:
         await role.on_outputs(outputs)
 
 
+def _kv_servers(engine: LLMEngine, ranks, secret: bytes) -> dict:
+    """The decode worker's network KV servers by transport, not started: each writes frames
+    into every rank's pool and counts each request's bytes (DecodeRole sums them)."""
+    pools = map_pools(engine.kv_spec, ranks, own={0: engine.kv.data})
+    allowed = _reserved_check(engine)
+    return {
+        tcp.NAME: tcp.TcpKVServer(engine.kv_spec, pools, secret, allowed),
+        dist.NAME: dist.DistKVServer(engine.kv_spec, pools, secret, allowed),
+    }
+
+
 def _reserved_check(engine: LLMEngine):
-    """Whether slots of a KV frame lie in pages reserved for its request (TCP server)."""
+    """Whether slots of a KV frame lie in pages reserved for its request (KV servers)."""
     page_size = engine.kv_spec.page_size
 
     def allowed(request_id: str, dst: torch.Tensor) -> bool:
@@ -135,15 +152,18 @@ def _reserved_check(engine: LLMEngine):
     return allowed
 
 
-async def _heartbeats(nc, config: WorkerConfig, engine: LLMEngine, roles, tcp_server) -> None:
+async def _heartbeats(nc, config: WorkerConfig, engine: LLMEngine, roles, kv_servers) -> None:
     while True:
         load = engine.load()
         prefix = PrefixStats(**engine.prefix_stats())
         for role in roles:
             handoff = getattr(role, "handoff", None)
             moved = (handoff.bytes_sent, handoff.seconds) if handoff else (0, 0.0)
-            if tcp_server is not None and role.role == "decode":
-                moved = (tcp_server.bytes_received, tcp_server.seconds)
+            if kv_servers and role.role == "decode":
+                moved = (
+                    sum(s.bytes_received for s in kv_servers),
+                    sum(s.seconds for s in kv_servers),
+                )
             beat = HeartbeatMsg(
                 worker_id=role.worker_id,
                 role=role.role,

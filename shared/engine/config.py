@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from shared.engine import device as devices
 from shared.errors import InvalidRequestError
 from shared.models.layers.attention_backend import BACKENDS
 from shared.parallel.shape import ParallelConfig
@@ -13,7 +14,7 @@ from shared.parallel.shape import ParallelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_MEMORY_RESERVE_BYTES = 1 << 30  # a CPU rank's activations and workspaces
-DEVICES = ("cpu",)  # where a shard's weights, KV pool and step tensors live
+GRAPH_MODES = ("auto", "on", "off")  # EngineConfig.decode_graphs
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,23 @@ class EngineConfig:
     ep: bool = False  # MoE layers: whole experts spread over each stage's TP ranks
     allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
-    kv_transport: str = "auto"  # kv_push: auto | shm | tcp (shared/transfer/handoff.py)
+    kv_transport: str = "auto"  # kv_push: auto | shm | tcp | dist | cuda_ipc (transfer/handoff.py)
     kv_secret: str = field(default="", repr=False)  # kv_push over TCP; never in to_json_dict
     # host:port of a running worker's weights server (shared/peer): every rank reads its
     # tensors from it, authenticated with kv_secret; model_dir holds the small files only
     weights_peer: str = ""
     weights_timeout_s: float = 120.0  # a weights peer silent this long mid-load fails the load
     cpus: tuple[int, ...] = ()  # pin the ranks to these cores, an even share each; (): unpinned
-    device: str = "cpu"  # the device of every rank's tensors (weights, KV pool, steps)
-    attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | torch
+    # where every rank's tensors live (weights, KV pool, steps): cpu | cuda (rank r on the r-th
+    # visible GPU) | cuda:N (one rank) | auto (cuda if torch sees a GPU); shared/engine/device.py
+    device: str = "cpu"
+    # cuda: each rank's weights, reserve and KV pool take this share of its GPU's memory (the
+    # pool what the others leave), unless memory_bytes or num_pages says otherwise
+    gpu_memory_utilization: float = 0.9
+    # decode steps replayed from captured CUDA graphs (shared/engine/graphs.py): auto (on CUDA),
+    # on (also on the CPU, through the same static buffers: how the tests check them), off
+    decode_graphs: str = "auto"
+    attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | cuda | torch
     # chunked layers (Llama 4) keep only their chunk's KV, in a pool of their own
     # (shared/kv/chunk_cache.py): single-rank engines without a KV handoff only.
     # None: wherever that holds; True: required; False: never
@@ -64,7 +73,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
-        self._validate_device()
+        object.__setattr__(self, "device", devices.resolve(self.device))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError("gpu_memory_utilization", "must be in (0, 1]")
+        if self.decode_graphs not in GRAPH_MODES:
+            raise InvalidRequestError(
+                "decode_graphs",
+                f"must be one of {', '.join(GRAPH_MODES)}; got {self.decode_graphs!r}",
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
                 "dtype", f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}"
@@ -94,6 +110,10 @@ class EngineConfig:
             )
         if self.kv_shm_path is not None:
             object.__setattr__(self, "kv_shm_path", Path(self.kv_shm_path))
+            if self.on_gpu:
+                raise InvalidRequestError(
+                    "kv_shm_path", "a KV pool in shared memory is a CPU pool (GPU pools: cuda_ipc)"
+                )
         object.__setattr__(self, "pp_layers", self.parallel.pp_layers)  # validates the shape
         object.__setattr__(self, "cpus", tuple(self.cpus))
         if self.cap_chunked_kv and not self._can_cap_chunked_kv:
@@ -109,14 +129,6 @@ class EngineConfig:
                 "(one core per rank at least, or allow_oversubscribe)",
             )
 
-    def _validate_device(self) -> None:
-        if self.device.split(":")[0] == "cuda":  # CUDA will be a backend of its own
-            raise InvalidRequestError("device", "the CUDA path is not built yet; use 'cpu'")
-        if self.device not in DEVICES:
-            raise InvalidRequestError(
-                "device", f"must be one of {', '.join(DEVICES)}; got {self.device!r}"
-            )
-
     @property
     def _can_cap_chunked_kv(self) -> bool:
         return self.parallel.world_size == 1 and not self.kv_push and self.kv_shm_path is None
@@ -126,9 +138,18 @@ class EngineConfig:
         """Whether chunked layers get a capped pool of their own (if the model has them)."""
         return self.cap_chunked_kv is not False and self._can_cap_chunked_kv
 
+    def rank_device(self, rank: int = 0) -> torch.device:
+        """Where rank `rank`'s tensors live."""
+        return devices.rank_device(self.device, rank, self.parallel.world_size)
+
     @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Whether decode steps replay captured graphs (static buffers on the CPU)."""
+        return self.decode_graphs == "on" or (self.decode_graphs == "auto" and self.on_gpu)
 
     @property
     def parallel(self) -> ParallelConfig:

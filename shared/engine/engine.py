@@ -3,10 +3,12 @@
 import contextlib
 import dataclasses
 import itertools
+import logging
 import random
 import threading
 from dataclasses import dataclass, field
 
+from shared.engine import device as devices
 from shared.engine.config import EngineConfig
 from shared.engine.executor import StepResult, start_executor
 from shared.engine.footprint import pages_for_memory, stage_footprints
@@ -25,6 +27,8 @@ from shared.models.layer_attention import CHUNKED
 from shared.sampling.batch import request_stop_token_ids
 from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -386,18 +390,28 @@ def _pool_sizes(config: EngineConfig, cfg: ModelConfig, spec, chunk: int | None)
 def _pages_for_memory(config: EngineConfig, cfg: ModelConfig, dtype) -> int | None:
     """The pool's pages when config.memory_bytes bounds each rank (None: unbounded), as
     `tison plan` computes them; InvalidRequestError when the weights leave no page."""
-    if config.memory_bytes is None:
+    memory, field = config.memory_bytes, "memory_bytes"
+    if memory is None and config.on_gpu:  # each GPU's share, the smallest of the ranks'
+        ranks = range(config.parallel.world_size)
+        use = config.gpu_memory_utilization
+        memory = min(devices.memory_budget(config.rank_device(r), use) for r in ranks)
+        field = "gpu_memory_utilization"
+    if memory is None:
         return None
     footprints = stage_footprints(cfg, config.parallel, dtype, config.page_size)
     reserve = config.memory_reserve_bytes
-    pages = pages_for_memory(footprints, config.memory_bytes, reserve, config.page_size)
+    pages = pages_for_memory(footprints, memory, reserve, config.page_size)
+    heaviest = max(fp.weight_bytes for fp in footprints)
     if pages < 1:
-        heaviest = max(fp.weight_bytes for fp in footprints)
         raise InvalidRequestError(
-            "memory_bytes",
-            f"{config.memory_bytes} leaves no KV page: a rank's weights take {heaviest} "
+            field,
+            f"{memory} bytes leave no KV page: a rank's weights take {heaviest} "
             f"bytes and the reserve {reserve}",
         )
+    log.info(
+        "KV pool: %d pages (%d tokens) from %.2f GiB a rank: weights %.2f GiB, reserve %.2f GiB",
+        pages, pages * config.page_size, memory / 2**30, heaviest / 2**30, reserve / 2**30,
+    )  # fmt: skip
     return pages
 
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine import device as devices
 from shared.engine.config import EngineConfig
+from shared.engine.graphs import DecodeGraphs, graph_sizes
 from shared.engine.plan import decode_result, encode_plan, encode_stop
 from shared.engine.prompt_logprobs import PromptLogprobChunk
 from shared.engine.ranks import RankProcesses
@@ -19,14 +21,17 @@ from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import SchedulerOutput
 from shared.engine.shard import build_shard
 from shared.kv.cache import KVCache
+from shared.kv.chunk_cache import SplitKVCache
 from shared.kv.spec import KVSpec
 from shared.models.config import ModelConfig
+from shared.models.layer_attention import distinct_masks
 from shared.parallel.comm import PLAN, RESULT, RankComm
 from shared.parallel.cores import pin, rank_cores
 from shared.parallel.group import SINGLE
 from shared.parallel.pipeline import WHOLE_MODEL
 from shared.sampling.sampler import SamplerOutput
 from shared.sampling.token_mask import TokenMasks
+from shared.transfer import cuda_ipc
 from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,10 @@ class LocalExecutor:
 
     def collect(self) -> StepResult:
         return self._done.popleft()
+
+    def pool_handles(self) -> tuple[bytes, ...]:
+        """Each rank's pool_handle, in rank order."""
+        return (pool_handle(self.runner.kv.data),)
 
     def close(self) -> None:
         _close(self.runner, self.handoff)
@@ -110,6 +119,11 @@ class RankExecutor:
             self.last_stage_busy_s = reply.busy_s
         return result
 
+    def pool_handles(self) -> tuple[bytes, ...]:
+        """Each rank's pool_handle, in rank order (the others' as they stored them)."""
+        others = [self.ranks.store.get(f"kv_ipc{r}") for r in range(1, self.comm.shape.world_size)]
+        return (pool_handle(self.runner.kv.data), *others)
+
     def close(self) -> None:
         self.ranks.stop(self.comm, encode_stop())
         _close(self.runner, self.handoff)
@@ -129,12 +143,52 @@ def _run(runner: ModelRunner, out: SchedulerOutput, masks: Masks = None) -> Step
         return StepResult(out, [], None, error=e)
 
 
+def pool_handle(data) -> bytes:
+    """A GPU pool's CUDA IPC handle (transfer/cuda_ipc.py); b"" for a CPU pool."""
+    return cuda_ipc.export_pool(data) if data.device.type == "cuda" else b""
+
+
 def rank_handoff(config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int) -> KVHandoff | None:
     """A prefill worker's KV handoff on one of its ranks; None unless config.kv_push."""
     if not config.kv_push:
         return None
     secret = config.kv_secret.encode() or None
     return KVHandoff.of_rank(kv, spec, config.parallel, rank, config.kv_transport, secret)
+
+
+def stage_runner(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    model,
+    kv,
+    num_pages: int,
+    tp=SINGLE,
+    stage=WHOLE_MODEL,
+    comm: RankComm | None = None,
+    hook=None,
+) -> ModelRunner:
+    """A rank's runner, with decode graphs where config asks for them and they apply."""
+    runner = ModelRunner(model, kv, cfg.vocab_size, tp, stage, comm, hook)
+    layers = cfg.layer_attention[stage.start_layer : stage.end_layer]
+    masks = distinct_masks(layers)
+    if not config.uses_graphs or hook is not None or isinstance(kv, SplitKVCache):
+        return runner
+    if not DecodeGraphs.supports(masks):
+        log.info("decode graphs: off (chunked attention layers)")
+        return runner
+    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    hidden = None if stage.is_first else (cfg.hidden_size, kv.spec.dtype)
+    sizes = graph_sizes(config.max_num_seqs)
+    max_pages = -(-max_len // config.page_size)
+    graphs = DecodeGraphs(model, kv, masks, sizes, max_pages, num_pages, hidden)
+    if kv.device.type == "cuda":
+        try:
+            graphs.capture()
+        except Exception as e:  # an op that syncs or allocates on the host: stay eager
+            log.warning("decode graphs: capture failed (%r); decoding eagerly", e)
+            return runner
+    runner.graphs = graphs
+    return runner
 
 
 def start_executor(
@@ -149,11 +203,12 @@ def start_executor(
     shape = config.parallel
     if config.cpus:
         pin(rank_cores(config.cpus, shape.world_size, 0))
+    devices.use(config.rank_device(0))
     if shape.world_size == 1:
         model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages, 0, num_chunk_pages)
         handoff = rank_handoff(config, spec, kv, 0)
         hook = None if handoff is None else handoff.on_layer
-        runner = ModelRunner(model, kv, cfg.vocab_size, on_layer_done=hook)
+        runner = stage_runner(config, cfg, model, kv, num_pages, hook=hook)
         return LocalExecutor(runner, handoff)
     ranks = RankProcesses(config, num_pages, torch.get_num_threads())
     comm = None
@@ -167,5 +222,5 @@ def start_executor(
         raise
     handoff = rank_handoff(config, spec, kv, 0)
     hook = None if handoff is None else handoff.on_layer
-    runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm, hook)
+    runner = stage_runner(config, cfg, model, kv, num_pages, comm.tp, stage, comm, hook)
     return RankExecutor(runner, comm, ranks, handoff)

@@ -12,8 +12,9 @@ import sys
 
 import torch
 
+from shared.engine import device as devices
 from shared.engine.config import EngineConfig
-from shared.engine.executor import rank_handoff
+from shared.engine.executor import pool_handle, rank_handoff, stage_runner
 from shared.engine.plan import decode_plan, encode_result
 from shared.engine.ranks import SECRET_ENV
 from shared.engine.runner import ModelRunner
@@ -32,9 +33,10 @@ def build_runner(rank: int, port: int, spec: dict):
     secret = os.environ.get(SECRET_ENV, "")  # not on the command line, where ps shows it
     config = EngineConfig(**spec["engine"], kv_secret=secret)
     shape = config.parallel
+    devices.use(config.rank_device(rank))
     store = open_store("127.0.0.1", port, shape.world_size, is_master=False)
     store.set(f"joined{rank}", "1")
-    comm = RankComm(store, rank, shape, config.device)
+    comm = RankComm(store, rank, shape, config.rank_device(rank))
     try:
         cfg = ModelConfig.from_dir(config.model_dir)
         stage = shape.stage_of(rank, cfg.num_layers)
@@ -42,10 +44,11 @@ def build_runner(rank: int, port: int, spec: dict):
         kv_spec = model_kv_spec(cfg, config.page_size, kv.spec.dtype)
         handoff = rank_handoff(config, kv_spec, kv, rank)
         hook = None if handoff is None else handoff.on_layer
-        runner = ModelRunner(model, kv, cfg.vocab_size, comm.tp, stage, comm, hook)
+        runner = stage_runner(config, cfg, model, kv, spec["num_pages"], comm.tp, stage, comm, hook)
     except Exception as e:
         store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
         raise
+    store.set(f"kv_ipc{rank}", pool_handle(kv.data))  # a GPU decode worker advertises it
     store.set(f"ready{rank}", "ok")
     return runner, comm, handoff
 

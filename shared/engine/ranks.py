@@ -23,7 +23,7 @@ class RankProcesses:
 
     def __init__(self, config: EngineConfig, num_pages: int, threads: int):
         self.shape = config.parallel
-        self.device = config.device
+        self.device = config.rank_device(0)
         self.world_size = self.shape.world_size
         self.store = open_store("127.0.0.1", 0, self.world_size, is_master=True)
         spec = json.dumps({"engine": config.to_json_dict(), "num_pages": num_pages})

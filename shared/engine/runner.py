@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import torch
 
 from shared.engine.batch import build_batch
+from shared.engine.graphs import DecodeGraphs
 from shared.engine.prompt_logprobs import PromptLogprobChunk, score_prompts
 from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
@@ -32,6 +33,7 @@ class ModelRunner:
         stage: PPStage = WHOLE_MODEL,
         comm: RankComm | None = None,  # needed when stage.size > 1
         on_layer_done: Callable[[int, SchedulerOutput], None] | None = None,
+        graphs: DecodeGraphs | None = None,  # decode-only steps replay these (graphs.py)
     ):
         self.model = model
         self.kv = kv
@@ -45,6 +47,7 @@ class ModelRunner:
         self.dtype = kv.spec.dtype
         # after each layer of a forward pass: (global layer index, the step) -> push its new KV
         self.on_layer_done = on_layer_done
+        self.graphs = None if on_layer_done is not None else graphs
         self.busy_s = 0.0  # seconds in execute, less those blocked on the previous stage
 
     def execute(
@@ -78,9 +81,12 @@ class ModelRunner:
         hidden = residual = None
         if not self.stage.is_first:
             hidden, residual = self._recv_hidden(len(batch.input_ids))
-        hidden, residual = self.model(
-            batch.input_ids, batch.positions, self.kv, batch.meta, hidden, residual, after_layer
-        )
+        if self.graphs is not None and self.graphs.fits(out):
+            hidden, residual = self.graphs.run(batch, hidden, residual)
+        else:
+            hidden, residual = self.model(
+                batch.input_ids, batch.positions, self.kv, batch.meta, hidden, residual, after_layer
+            )
         if not self.stage.is_last:
             self._send_hidden(hidden, residual)
             return [], None, []

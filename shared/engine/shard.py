@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.graphs import scratch_pages
 from shared.kv.cache import KVCache
 from shared.kv.chunk_cache import SplitKVCache
 from shared.kv.spec import KVSpec, MHAKVSpec, MLAKVSpec
@@ -45,13 +46,17 @@ def rank_kv_spec(spec: KVSpec, shape: ParallelConfig, rank: int) -> KVSpec:
     return spec.shard(rank_layers(shape, rank, spec.num_layers), units)
 
 
-def rank_pools(spec: KVSpec, shape: ParallelConfig, shm_path: Path) -> tuple[KVRankPool, ...]:
-    """Each rank's layers, units and pool file: a decode worker's KVPool.ranks."""
+def rank_pools(
+    spec: KVSpec, shape: ParallelConfig, shm_path: Path | None, handles: tuple[bytes, ...] = ()
+) -> tuple[KVRankPool, ...]:
+    """Each rank's layers, units and pool: its file (CPU pools in shared memory), or its CUDA
+    IPC handle (GPU pools, `handles` in rank order): a decode worker's KVPool.ranks."""
     return tuple(
         KVRankPool(
             rank_layers(shape, rank, spec.num_layers),
             spec.rank_units(rank % shape.tp, shape.tp),
-            str(rank_shm_path(shm_path, rank)),
+            "" if shm_path is None else str(rank_shm_path(shm_path, rank)),
+            handles[rank] if handles else b"",
         )
         for rank in range(shape.world_size)
     )
@@ -74,7 +79,7 @@ def build_shard(
     num_chunk_pages: int | None = None,  # capped chunked layers' pool (single rank)
 ) -> tuple[torch.nn.Module, KVCache | SplitKVCache]:
     """The model's part and the KV pool of rank `rank` (TP rank tp.rank of stage `stage`)."""
-    dtype, device = config.torch_dtype(cfg.torch_dtype), config.torch_device
+    dtype, device = config.torch_dtype(cfg.torch_dtype), config.rank_device(rank)
     attention = select_backend(device, dtype, config.attention_backend)  # once, for all layers
     start = time.perf_counter()
     weights = None
@@ -94,8 +99,9 @@ def build_shard(
         rank, source, loaded - start, attention.name,
     )  # fmt: skip
     spec = rank_kv_spec(model_kv_spec(cfg, config.page_size, dtype), config.parallel, rank)
-    if num_chunk_pages is None:
-        kv = KVCache(spec, num_pages, rank_shm_path(config.kv_shm_path, rank), device)
+    if num_chunk_pages is None:  # with decode graphs, the padded rows' scratch page too
+        pages = num_pages + scratch_pages(config.uses_graphs)
+        kv = KVCache(spec, pages, rank_shm_path(config.kv_shm_path, rank), device)
     else:
         chunked = tuple(a.mask.kind == CHUNKED for a in cfg.layer_attention)
         kv = SplitKVCache(spec, chunked, num_pages, num_chunk_pages, device)

@@ -3,7 +3,8 @@ hidden states, results) and its stage's tensor-parallel group. Groups are Proces
 built over a loopback TCPStore, not the process-global default group, so one process may hold
 several engines (tests) one after another. Messages are msgpack bytes or tensors, never pickle.
 The TP group's backend follows the device (group.process_group); the world group carries the
-msgpack plans, CPU bytes, so it is gloo on every device."""
+msgpack plans, CPU bytes, so it is gloo on every device; hidden states between stages go on a
+group of the device's backend (NCCL between GPUs: they never visit host memory)."""
 
 import time
 from datetime import timedelta
@@ -33,11 +34,16 @@ class RankComm:
         store: dist.Store,
         rank: int,
         shape: ParallelConfig,
-        device: str = "cpu",  # EngineConfig.device: the TP group's backend follows it
+        device: torch.device | str = "cpu",  # this rank's: the TP and hidden groups follow it
     ):
         self.rank, self.shape = rank, shape
+        self.device = torch.device(device)
         world = dist.PrefixStore("world", store)
         self.world = process_group(world, rank, shape.world_size, "cpu", IDLE_TIMEOUT)
+        self.hidden = self.world  # stage -> next stage: on the device's backend
+        if self.device.type != "cpu" and shape.pp > 1:
+            hidden = dist.PrefixStore("hidden", store)
+            self.hidden = process_group(hidden, rank, shape.world_size, device, IDLE_TIMEOUT)
         stage, tp_rank = divmod(rank, shape.tp)
         group = None
         if shape.tp > 1:
@@ -48,26 +54,32 @@ class RankComm:
         self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
 
     def send_bytes(self, data: bytes, dst: int, tag: int) -> None:
-        self._send(torch.tensor([len(data)], dtype=torch.int64), dst, tag)
-        self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag)
+        self._send(self.world, torch.tensor([len(data)], dtype=torch.int64), dst, tag)
+        self._send(self.world, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag)
 
     def recv_bytes(self, src: int, tag: int) -> bytes:
-        header = self.recv_tensor((1,), torch.int64, src, tag)
-        return self.recv_tensor((int(header[0]),), torch.uint8, src, tag).numpy().tobytes()
+        header = self._recv(self.world, torch.empty(1, dtype=torch.int64), src, tag)
+        out = torch.empty(int(header[0]), dtype=torch.uint8)
+        return self._recv(self.world, out, src, tag).numpy().tobytes()
 
     def send_tensor(self, x: torch.Tensor, dst: int, tag: int) -> None:
-        self._send(x.contiguous(), dst, tag)
+        """A tensor on this rank's device (hidden states) to rank dst."""
+        self._send(self.hidden, x.contiguous(), dst, tag)
 
     def recv_tensor(self, shape, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+        """What send_tensor sent, on this rank's device."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        return self._recv(self.hidden, out, src, tag)
+
+    def _recv(self, group, out: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         start = time.perf_counter()
-        self.world.recv([out], src, tag).wait()
+        group.recv([out], src, tag).wait()
         self.wait_s += time.perf_counter() - start
         return out
 
-    def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
+    def _send(self, group, x: torch.Tensor, dst: int, tag: int) -> None:
         self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
-        self._sends.append((self.world.send([x], dst, tag), x))
+        self._sends.append((group.send([x], dst, tag), x))
 
     def flush(self) -> None:
         """Waits until every send so far was received."""

@@ -28,7 +28,7 @@ class KVTarget:
     request_id: str
     page_ids: tuple[int, ...]  # decode pages, in token order
     pool: KVPool  # the decode worker's pool (DecodeAssignReplyMsg.kv)
-    transport: str  # the sender that reaches it (shm | tcp)
+    transport: str  # the sender that reaches it (shm | tcp | dist | cuda_ipc)
 
 
 @dataclass(frozen=True)

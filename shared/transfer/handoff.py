@@ -1,15 +1,16 @@
 """Prefill side of the KV handoff, one per rank of a prefill worker of any shape: after each
 layer of a forward pass, the rank writes the new KV of its layers and units (heads) of every
-request bound for a decode worker into that worker's reserved pages, over shm or TCP, to each
-decode rank that holds them. Single-rank and T x P workers run the same code.
+request bound for a decode worker into that worker's reserved pages, over shm, TCP or
+torch.distributed (dist), to each decode rank that holds them. Single-rank and T x P workers
+run the same code.
 
 Rank 0 registers targets (`add`, from the PrefillAssignMsg) and tells the other ranks of new and
 dropped ones in its step plans (`plan_extras` -> `on_plan`), so a target is parsed once per rank.
 
 Acknowledgement is causal: a rank writes a layer's KV before its stage passes the hidden states
 on, and at a request's last layer on that rank it waits for the transport's acknowledgement
-(TCP), all before the last stage's logits all-gather. So once rank 0 holds a request's first
-token, every rank's KV of it is in the decode worker's pool."""
+(TCP, dist), all before the last stage's logits all-gather. So once rank 0 holds a request's
+first token, every rank's KV of it is in the decode worker's pool."""
 
 import logging
 import time
@@ -19,12 +20,12 @@ from shared.kv.cache import KVCache
 from shared.kv.spec import KVSpec
 from shared.parallel.shape import ParallelConfig
 from shared.protocol import KVPool
-from shared.transfer import shm, tcp
+from shared.transfer import cuda_ipc, dist, shm, tcp
 from shared.transfer.base import KVSender, KVTarget, LayerKV, host_id
 from shared.wire import from_plain, to_plain
 
 log = logging.getLogger(__name__)
-TRANSPORTS = ("auto", shm.NAME, tcp.NAME)
+TRANSPORTS = ("auto", shm.NAME, tcp.NAME, dist.NAME, cuda_ipc.NAME)
 
 
 class KVHandoff:
@@ -52,8 +53,11 @@ class KVHandoff:
         self.transport = transport
         self.host = host_id()
         self.senders: dict[str, KVSender] = {shm.NAME: shm.ShmSender(spec)}
+        if kv.device.type == "cuda":  # GPU pools of a decode worker on this node
+            self.senders[cuda_ipc.NAME] = cuda_ipc.CudaIpcSender(spec)
         if secret:
             self.senders[tcp.NAME] = tcp.TcpSender(secret)
+            self.senders[dist.NAME] = dist.DistSender(secret)
         self.targets: dict[str, KVTarget] = {}
         self.errors: dict[str, str] = {}  # request id -> why its transfer failed
         self.results: dict[str, str | None] = {}  # rank 0: finished requests -> error or None
@@ -86,11 +90,25 @@ class KVHandoff:
         )
         if same_host and self.transport in ("auto", shm.NAME):
             return shm.NAME
+        gpu_pools = pool.host == self.host and all(rank.cuda_ipc for rank in pool.ranks)
+        if (
+            gpu_pools
+            and cuda_ipc.NAME in self.senders
+            and self.transport in ("auto", cuda_ipc.NAME)
+        ):
+            return cuda_ipc.NAME
+        # auto takes it between GPU workers (NCCL); between CPU workers TCP moves the same
+        # bytes with less machinery, so there it is chosen by name only
+        on_gpu = self.kv.device.type == "cuda"
+        asked = self.transport == dist.NAME or (self.transport == "auto" and on_gpu)
+        if pool.dist and dist.NAME in self.senders and asked:
+            return dist.NAME
         if pool.tcp and tcp.NAME in self.senders and self.transport in ("auto", tcp.NAME):
             return tcp.NAME
         raise ValueError(
             f"no {self.transport} KV transport reaches the decode worker "
-            f"(same host: {same_host}, its TCP server: {pool.tcp or 'none'}; is a KV secret set?)"
+            f"(same host: {same_host}, its TCP server: {pool.tcp or 'none'}, its dist server: "
+            f"{pool.dist or 'none'}; is a KV secret set?)"
         )
 
     def add(self, request_id: str, page_ids, pool: KVPool | None, held: int = 0) -> None:

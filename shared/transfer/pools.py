@@ -19,12 +19,24 @@ class MappedPool:
     data: torch.Tensor  # its pool tensor (spec.pool_shape)
 
 
-def map_pools(spec: KVSpec, ranks: tuple[KVRankPool, ...]) -> list[MappedPool]:
-    """Maps each rank's pool file; `spec` is the whole model's."""
+def map_pools(
+    spec: KVSpec, ranks: tuple[KVRankPool, ...], own: dict[int, torch.Tensor] | None = None
+) -> list[MappedPool]:
+    """Maps each rank's pool: its file, or its GPU pool's CUDA IPC handle; `own`: rank -> the
+    pool tensor of a rank of this process (a process cannot open its own IPC handle). `spec`
+    is the whole model's."""
     pools = []
-    for desc in ranks:
+    for rank, desc in enumerate(ranks):
         local = spec.shard(tuple(desc.layers), tuple(desc.units))
-        pools.append(MappedPool(desc, local, map_pool(desc.shm, local)))
+        if own and rank in own:
+            data = own[rank]
+        elif desc.cuda_ipc:
+            from shared.transfer.cuda_ipc import open_pool  # CUDA only
+
+            data = open_pool(desc.cuda_ipc)
+        else:
+            data = map_pool(desc.shm, local)
+        pools.append(MappedPool(desc, local, data))
     return pools
 
 
@@ -36,7 +48,8 @@ def write_layer(spec: KVSpec, pools: list[MappedPool], kv: LayerKV) -> int:
         h0, h1 = max(kv.units[0], d0), min(kv.units[1], d1)
         if not l0 <= kv.layer < l1 or h0 >= h1:
             continue
-        part = spec.narrow(kv.payload, kv.layer, kv.units, (h0, h1))
-        pool.spec.write(pool.data, kv.layer - l0, kv.slots, (h0 - d0, h1 - d0), part)
+        part = spec.narrow(kv.payload, kv.layer, kv.units, (h0, h1)).to(pool.data.device)
+        slots = kv.slots.to(pool.data.device)  # another GPU's pool: a peer copy
+        pool.spec.write(pool.data, kv.layer - l0, slots, (h0 - d0, h1 - d0), part)
         written += 1
     return written

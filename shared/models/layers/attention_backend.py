@@ -8,7 +8,11 @@ whether the C kernels build) and hands it to every layer; another device adds a 
   and runs the decode rows over the pages in place (kernels/cpu/attention.py). Prefill
   chunks are torch's SDPA, and so are decode rows whose mask the kernel cannot express (a
   chunked layer whose chunks do not start pages). Its layers may also run whole decode steps
-  in one C call (decode_layer.py) when they all attend alike."""
+  in one C call (decode_layer.py) when they all attend alike.
+- CudaBackend: the CUDA kernels (kernels/cuda/, cupy): the K/V write into page slots and the
+  decode rows over their pages (flash decoding); prefill chunks are torch's SDPA (flash
+  attention on a GPU). Its launches read everything from device memory, so decode steps
+  replay from CUDA graphs (shared/engine/graphs.py)."""
 
 from abc import ABC, abstractmethod
 from typing import ClassVar
@@ -17,11 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import attention as cpu_attention
+from kernels.cuda import attention as cuda_attention
+from kernels.cuda import kv_pages
+from kernels.cuda import runtime as cuda
 from shared.errors import InvalidRequestError
 from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
 
-AUTO, CPU_KERNELS, TORCH = "auto", "cpu_kernels", "torch"
-BACKENDS = (AUTO, CPU_KERNELS, TORCH)  # EngineConfig.attention_backend
+AUTO, CPU_KERNELS, CUDA, TORCH = "auto", "cpu_kernels", "cuda", "torch"
+BACKENDS = (AUTO, CPU_KERNELS, CUDA, TORCH)  # EngineConfig.attention_backend
 
 
 class AttentionBackend(ABC):
@@ -150,17 +157,52 @@ class CpuKernelBackend(AttentionBackend):
         return self.reference.prefill(q, kv_layer, span, scale)
 
 
+class CudaBackend(AttentionBackend):
+    name = CUDA
+
+    def __init__(self) -> None:
+        self.reference = TorchBackend()  # prefill chunks (SDPA)
+
+    def write_and_decode(self, q, k, v, kv_layer, meta, scale, out):
+        kv_pages.write_kv(k, v, kv_layer, meta.slot_mapping)
+        d = meta.decode
+        if d is None:
+            return out
+        rows = (q if d.rows is None else q[d.rows]).contiguous()  # (B, nh, hd)
+        decoded = cuda_attention.paged_decode(
+            rows, kv_layer, d.block_table, d.context_lens, scale, d.window, d.first_key
+        )  # (B, nh, hd)
+        if d.rows is None:
+            return decoded
+        out[d.rows] = decoded
+        return out
+
+    def prefill(self, q, kv_layer, span, scale):
+        return self.reference.prefill(q, kv_layer, span, scale)
+
+
 def select_backend(
     device: torch.device | str, dtype: torch.dtype, name: str = AUTO
 ) -> AttentionBackend:
     """The engine's backend. auto: the C kernels where they run (CPU, float32 or bfloat16,
-    a C compiler to build them), else torch; torch: always torch (tests, debugging);
-    cpu_kernels: the C kernels, or InvalidRequestError where they cannot run."""
+    a C compiler to build them), the CUDA kernels on a GPU where cupy imports, else torch;
+    torch: always torch (tests, debugging); cpu_kernels, cuda: those kernels, or
+    InvalidRequestError where they cannot run."""
     if name not in BACKENDS:
         raise InvalidRequestError("attention_backend", f"must be one of {', '.join(BACKENDS)}")
     if name == TORCH:
         return TorchBackend()
-    if torch.device(device).type == "cpu" and cpu_attention.usable(torch.empty(0, dtype=dtype)):
+    kind = torch.device(device).type
+    if name == CUDA or (name == AUTO and kind == "cuda"):
+        if cuda.usable(torch.empty(0, dtype=dtype, device=torch.device(device))):
+            return CudaBackend()
+    if name == CUDA:
+        raise InvalidRequestError(
+            "attention_backend",
+            f"the CUDA kernels do not run for {dtype} on {device} (a GPU, float32 or "
+            "bfloat16, cupy)",
+        )
+    if kind == "cpu" and cpu_attention.usable(torch.empty(0, dtype=dtype)):
         return CpuKernelBackend()
     if name == CPU_KERNELS:
         raise InvalidRequestError(

@@ -6,6 +6,8 @@ from torch import nn
 
 from kernels.cpu import library
 from kernels.cpu.norm import rms_norm
+from kernels.cuda import norm as cuda_norm
+from kernels.cuda import runtime as cuda
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +19,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual); the sum may
         be written into residual's storage. x (T, [heads,] size); residual (T, size)."""
-        if library.usable(x):  # one pass, no dispatch per op
+        kernel = rms_norm if library.usable(x) else cuda_norm.rms_norm if cuda.usable(x) else None
+        if kernel is not None:  # one pass, no dispatch per op
             return (
-                rms_norm(x, self.weight, self.eps)
+                kernel(x, self.weight, self.eps)
                 if residual is None
-                else (rms_norm(x, self.weight, self.eps, residual), residual)
+                else (kernel(x, self.weight, self.eps, residual), residual)
             )
         if residual is not None:
             x = x + residual

@@ -8,6 +8,8 @@ from torch import nn
 
 from kernels.cpu import library
 from kernels.cpu.rope import rope
+from kernels.cuda import rope as cuda_rope
+from kernels.cuda import runtime as cuda
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -110,6 +112,8 @@ class RotaryEmbedding(nn.Module):
         self.check(positions)
         if library.usable(q):
             return rope(q, k, positions, self.cos, self.sin)
+        if cuda.usable(q):
+            return cuda_rope.rope(q, k, positions, self.cos, self.sin)
         if not self._cos_sin:
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         cos, sin = self._cos_sin  # (T, 1, hd) each
