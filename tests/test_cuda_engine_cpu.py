@@ -8,8 +8,8 @@ import pytest
 
 from kernels.cpu import library
 from kernels.cuda import runtime
-from kernels.cuda.attention import paged_decode
-from shared.models.layers import attention_backend
+from kernels.cuda.attention import mla_decode, paged_decode
+from shared.models.layers import attention_backend, latent_attention
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import assert_logprobs_match, new_engine, reference_getter, run_staggered
@@ -39,6 +39,18 @@ def reference(tiny_model_factory):
     return reference_getter(tiny_model_factory, LENGTHS, max_new_tokens=8)
 
 
+def count_mla_decodes(monkeypatch) -> list[int]:
+    """Rows each CUDA MLA decode launch took, from now on in the test."""
+    rows: list[int] = []
+
+    def counted(q_latent, *args, **kwargs):
+        rows.append(q_latent.shape[0])
+        return mla_decode(q_latent, *args, **kwargs)
+
+    monkeypatch.setattr(latent_attention.cuda_attention, "mla_decode", counted)
+    return rows
+
+
 def count_decodes(monkeypatch) -> list[int]:
     """Rows each CUDA decode-attention launch took, from now on in the test."""
     rows: list[int] = []
@@ -51,21 +63,27 @@ def count_decodes(monkeypatch) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("graphs", ["on", "off"])
-def test_the_gpu_path_equals_transformers(host, reference, monkeypatch, graphs):
-    model_dir, prompts, refs, logits = reference("llama")
+@pytest.mark.parametrize(
+    "family,graphs", [("llama", "on"), ("llama", "off"), ("deepseek_v3", "on")]
+)
+def test_the_gpu_path_equals_transformers(host, reference, monkeypatch, family, graphs):
+    """Dense GQA layers, and MLA ones (the latent write and absorbed decode kernels)."""
+    model_dir, prompts, refs, logits = reference(family)
     rows = count_decodes(monkeypatch)
+    mla_rows = count_mla_decodes(monkeypatch)
     engine = new_engine(
         model_dir, attention_backend="cuda", decode_graphs=graphs, max_num_seqs=4, num_pages=64
     )
     try:
-        layers = engine.model.model.layers
-        assert {layer.self_attn.attn.backend.name for layer in layers} == {"cuda"}
+        if family == "llama":
+            layers = engine.model.model.layers
+            assert {layer.self_attn.attn.backend.name for layer in layers} == {"cuda"}
         reqs = run_staggered(engine, prompts, PARAMS)
     finally:
         engine.close()
     for req, tokens, lg in zip(reqs, refs, logits):
         assert_logprobs_match(req, tokens[: len(req.output_token_ids)], lg[: len(tokens)])
-    assert rows  # the CUDA decode kernel ran (under graphs: at padded sizes, 1, 2, 4)
+    ran = rows if family == "llama" else mla_rows
+    assert ran  # the CUDA decode kernel ran (under graphs: at padded sizes, 1, 2, 4)
     if graphs == "on":
-        assert set(rows) <= {1, 2, 4}
+        assert set(ran) <= {1, 2, 4}

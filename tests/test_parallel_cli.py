@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.up.plan import UpConfig, plan
 
@@ -24,6 +25,33 @@ def test_up_gives_each_role_its_shape():
     assert (_flag(prefill, "--tp"), _flag(prefill, "--pp")) == ("2", "1")
     assert (_flag(decode, "--tp"), _flag(decode, "--pp")) == ("1", "2")
     assert "--allow-oversubscribe" in prefill and "--allow-oversubscribe" in decode
+
+
+def test_up_shares_the_gpus_among_its_workers():
+    """--device reaches every worker; on GPUs each takes its part of the memory share."""
+    cfg = UpConfig(model_dir=Path("m"), device="cuda", gpu_memory_utilization=0.8)
+    cfg = UpConfig(**{**cfg.__dict__, "enforce_eager": True})
+    for name in ("prefill-0", "decode-0"):
+        args = _worker_args(cfg, name)
+        assert _flag(args, "--device") == "cuda" and "--enforce-eager" in args
+        assert _flag(args, "--gpu-memory-utilization") == "0.4000"  # 0.8 over 2 workers
+    cpu = _worker_args(UpConfig(model_dir=Path("m"), device="cpu"), "decode-0")
+    assert _flag(cpu, "--device") == "cpu" and "--gpu-memory-utilization" not in cpu
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        UpConfig(model_dir=Path("m"), gpu_memory_utilization=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_generate_without_a_gpu_refuses_cuda_naming_the_flag(tiny_llama):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--model", str(tiny_llama)]
+        + ["--device", "cuda", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "device: cuda: torch sees no GPU" in proc.stderr
 
 
 def test_generate_with_a_bad_shape_names_the_flag(tiny_llama):

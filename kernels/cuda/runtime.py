@@ -80,12 +80,14 @@ def _cupy_args(cupy, args: Sequence) -> tuple:
 
 
 _backend: Backend | None = None
+_launchers: dict[tuple[str, str], Launch] = {}  # the current backend's, asked for once each
 
 
 def use_backend(backend: Backend | None) -> Backend | None:
     """Installs a backend (None: cupy's again); returns the one it replaces."""
     global _backend
     previous, _backend = _backend, backend
+    _launchers.clear()
     return previous
 
 
@@ -97,8 +99,12 @@ def _current() -> Backend:
 
 
 def function(source: str, name: str) -> Launch:
-    """Kernel `name` of kernels/cuda/`source`."""
-    return _current().function(HERE / source, name)
+    """Kernel `name` of kernels/cuda/`source` (looked up once: a decode step launches
+    hundreds of kernels outside CUDA graphs)."""
+    key = (source, name)
+    if key not in _launchers:
+        _launchers[key] = _current().function(HERE / source, name)
+    return _launchers[key]
 
 
 def usable(x: torch.Tensor) -> bool:

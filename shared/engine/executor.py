@@ -173,8 +173,9 @@ def stage_runner(
     masks = distinct_masks(layers)
     if not config.uses_graphs or hook is not None or isinstance(kv, SplitKVCache):
         return runner
-    if not DecodeGraphs.supports(masks):
-        log.info("decode graphs: off (chunked attention layers)")
+    why = DecodeGraphs.unsupported(model, masks, capture=kv.device.type == "cuda")
+    if why is not None:
+        log.info("decode graphs: off (%s); decoding eagerly", why)
         return runner
     max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     hidden = None if stage.is_first else (cfg.hidden_size, kv.spec.dtype)

@@ -20,6 +20,7 @@ import torch
 
 from shared.models.layer_attention import CHUNKED, AttentionMask
 from shared.models.layers.attention import AttentionMetadata, DecodeRows, StepMetadata
+from shared.models.layers.moe import FusedMoE
 
 log = logging.getLogger(__name__)
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # batch sizes captured
@@ -72,10 +73,16 @@ class DecodeGraphs:
             self.residual = torch.zeros(most, size, dtype=dtype, device=device)
         self._graphs: dict[int, tuple[object, tuple]] = {}  # size -> (graph, its outputs)
 
-    @classmethod
-    def supports(cls, masks: list[AttentionMask]) -> bool:
-        """Chunked layers read from their chunk's page on: their tables differ row by row."""
-        return all(mask.kind != CHUNKED for mask in masks)
+    @staticmethod
+    def unsupported(model: torch.nn.Module, masks: list[AttentionMask], capture: bool):
+        """Why a stage's decode steps cannot run here, or None: chunked layers read from their
+        chunk's page on (their tables differ row by row); MoE layers group the rows by expert
+        on the host, a sync no capture can hold (the CPU's static buffers take them)."""
+        if any(mask.kind == CHUNKED for mask in masks):
+            return "chunked attention layers"
+        if capture and any(isinstance(m, FusedMoE) for m in model.modules()):
+            return "MoE layers group rows by expert on the host"
+        return None
 
     def fits(self, out) -> bool:
         """Whether a step runs here: decode rows only (one token each), few enough."""

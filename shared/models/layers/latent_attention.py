@@ -10,13 +10,17 @@ use the absorbed form, which reads only the latent pages (memory-bound):
     sum_j p_j W_UV c_j = W_UV sum_j p_j c_j W_UV applies once, after attention,
 so decoding is multi-query attention with one (R + Dr)-dim key and one R-dim value a token.
 
-Plain torch on any device; the heads are split across tensor-parallel ranks (q, kv_b_proj, o),
-the latent cache is whole on every rank."""
+Plain torch on any device, but for the CUDA kernels of the latent write and the absorbed decode
+on a GPU (kernels/cuda/kv_pages.py, attention.py); the heads are split across tensor-parallel
+ranks (q, kv_b_proj, o), the latent cache is whole on every rank."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cuda import attention as cuda_attention
+from kernels.cuda import kv_pages
+from kernels.cuda import runtime as cuda
 from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
 from shared.models.layers.linear import _copy
 from shared.parallel.group import SINGLE, TPGroup
@@ -75,8 +79,11 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         """q (T, nh, Dn + Dr) (its RoPE part rotated), latent (T, R), k_rope (T, Dr) rotated,
         kv_layer (P, S, R + Dr) -> (T, nh, Dv)."""
-        entries = kv_layer.view(-1, self.rank + self.rope_dim)  # (P * S, R + Dr)
-        entries.index_copy_(0, meta.slot_mapping, torch.cat([latent, k_rope], dim=-1))
+        if cuda.usable(kv_layer):  # one launch, no concatenated copy
+            kv_pages.write_latent(latent, k_rope, kv_layer, meta.slot_mapping)
+        else:
+            entries = kv_layer.view(-1, self.rank + self.rope_dim)  # (P * S, R + Dr)
+            entries.index_copy_(0, meta.slot_mapping, torch.cat([latent, k_rope], dim=-1))
         d = meta.decode
         if d is not None and d.rows is None:  # every row decodes
             return self._decode(q, kv_layer, d, up)
@@ -90,6 +97,8 @@ class LatentAttention(nn.Module):
     def _decode(self, q, kv_layer, d: DecodeRows, up: LatentUpProjection) -> torch.Tensor:
         """q (B, nh, Dn + Dr), one query a row, over its pages -> (B, nh, Dv)."""
         B = q.shape[0]
+        if self.absorb and cuda.usable(q):
+            return self._decode_kernel(q, kv_layer, d, up)
         entries = kv_layer.index_select(0, d.block_table.flatten().long()).view(
             B, -1, kv_layer.shape[-1]
         )
@@ -103,6 +112,23 @@ class LatentAttention(nn.Module):
         scores = scores.masked_fill(~d.mask[:, 0], -torch.inf)  # mask (B, 1, L)
         probs = scores.softmax(dim=-1).to(q.dtype)
         o_latent = torch.bmm(probs, entries[..., : self.rank])  # (B, nh, R)
+        out = torch.bmm(o_latent.transpose(0, 1), w[:, self.nope_dim :].transpose(1, 2))
+        return out.transpose(0, 1)  # (B, nh, Dv)
+
+    def _decode_kernel(self, q, kv_layer, d: DecodeRows, up: LatentUpProjection):
+        """_decode's absorbed attention on the CUDA kernel (kernels/cuda/attention.py), which
+        reads each latent row once for a block of heads: q (B, nh, Dn + Dr) -> (B, nh, Dv)."""
+        w = up.heads  # (nh, Dn + Dv, R)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope_dim])  # (nh, B, R)
+        o_latent = cuda_attention.mla_decode(
+            q_latent.transpose(0, 1).contiguous(),  # (B, nh, R)
+            q_rope.contiguous(),  # (B, nh, Dr)
+            kv_layer,
+            d.block_table,
+            d.context_lens,
+            self.scale,
+        )  # (B, nh, R)
         out = torch.bmm(o_latent.transpose(0, 1), w[:, self.nope_dim :].transpose(1, 2))
         return out.transpose(0, 1)  # (B, nh, Dv)
 
