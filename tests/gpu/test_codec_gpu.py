@@ -7,20 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu.gpu_ready import gpu_ready
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_ready() -> bool:
-    try:
-        import cupy
-
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # cupy missing or no driver: nothing to test here
-        return False
-
-
-if not _gpu_ready():
+if not gpu_ready():
     pytest.skip("needs cupy and a CUDA device", allow_module_level=True)
 
 _spec = importlib.util.spec_from_file_location(

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from gpu import attention_cases as cases
+from gpu.gpu_ready import gpu_ready
 
 from kernels.cuda import attention
 
@@ -18,16 +19,7 @@ pytestmark = pytest.mark.gpu
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def _gpu_ready() -> bool:
-    try:
-        import cupy
-
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # cupy missing or no driver: nothing to test here
-        return False
-
-
-if not _gpu_ready():
+if not gpu_ready():
     pytest.skip("needs cupy and a CUDA device", allow_module_level=True)
 
 # (contexts, nh, nkv, hd, partition_size), as the CPU test's, then real models' shapes with

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gpu import cuda_cases as cases
+from gpu.gpu_ready import gpu_ready
 
 from kernels.cuda import activation, kv_pages, runtime
 
@@ -16,16 +17,7 @@ BF16 = torch.bfloat16
 DTYPES = (torch.float32, BF16)
 
 
-def _gpu_ready() -> bool:
-    try:
-        import cupy
-
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # cupy missing or no driver: nothing to test here
-        return False
-
-
-if not _gpu_ready():
+if not gpu_ready():
     pytest.skip("needs cupy and a CUDA device", allow_module_level=True)
 
 
