@@ -31,7 +31,7 @@ from shared.parallel.group import SINGLE
 from shared.parallel.pipeline import WHOLE_MODEL
 from shared.sampling.sampler import SamplerOutput
 from shared.sampling.token_mask import TokenMasks
-from shared.transfer import cuda_ipc
+from shared.transfer import ipc_handles
 from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,8 @@ def _run(runner: ModelRunner, out: SchedulerOutput, masks: Masks = None) -> Step
 
 
 def pool_handle(data) -> bytes:
-    """A GPU pool's CUDA IPC handle (transfer/cuda_ipc.py); b"" for a CPU pool."""
-    return cuda_ipc.export_pool(data) if data.device.type == "cuda" else b""
+    """A GPU pool's CUDA IPC handle (transfer/ipc_handles.py); b"" for a CPU pool."""
+    return ipc_handles.export_pool(data) if data.device.type == "cuda" else b""
 
 
 def rank_handoff(config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int) -> KVHandoff | None:

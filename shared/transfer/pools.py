@@ -10,6 +10,7 @@ from shared.kv.cache import map_pool
 from shared.kv.spec import KVSpec
 from shared.protocol import KVRankPool
 from shared.transfer.base import LayerKV
+from shared.transfer.ipc_handles import open_pool
 
 
 @dataclass
@@ -31,8 +32,6 @@ def map_pools(
         if own and rank in own:
             data = own[rank]
         elif desc.cuda_ipc:
-            from shared.transfer.cuda_ipc import open_pool  # CUDA only
-
             data = open_pool(desc.cuda_ipc)
         else:
             data = map_pool(desc.shm, local)

@@ -57,7 +57,7 @@ def decode_side(blob_path: Path) -> None:
     prints the checksum of the prompt's slots, layer by layer, and exits."""
     import torch
 
-    from shared.transfer.cuda_ipc import export_pool
+    from shared.transfer.ipc_handles import export_pool
 
     kv = spec()
     data = torch.zeros(kv.pool_shape(NUM_PAGES), dtype=kv.dtype, device="cuda")
@@ -153,7 +153,7 @@ def sender(kv, blob: bytes, use_sender: bool):
     import torch
 
     from shared.protocol import KVPool, KVRankPool
-    from shared.transfer import cuda_ipc
+    from shared.transfer import cuda_ipc, ipc_handles
     from shared.transfer.base import KVTarget, host_id
     from shared.transfer.pools import MappedPool, write_layer
 
@@ -164,7 +164,7 @@ def sender(kv, blob: bytes, use_sender: bool):
         target = KVTarget("r", tuple(range(NUM_PAGES)), pool, cuda_ipc.NAME)
         s = cuda_ipc.CudaIpcSender(kv)
         return (lambda layer: s.send_layer(target, layer)), (lambda: s.finish(target)), "sender"
-    pools = [MappedPool(KVRankPool((0, LAYERS), units, ""), kv, cuda_ipc.open_pool(blob))]
+    pools = [MappedPool(KVRankPool((0, LAYERS), units, ""), kv, ipc_handles.open_pool(blob))]
     stream = torch.cuda.Stream()
 
     def send(layer) -> None:
