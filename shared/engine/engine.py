@@ -405,7 +405,7 @@ def _pages_for_memory(config: EngineConfig, cfg: ModelConfig, dtype) -> int | No
     if pages < 1:
         raise InvalidRequestError(
             field,
-            f"{memory} bytes leave no KV page: a rank's weights take {heaviest} "
+            f"{memory} leaves no KV page: a rank's weights take {heaviest} "
             f"bytes and the reserve {reserve}",
         )
     log.info(
