@@ -16,8 +16,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    """--device/--gpu-memory-utilization/--enforce-eager, shared by every command that runs a
-    model (EngineConfig's device, gpu_memory_utilization and decode_graphs)."""
+    """--device/--gpu-memory-utilization/--enforce-eager/--resident-codec, shared by every
+    command that runs a model (EngineConfig's device, gpu_memory_utilization, decode_graphs and
+    resident_codec)."""
     parser.add_argument(
         "--device", default="auto",
         help="cpu, cuda (rank r on the r-th visible GPU), cuda:N, or auto (cuda where torch "
@@ -30,6 +31,11 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="decode without CUDA graphs (debugging)"
     )
+    parser.add_argument(
+        "--resident-codec", action="store_true",
+        help="a compressed folder's layer weights stay compressed on the device, each layer's "
+        "decoded just before it runs (one rank; eager decode steps)",
+    )  # fmt: skip
 
 
 def device_options(args: argparse.Namespace) -> dict:
@@ -38,6 +44,7 @@ def device_options(args: argparse.Namespace) -> dict:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         decode_graphs="off" if args.enforce_eager else "auto",
+        resident_codec=args.resident_codec,
     )
 
 

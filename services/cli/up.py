@@ -123,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
             device=args.device,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
+            resident_codec=args.resident_codec,
             host=args.host,
             port=args.port,
             prefill_workers=args.prefill_workers,

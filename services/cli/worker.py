@@ -110,6 +110,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        resident_codec=args.resident_codec,
         nats_url=args.nats_url,
         nats=nats_client.NatsClientOptions.from_args(args),
         worker_id=args.worker_id,

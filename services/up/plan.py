@@ -18,6 +18,7 @@ class UpConfig:
     # (every worker's rank r on GPU r), so each worker gets its part of it
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # every worker: decode without CUDA graphs
+    resident_codec: bool = False  # every worker: layer weights stay compressed on the device
     host: str = "127.0.0.1"
     port: int = 8000
     prefill_workers: int = 1
@@ -95,6 +96,8 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
         worker += ["--gpu-memory-utilization", f"{share:.4f}"]
     if cfg.enforce_eager:
         worker.append("--enforce-eager")
+    if cfg.resident_codec:
+        worker.append("--resident-codec")
     if cfg.kv_cache_bytes:
         worker += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]
     if cfg.threads:

@@ -39,6 +39,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) 
         device=config.device,
         gpu_memory_utilization=config.gpu_memory_utilization,
         decode_graphs="off" if config.enforce_eager else "auto",
+        resident_codec=config.resident_codec,
         page_size=config.page_size,
         kv_cache_bytes=config.kv_cache_bytes,
         memory_bytes=config.memory_bytes,

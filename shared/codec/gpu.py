@@ -32,17 +32,23 @@ def plan(encoded: EncodedTensor) -> LaunchPlan:
     )  # fmt: skip
 
 
-def decode_on_device(encoded: EncodedTensor) -> torch.Tensor:
+def decode_on_device(
+    encoded: EncodedTensor, out: torch.Tensor | None = None, launch: LaunchPlan | None = None
+) -> torch.Tensor:
     """Decodes a tensor whose planes live on a CUDA device, on that device, on torch's
-    current stream. Raises ModelFolderError if the stream contradicts its block index."""
+    current stream, into `out` (contiguous, the tensor's shape and dtype, on that device; a
+    new tensor if None). launch: plan(encoded), made once by a caller that decodes the same
+    planes again and again (its code table is read on the host). Raises ModelFolderError if
+    the stream contradicts its block index."""
     if encoded.planes is None:
-        return encoded.data
+        return encoded.data if out is None else out.copy_(encoded.data)
     device = encoded.planes.stream.device
     if device.type != "cuda":
         raise ValueError(f"{encoded.name}: planes are on {device}, not on a CUDA device")
-    out = torch.empty(encoded.shape, dtype=encoded.dtype, device=device)
+    if out is None:
+        out = torch.empty(encoded.shape, dtype=encoded.dtype, device=device)
     out_bits = out.view(LAYOUTS[encoded.dtype].int_dtype)  # cupy has no bfloat16 / fp8
-    if not decode(plan(encoded), encoded.planes, out_bits):
+    if not decode(launch or plan(encoded), encoded.planes, out_bits):
         raise ModelFolderError(
             encoded.source, f"tensor {encoded.name!r}: code stream does not match its block index"
         )

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from shared.codec.checkpoint import is_compressed_dir
 from shared.engine import device as devices
 from shared.errors import InvalidRequestError
 from shared.models.layers.attention_backend import BACKENDS
@@ -70,6 +71,11 @@ class EngineConfig:
     # a request computes only its uncached suffix. Not with capped chunked layers (their
     # early chunks' KV is gone)
     enable_prefix_caching: bool = True
+    # a compressed folder's (tison compress) decoder-layer linear weights stay encoded on the
+    # device and are decoded into shared scratch just before each layer runs
+    # (shared/models/resident.py): weights take ~their compressed size plus one layer's.
+    # One rank; decode steps run eagerly (no decode graphs)
+    resident_codec: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -122,11 +128,32 @@ class EngineConfig:
                 "a capped chunked-layer pool is built for single-rank engines without a KV "
                 "handoff only (tp = pp = 1, no kv_push, no kv_shm_path)",
             )
+        if self.resident_codec:
+            self._check_resident_codec()
         if self.cpus and len(self.cpus) < self.parallel.world_size and not self.allow_oversubscribe:
             raise InvalidRequestError(
                 "cpus",
                 f"{len(self.cpus)} CPUs for {self.parallel.world_size} ranks "
                 "(one core per rank at least, or allow_oversubscribe)",
+            )
+
+    def _check_resident_codec(self) -> None:
+        """InvalidRequestError naming what resident_codec cannot run with."""
+        if self.parallel.world_size != 1:
+            raise InvalidRequestError(
+                "resident_codec", f"one rank only (tp = pp = 1); got tp={self.tp}, pp={self.pp}"
+            )
+        if self.decode_graphs == "on":
+            raise InvalidRequestError(
+                "decode_graphs",
+                "resident_codec plans each layer's decode on the host: decode steps run eagerly "
+                "(decode_graphs auto or off)",
+            )
+        if self.weights_peer:
+            raise InvalidRequestError("weights_peer", "resident_codec reads the planes from disk")
+        if not is_compressed_dir(self.model_dir):
+            raise InvalidRequestError(
+                "resident_codec", f"{self.model_dir} is not a compressed folder (tison compress)"
             )
 
     @property
@@ -149,6 +176,8 @@ class EngineConfig:
     @property
     def uses_graphs(self) -> bool:
         """Whether decode steps replay captured graphs (static buffers on the CPU)."""
+        if self.resident_codec:  # the weights' decode is planned on the host, layer by layer
+            return False
         return self.decode_graphs == "on" or (self.decode_graphs == "auto" and self.on_gpu)
 
     @property

@@ -91,7 +91,9 @@ def build_shard(
             read_timeout_s=config.weights_timeout_s,
             sliced=tp.size > 1,
         )
-    model = load_model(config.model_dir, cfg, dtype, tp, stage, device, attention, weights)
+    model = load_model(
+        config.model_dir, cfg, dtype, tp, stage, device, attention, weights, config.resident_codec
+    )
     loaded = time.perf_counter()
     source = f"from {weights.source}" if weights is not None else "from disk"
     log.info(

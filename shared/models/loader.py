@@ -13,6 +13,7 @@ from shared.models.layers.linear import default_weight_loader
 from shared.models.packing import prepare_cpu_linears
 from shared.models.quant import open_checkpoint
 from shared.models.registry import model_class
+from shared.models.resident import ResidentWeights
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 
@@ -30,6 +31,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attention: AttentionBackend | None = None,  # None: the model's default for the CPU
     weights=None,  # a checkpoint to read instead of the folder's (shared/peer's PeerCheckpoint)
+    resident_codec: bool = False,  # the layers' linear weights stay encoded (models/resident.py)
 ) -> nn.Module:
     """The model's parameters and buffers are made on `device`; the checkpoint's tensors are
     copied there as they are read. `weights` is closed once loaded, as the folder's is."""
@@ -38,8 +40,16 @@ def load_model(
     with device:  # the default device of every tensor the layers make
         model = cls(cfg, dtype=dtype, tp=tp, stage=stage, attention=attention)
     checkpoint = open_checkpoint(model_dir, cfg.raw, weights)  # dequantizes quantized linears
+    source = str(model_dir)
     try:
-        load_weights(model, checkpoint, stage, str(model_dir), whole=tp.size == 1)
+        resident = None
+        if resident_codec:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            targets = _targets(model, checkpoint.names(), params, stage, source)
+            resident = ResidentWeights(model, checkpoint, targets)
+        load_weights(model, checkpoint, stage, source, whole=tp.size == 1)
+        if resident is not None:
+            resident.attach(model, checkpoint)
     finally:
         checkpoint.close()
     if dtype == torch.bfloat16 and device.type == "cpu":

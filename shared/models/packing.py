@@ -28,7 +28,7 @@ def prepare_cpu_linears(model: nn.Module) -> None:
             continue
         if kernels and linear_fits(module.weight):
             module.c_linear = True
-        elif onednn and (isinstance(module, LinearBase) or not tied):
+        elif onednn and (isinstance(module, LinearBase) or not tied) and not resident(module):
             module.packed = cpu_linear.PackedLinear(
                 module.weight.data, getattr(module, "bias", None)
             )
@@ -38,3 +38,9 @@ def prepare_cpu_linears(model: nn.Module) -> None:
     for module in model.modules():  # decoder stacks whose linears all take the C linear
         if hasattr(module, "prepare_fused_decode"):
             module.prepare_fused_decode()
+
+
+def resident(module: nn.Module) -> bool:
+    """Whether the module's weight stays encoded (models/resident.py): it is decoded anew into
+    shared scratch before each use, so no packed copy of it could stay right."""
+    return getattr(module.weight, "resident", False)
