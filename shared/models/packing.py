@@ -10,7 +10,7 @@ from torch import nn
 
 from kernels.cpu import library
 from kernels.cpu.linear import linear_fits
-from shared.models.layers import cpu_linear
+from shared.models.layers import cpu_linear, fp8_weights
 from shared.models.layers.embedding import ParallelLMHead
 from shared.models.layers.linear import LinearBase
 from shared.models.layers.moe import FusedMoE
@@ -24,8 +24,8 @@ def prepare_cpu_linears(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FusedMoE):
             module.c_linear = kernels and linear_fits(module.w13[0]) and linear_fits(module.w2[0])
-        if not isinstance(module, (LinearBase, ParallelLMHead)):
-            continue
+        if not isinstance(module, (LinearBase, ParallelLMHead)) or fp8_weights.keeps(module):
+            continue  # (FP8 bytes on a CPU: only the tests' emulated GPU path)
         if kernels and linear_fits(module.weight):
             module.c_linear = True
         elif onednn and (isinstance(module, LinearBase) or not tied) and not resident(module):

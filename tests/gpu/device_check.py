@@ -21,6 +21,7 @@ GPU (--jobs), the timings alone after them:
   kv_copy    ~15 s  GPU only: KV pages over cuda_ipc between two processes, GB/s (target:
                     >= 100 GB/s), byte-exact
   attention  ~15 s  GPU only: paged attention kernels' GB/s (test_cuda_attention.measure)
+  fp8_linear ~10 s  GPU only: FP8 block-scaled linear's weight GB/s vs bf16 cuBLAS, M 1/8/32
 (handoff also records a long prompt's KV rate as the prefill worker counts it.)
 
 Each check runs in a process of its own under its budget; one that fails, raises or runs out
@@ -77,6 +78,7 @@ CHECKS = {
     "codec": Check("device_timings:codec", 60, 0, gpu_only=True, timing=True),
     "kv_copy": Check("device_kv_copy:kv_copy", 45, 0, gpu_only=True, timing=True),
     "attention": Check("device_timings:attention", 40, 0, gpu_only=True, timing=True),
+    "fp8_linear": Check("device_timings:fp8_linear", 30, 0, gpu_only=True, timing=True),
 }
 
 

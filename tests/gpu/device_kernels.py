@@ -14,6 +14,7 @@ HOST_EMULATED = [  # the CPU equivalents of tests/gpu
     "tests/test_codec_kernel_cpu.py",
     "tests/test_cuda_compile.py",
     "tests/test_cuda_engine_cpu.py",  # the engine on those kernels, emulated: its GPU path
+    "tests/test_cuda_fp8_cpu.py",  # FP8 linears: the kernel, and an FP8 checkpoint's engine
 ]
 
 

@@ -185,17 +185,26 @@ def codec(ctx: Context) -> Iterator[dict]:
 
 
 def attention(ctx: Context) -> Iterator[dict]:
-    if not (GPU_TESTS / "test_cuda_attention.py").exists():
-        raise Skip("tests/gpu/test_cuda_attention.py is not there yet")
+    yield from _kernel_rates("attention", "test_cuda_attention")
+
+
+def fp8_linear(ctx: Context) -> Iterator[dict]:
+    yield from _kernel_rates("fp8_linear", "test_cuda_fp8")
+
+
+def _kernel_rates(what: str, test_module: str) -> Iterator[dict]:
+    """The records of tests/gpu/<test_module>.py's measure(): one a case, then a summary."""
+    if not (GPU_TESTS / f"{test_module}.py").exists():
+        raise Skip(f"tests/gpu/{test_module}.py is not there yet")
     try:  # imported as its docstring says: tests/ on the path, `gpu` a namespace package
-        module = importlib.import_module("gpu.test_cuda_attention")
+        module = importlib.import_module(f"gpu.{test_module}")
     except BaseException as e:  # its module-level pytest.skip (no cupy, no GPU)
         if type(e).__name__ == "Skipped":
-            raise Skip(f"test_cuda_attention skipped itself: {e}") from None
+            raise Skip(f"{test_module} skipped itself: {e}") from None
         raise
     measure = getattr(module, "measure", None)
     if measure is None:
-        raise Skip("tests/gpu/test_cuda_attention.py has no measure() yet")
+        raise Skip(f"tests/gpu/{test_module}.py has no measure() yet")
     result = measure()  # {"gqa/b1": {"gb_per_s": ..., "eager_gb_per_s": ...}, ...}
     if not isinstance(result, dict) or not all(isinstance(v, dict) for v in result.values()):
         result = {"all": result if isinstance(result, dict) else {"gb_per_s": result}}
@@ -204,5 +213,5 @@ def attention(ctx: Context) -> Iterator[dict]:
         rate = values.get("gb_per_s")
         if isinstance(rate, (int, float)):
             rates.append(f"{case} {rate:.0f}")
-        yield {"measure": "attention", "case": case, **values}
-    yield {"measure": "attention", "summary": "GB/s: " + ", ".join(rates)}
+        yield {"measure": what, "case": case, **values}
+    yield {"measure": what, "summary": "GB/s: " + ", ".join(rates)}

@@ -8,11 +8,14 @@ import torch
 from torch import nn
 
 from shared.checkpoint import materialize
+from shared.models.layers import fp8_weights
 from shared.models.layers.cpu_linear import linear
 from shared.parallel.group import SINGLE, TPGroup
 
 
 class LinearBase(nn.Module):
+    fp8_block: tuple[int, int] | None = None  # set where the weight stays FP8 (fp8_weights.py)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(
@@ -25,10 +28,27 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            return fp8_weights.forward(self, x)
         return linear(self, x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy(param.data, loaded)
+        self._place(param, loaded)
+
+    def _place(self, param, loaded, dim=0, start=0, length=None, offset=0) -> None:
+        """param's rows from offset <- loaded.narrow(dim, start, length) (length None: loaded
+        whole). The weight of an FP8 checkpoint on a GPU is placed as stored instead."""
+        if param is self.weight and fp8_weights.place(self, loaded, dim, start, length, offset):
+            return
+        if length is None:
+            _copy(param.data, loaded)
+        elif dim == 0:
+            _copy(param.data.narrow(0, offset, length), loaded.narrow(0, start, length))
+        else:
+            _copy(param.data, loaded.narrow(dim, start, length))
 
 
 class ReplicatedLinear(LinearBase):
@@ -46,7 +66,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         rows = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp.rank * rows, rows))
+        self._place(param, loaded, 0, self.tp.rank * rows, rows)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -61,7 +81,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id=None):
         size = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+        self._place(param, loaded, 0, self.tp.rank * size, size, offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -94,7 +114,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, src_rank = kv_size, self.tp.rank // self.kv_replicas
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, src_rank * size, size))
+        self._place(param, loaded, 0, src_rank * size, size, offset)
 
 
 class RowParallelLinear(LinearBase):
@@ -119,10 +139,10 @@ class RowParallelLinear(LinearBase):
             _copy(param.data, bias if self.tp.rank == 0 else torch.zeros_like(bias))
             return
         cols = param.shape[1]
-        _copy(param.data, loaded.narrow(1, self.tp.rank * cols, cols))
+        self._place(param, loaded, 1, self.tp.rank * cols, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(self, x, self.weight, self.bias)
+        out = self._matmul(x)
         return self.tp.all_reduce(out) if self.reduce else out
 
 

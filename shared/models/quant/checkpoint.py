@@ -103,7 +103,7 @@ class Fp8Slice(_QuantizedSlice):
     of the weight and the scale blocks covering them."""
 
     def __init__(self, weight, scale_inv, block: tuple[int, int], error):
-        self._weight, self._scale_inv, self._block = weight, scale_inv, block
+        self._weight, self._scale_inv, self.block = weight, scale_inv, block
         self.shape = tuple(weight.shape)
         if len(self.shape) != 2 or weight.dtype != torch.float8_e4m3fn:
             raise error(f"expected a 2-D float8_e4m3fn weight, got {weight.dtype} {self.shape}")
@@ -114,12 +114,19 @@ class Fp8Slice(_QuantizedSlice):
                 f"float32 {blocks} (blocks of {block[0]}x{block[1]} over {self.shape})"
             )
 
-    def _read(self, dim: int, start: int, length: int) -> torch.Tensor:
-        first, count = _covering(start, length, self._block[dim])
-        origin = (start, 0) if dim == 0 else (0, start)
+    def stored(self, dim: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (dim 0) or columns (dim 1) start:start + length as stored: float8_e4m3fn and
+        the float32 scale blocks covering them (a GPU's FP8 linear keeps them so)."""
+        dim = dim % 2
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"rows/columns {start}:{start + length} outside shape {self.shape}")
+        first, count = _covering(start, length, self.block[dim])
         weight = materialize(self._weight.narrow(dim, start, length))
-        scale_inv = materialize(self._scale_inv.narrow(dim, first, count))
-        return fp8.dequantize(weight, scale_inv, self._block, origin)
+        return weight, materialize(self._scale_inv.narrow(dim, first, count))
+
+    def _read(self, dim: int, start: int, length: int) -> torch.Tensor:
+        origin = (start, 0) if dim == 0 else (0, start)
+        return fp8.dequantize(*self.stored(dim, start, length), self.block, origin)
 
 
 class Int4Slice(_QuantizedSlice):
