@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from gpu import fp8_cases as cases
+from gpu.gpu_testing import installed
 from gpu.host_runtime import HostBackend, compiler
 
 from kernels.cpu import library
@@ -35,9 +36,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def host_backend(tmp_path_factory):
-    previous = runtime.use_backend(HostBackend(tmp_path_factory.mktemp("cuda-host")))
-    yield
-    runtime.use_backend(previous)
+    with installed(HostBackend(tmp_path_factory.mktemp("cuda-host"))):
+        yield
 
 
 # --- the kernels against their references ---

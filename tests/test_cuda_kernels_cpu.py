@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gpu import cuda_cases as cases
+from gpu.gpu_testing import installed
 from gpu.host_runtime import HostBackend, compiler
 
 from kernels.cpu import library
@@ -25,9 +26,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def host_backend(tmp_path_factory):
-    previous = runtime.use_backend(HostBackend(tmp_path_factory.mktemp("cuda-host")))
-    yield
-    runtime.use_backend(previous)
+    with installed(HostBackend(tmp_path_factory.mktemp("cuda-host"))):
+        yield
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ naming the field."""
 
 import pytest
 import torch
-from gpu.gpu_ready import gpu_ready
+from gpu.gpu_testing import gpu_ready
 
 from shared.codec import CompressedCheckpoint, compress_dir, encode_tensor
 from shared.codec.resident import FixedDecode

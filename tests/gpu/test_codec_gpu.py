@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu.gpu_ready import gpu_ready
+from gpu.gpu_testing import gpu_ready
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from gpu import attention_cases as cases
-from gpu.gpu_ready import gpu_ready
+from gpu.gpu_testing import gpu_ready, graph_and_eager_ms
 
 from kernels.cuda import attention
 
@@ -107,30 +107,8 @@ def _measure_one(kind, batch, context, repeats, dtype, flush_bytes) -> dict:
         q_rope = torch.randn(batch, nh, rope, device=dev).to(dtype)
         scale = (128 + rope) ** -0.5
         calls = [(attention.mla_decode, (q_latent, q_rope, pool, t, lens, scale)) for t in tables]
-
-    def run():
-        for i in range(repeats):
-            fn, args = calls[i % copies]
-            fn(*args)
-
-    run()  # compiles, warms the allocator
-    eager_ms = _elapsed_ms(run) / repeats
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    graph_ms = _elapsed_ms(graph.replay) / repeats
+    graph_ms, eager_ms = graph_and_eager_ms(calls, repeats)
     return dict(
         batch=batch, context=context, kv_bytes=call_bytes, graph_ms=graph_ms, eager_ms=eager_ms,
         gb_per_s=call_bytes / graph_ms / 1e6, eager_gb_per_s=call_bytes / eager_ms / 1e6,
     )  # fmt: skip
-
-
-def _elapsed_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from gpu import fp8_cases as cases
-from gpu.gpu_ready import gpu_ready
+from gpu.gpu_testing import gpu_ready, graph_and_eager_ms, installed
 
 from kernels.cuda import fp8_linear as fp8
 from kernels.cuda import runtime
@@ -28,9 +28,8 @@ if not gpu_ready():
 
 @pytest.fixture(scope="module", autouse=True)
 def cupy_backend():
-    previous = runtime.use_backend(runtime.CupyBackend())
-    yield
-    runtime.use_backend(previous)
+    with installed(runtime.CupyBackend()):
+        yield
 
 
 SHAPES = {  # (N, K, block)
@@ -96,43 +95,15 @@ def _measure_one(M: int, shape, repeats: int, flush_bytes: int) -> dict:
     scales = torch.rand(copies, -(-N // 128), -(-K // 128), device=dev) * 1e-2
     x = torch.randn(M, K, device=dev).to(BF16)
     calls = [(fp8.fp8_linear, (x, weights[i], scales[i], block)) for i in range(copies)]
-    fp8_ms, eager_ms = _graph_and_eager_ms(calls, repeats)
+    fp8_ms, eager_ms = graph_and_eager_ms(calls, repeats)
     dense_copies = max(1, math.ceil(flush_bytes / (2 * N * K)))
     dense = [torch.randn(N, K, device=dev).to(BF16) for _ in range(min(dense_copies, copies))]
     linear = torch.nn.functional.linear
-    bf16_ms, _ = _graph_and_eager_ms([(linear, (x, w)) for w in dense], repeats)
+    bf16_ms, _ = graph_and_eager_ms([(linear, (x, w)) for w in dense], repeats)
     dequant = [(fp8.fp8_dequantize, (weights[i], scales[i], block)) for i in range(copies)]
-    dequant_ms, _ = _graph_and_eager_ms(dequant, repeats)
+    dequant_ms, _ = graph_and_eager_ms(dequant, repeats)
     return dict(
         rows=M, n=N, k=K, weight_bytes=N * K, graph_ms=fp8_ms, eager_ms=eager_ms,
         gb_per_s=N * K / fp8_ms / 1e6, eager_gb_per_s=N * K / eager_ms / 1e6,
         bf16_ms=bf16_ms, bf16_gb_per_s=2 * N * K / bf16_ms / 1e6, dequant_ms=dequant_ms,
     )  # fmt: skip
-
-
-def _graph_and_eager_ms(calls, repeats: int) -> tuple[float, float]:
-    """Milliseconds a call, from a CUDA graph of `repeats` calls and launched eagerly."""
-    repeats = max(repeats, len(calls))
-
-    def run():
-        for i in range(repeats):
-            fn, args = calls[i % len(calls)]
-            fn(*args)
-
-    run()  # compiles, warms the allocator
-    eager_ms = _elapsed_ms(run) / repeats
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    return _elapsed_ms(graph.replay) / repeats, eager_ms
-
-
-def _elapsed_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gpu import cuda_cases as cases
-from gpu.gpu_ready import gpu_ready
+from gpu.gpu_testing import gpu_ready, installed
 
 from kernels.cuda import activation, kv_pages, runtime
 
@@ -23,9 +23,8 @@ if not gpu_ready():
 
 @pytest.fixture(scope="module", autouse=True)
 def cupy_backend():
-    previous = runtime.use_backend(runtime.CupyBackend())
-    yield
-    runtime.use_backend(previous)
+    with installed(runtime.CupyBackend()):
+        yield
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
