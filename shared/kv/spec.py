@@ -11,6 +11,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.cuda import kv_pages
+from kernels.cuda import runtime as cuda
+
 
 class KVSpec(ABC):
     num_layers: int  # layers whose KV this pool holds
@@ -162,9 +165,14 @@ class MHAKVSpec(KVSpec):
         return data.view(2, -1, *data.shape[3:])  # (2, P*S, nkv, hd)
 
     def read(self, pool, layer, slots, units):
+        if cuda.usable(pool):  # one launch: the pages' rows into one payload
+            return kv_pages.gather(pool[layer], slots.to(pool.device), units)
         return self._rows(pool, layer)[:, slots, units[0] : units[1]]  # (2, n, h, hd)
 
     def write(self, pool, layer, slots, units, payload):
+        if cuda.usable(pool):
+            kv_pages.scatter(pool[layer], slots.to(pool.device), payload.contiguous(), units)
+            return
         self._rows(pool, layer)[:, slots, units[0] : units[1]] = payload
 
     def payload_shape(self, layer, num_tokens, units):
@@ -222,9 +230,14 @@ class MLAKVSpec(KVSpec):
         return replace(self, num_layers=layers[1] - layers[0])
 
     def read(self, pool, layer, slots, units):
+        if cuda.usable(pool):
+            return kv_pages.gather(pool[layer], slots.to(pool.device))
         return pool[layer].view(-1, self.entry_dim)[slots]  # (n, latent + rope)
 
     def write(self, pool, layer, slots, units, payload):
+        if cuda.usable(pool):
+            kv_pages.scatter(pool[layer], slots.to(pool.device), payload.contiguous())
+            return
         pool[layer].view(-1, self.entry_dim)[slots] = payload
 
     def payload_shape(self, layer, num_tokens, units):
