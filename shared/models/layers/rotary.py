@@ -103,7 +103,7 @@ class RotaryEmbedding(nn.Module):
         """Raises if a position is beyond the tables (the C kernels read them unchecked). Every
         layer of a step shares one check (and one table lookup). Not while a CUDA graph is
         captured (a host sync; the engine's max_model_len bounds the positions anyway)."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
             return
         if positions is not self._positions:
             self._positions = positions
