@@ -77,9 +77,10 @@ def test_each_rank_takes_its_own_gpu(tmp_path, monkeypatch):
     ]
     assert config.on_gpu and config.uses_graphs
     assert not EngineConfig(tmp_path, device="cuda", decode_graphs="off").uses_graphs
-    with pytest.raises(InvalidRequestError, match="4 ranks need a GPU each; torch sees 2"):
+    with pytest.raises(InvalidRequestError, match="4 rank.s. need a GPU each from GPU 0 on; torch"):
         EngineConfig(tmp_path, device="cuda", tp=4, allow_oversubscribe=True).rank_device(3)
-    with pytest.raises(InvalidRequestError, match="names one GPU for 2 ranks"):
+    assert EngineConfig(tmp_path, device="cuda:1").rank_device(0) == torch.device("cuda", 1)
+    with pytest.raises(InvalidRequestError, match="cuda:1: 2 rank.s. need a GPU each from GPU 1"):
         EngineConfig(tmp_path, device="cuda:1", tp=2, allow_oversubscribe=True).rank_device(0)
     with pytest.raises(InvalidRequestError, match="cuda:2: torch sees 2 GPU"):
         EngineConfig(tmp_path, device="cuda:2")

@@ -37,6 +37,13 @@ def test_up_shares_the_gpus_among_its_workers():
         assert _flag(args, "--gpu-memory-utilization") == "0.4000"  # 0.8 over 2 workers
     cpu = _worker_args(UpConfig(model_dir=Path("m"), device="cpu"), "decode-0")
     assert _flag(cpu, "--device") == "cpu" and "--gpu-memory-utilization" not in cpu
+    # enough GPUs for a GPU a rank: each worker its own, from its first GPU on, all of its share
+    own = UpConfig(model_dir=Path("m"), device="cuda", gpus=3, decode_tp=2, cores=tuple(range(8)))
+    prefill, decode = _worker_args(own, "prefill-0"), _worker_args(own, "decode-0")
+    assert (_flag(prefill, "--device"), _flag(decode, "--device")) == ("cuda:0", "cuda:1")
+    assert _flag(decode, "--gpu-memory-utilization") == "0.9000"
+    too_few = UpConfig(model_dir=Path("m"), device="cuda", gpus=2, decode_tp=2, cores=own.cores)
+    assert _flag(_worker_args(too_few, "decode-0"), "--device") == "cuda"  # shared
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         UpConfig(model_dir=Path("m"), gpu_memory_utilization=0)
 

@@ -39,6 +39,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("up", help="run the whole service on this machine")
     add_model_options(p)
     add_device_options(p)
+    p.add_argument(
+        "--gpus", type=int, default=0,
+        help="GPUs the workers may use: with a GPU for every rank each worker gets its own, "
+        "else they share the visible ones (default 0: share)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill-workers", type=int, default=1)
@@ -121,6 +126,7 @@ def main(args: argparse.Namespace) -> int:
             model_dir=Path(resolve_model(args.model)),
             dtype=args.dtype,
             device=args.device,
+            gpus=args.gpus,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
             resident_codec=args.resident_codec,

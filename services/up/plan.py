@@ -14,9 +14,10 @@ class UpConfig:
     model_dir: Path
     dtype: str = "auto"
     device: str = "auto"  # every worker's --device
-    # on GPUs: the share of each GPU all workers take together; they share the visible GPUs
-    # (every worker's rank r on GPU r), so each worker gets its part of it
-    gpu_memory_utilization: float = 0.9
+    # GPUs the workers may use (0: unknown). Enough for a GPU a rank: each worker its own
+    # (--device cuda:FIRST), else they share the visible GPUs (each its part of the memory)
+    gpus: int = 0
+    gpu_memory_utilization: float = 0.9  # of each GPU, for the workers on it together
     enforce_eager: bool = False  # every worker: decode without CUDA graphs
     resident_codec: bool = False  # every worker: layer weights stay compressed on the device
     host: str = "127.0.0.1"
@@ -55,6 +56,8 @@ class UpConfig:
             raise ValueError(f"--batch-runners must be >= 0, got {self.batch_runners}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.gpus < 0:
+            raise ValueError(f"--gpus must be >= 0, got {self.gpus}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -90,10 +93,7 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
     """Scheduler first, workers next, gateway last (it answers /health once workers report)."""
     where = where or placement(cfg)
     model = ["--model", str(cfg.model_dir)]
-    worker = [*model, "--dtype", cfg.dtype, "--device", cfg.device, *cfg.worker_args]
-    if cfg.device != "cpu":
-        share = cfg.gpu_memory_utilization / len(where.workers)
-        worker += ["--gpu-memory-utilization", f"{share:.4f}"]
+    worker = [*model, "--dtype", cfg.dtype, *cfg.worker_args]
     if cfg.enforce_eager:
         worker.append("--enforce-eager")
     if cfg.resident_codec:
@@ -114,8 +114,9 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
     if cfg.batch_max_share is not None:
         scheduler += ("--batch-max-share", str(cfg.batch_max_share))
     children = [ChildSpec("scheduler", scheduler, where.services)]
-    for w in where.workers:
-        args = [w.role, *(prefill if w.role == "prefill" else decode)]
+    devices = worker_devices(cfg, where)
+    for w, device in zip(where.workers, devices):
+        args = [w.role, *(prefill if w.role == "prefill" else decode), *device]
         if w.cores:
             args += ["--cpus", format_cpulist(w.cores)]
         children.append(ChildSpec(w.name, tuple(args)))
@@ -126,6 +127,24 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
         gateway += ("--batch-runners", str(cfg.batch_runners))
     children.append(ChildSpec("gateway", gateway, where.services))
     return children
+
+
+def worker_devices(cfg: UpConfig, where: Placement) -> list[list[str]]:
+    """Each worker's device flags: GPUs of its own where cfg.gpus holds a GPU a rank (all
+    visible to all workers: CUDA IPC), else the visible GPUs shared, each worker its part of
+    the memory share."""
+    if cfg.device == "cpu":
+        return [["--device", "cpu"] for _ in where.workers]
+    ranks = [
+        cfg.prefill_tp * cfg.prefill_pp if w.role == "prefill" else cfg.decode_tp * cfg.decode_pp
+        for w in where.workers
+    ]
+    if cfg.gpus and sum(ranks) <= cfg.gpus:
+        use = f"{cfg.gpu_memory_utilization:.4f}"
+        firsts = [sum(ranks[:i]) for i in range(len(ranks))]
+        return [["--device", f"cuda:{f}", "--gpu-memory-utilization", use] for f in firsts]
+    share = f"{cfg.gpu_memory_utilization / len(where.workers):.4f}"
+    return [["--device", cfg.device, "--gpu-memory-utilization", share] for _ in where.workers]
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 `auto` is CUDA when torch sees a GPU, else the CPU. With `cuda`, rank r of a worker takes the
 r-th visible GPU (CUDA_VISIBLE_DEVICES chooses which those are, as with vLLM), so a T x P
-worker needs T x P of them; `cuda:N` pins a single-rank engine to GPU N. A GPU's memory is
-planned as vLLM plans it: `gpu_memory_utilization` of each GPU is the rank's budget for its
-weights, the reserve (activations, workspaces) and its part of the KV pool
+worker needs T x P of them; with `cuda:N` rank r takes GPU N + r (`tison up` gives each worker
+its own GPUs so: every worker sees all of them, as CUDA IPC between workers needs). A GPU's
+memory is planned as vLLM plans it: `gpu_memory_utilization` of each GPU is the rank's budget
+for its weights, the reserve (activations, workspaces) and its part of the KV pool
 (shared/engine/footprint.py sizes the pool from what is left)."""
 
 import logging
@@ -37,21 +38,18 @@ def resolve(device: str) -> str:
 
 
 def rank_device(device: str, rank: int, world_size: int) -> torch.device:
-    """Rank `rank`'s device: the CPU, the named GPU, or the rank-th visible GPU."""
+    """Rank `rank`'s device: the CPU, or GPU first + rank (cuda:first; cuda: first 0)."""
     if device == "cpu":
         return torch.device("cpu")
-    if ":" in device:
-        if world_size > 1:
-            raise InvalidRequestError(
-                "device", f"{device} names one GPU for {world_size} ranks; use 'cuda'"
-            )
-        return torch.device(device)
+    first = int(device.partition(":")[2] or 0)
     count = torch.cuda.device_count()
-    if world_size > count:
+    if first + world_size > count:
         raise InvalidRequestError(
-            "device", f"{world_size} ranks need a GPU each; torch sees {count}"
+            "device",
+            f"{device}: {world_size} rank(s) need a GPU each from GPU {first} on; torch sees "
+            f"{count}",
         )
-    return torch.device("cuda", rank)
+    return torch.device("cuda", first + rank)
 
 
 def use(device: torch.device) -> None:
