@@ -24,7 +24,6 @@ from shared.kv.cache import KVCache
 from shared.kv.chunk_cache import SplitKVCache
 from shared.kv.spec import KVSpec
 from shared.models.config import ModelConfig
-from shared.models.layer_attention import distinct_masks
 from shared.parallel.comm import PLAN, RESULT, RankComm
 from shared.parallel.cores import pin, rank_cores
 from shared.parallel.group import SINGLE
@@ -169,8 +168,7 @@ def stage_runner(
 ) -> ModelRunner:
     """A rank's runner, with decode graphs where config asks for them and they apply."""
     runner = ModelRunner(model, kv, cfg.vocab_size, tp, stage, comm, hook)
-    layers = cfg.layer_attention[stage.start_layer : stage.end_layer]
-    masks = distinct_masks(layers)
+    masks = runner.masks  # the stage's distinct masks
     if not config.uses_graphs or hook is not None or isinstance(kv, SplitKVCache):
         return runner
     why = DecodeGraphs.unsupported(model, masks, capture=kv.device.type == "cuda")

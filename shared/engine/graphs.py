@@ -57,7 +57,7 @@ class DecodeGraphs:
         self.forward_fn, self.kv, self.masks = forward, kv, masks
         self.sizes = tuple(sorted(sizes))
         self.page_size = kv.spec.page_size
-        self.scratch_slot = scratch_page * self.page_size
+        self.scratch_page, self.scratch_slot = scratch_page, scratch_page * self.page_size
         device, most = kv.device, self.sizes[-1]
         self.device = device
         self.input_ids = torch.zeros(most, dtype=torch.long, device=device)
@@ -120,18 +120,13 @@ class DecodeGraphs:
         """The model over the first `size` rows of the buffers. The metadata is built here, in
         the captured region, so that what a backend derives from it (a mask, say) is captured
         too and recomputed by every replay."""
-        decode = DecodeRows(
-            rows=None,
-            block_table=self.block_table[:size],
-            context_lens=self.context_lens[:size],
-            page_size=self.page_size,
-            window=None,
-        )
-        by_mask = {}
-        for mask in self.masks:
-            window = mask.window if mask.kind != CHUNKED else None
-            rows = DecodeRows(**{**decode.__dict__, "window": window})
-            by_mask[mask] = AttentionMetadata(self.slots[:size], rows, [])
+        table, lens = self.block_table[:size], self.context_lens[:size]
+        by_mask = {
+            mask: AttentionMetadata(
+                self.slots[:size], DecodeRows(None, table, lens, self.page_size, mask.window), []
+            )
+            for mask in self.masks  # global or sliding: unsupported() turns chunked away
+        }
         hidden = None if self.hidden is None else self.hidden[:size]
         residual = None if self.residual is None else self.residual[:size]
         meta = StepMetadata(by_mask)
@@ -156,5 +151,5 @@ class DecodeGraphs:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slots[n:size].fill_(self.scratch_slot)
-            self.block_table[n:size, 0].fill_(self.scratch_slot // self.page_size)
+            self.block_table[n:size, 0].fill_(self.scratch_page)
             self.context_lens[n:size].fill_(1)
