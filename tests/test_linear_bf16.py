@@ -74,6 +74,23 @@ def test_strided_rows_and_thread_counts_give_the_same_bits():
     assert_close_to_reference(one, x, weight)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_row_gets_the_same_bits_alone_or_in_a_block(tier, with_bias):
+    """Below avx2's outer products the vector units sum each output of each row in one order,
+    whether the row falls in a whole block of rows (avx512_bf16: the block's sums folded in one
+    vector) or is computed alone: a token's logits do not depend on what else is batched.
+    AMX tiles sum in their own order."""
+    if tier in ("amx", EMULATED_AMX):
+        pytest.skip("AMX tiles sum in another order")
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(12, 768, generator=g) * 3).bfloat16()
+    weight = torch.randn(1283, 768, generator=g).bfloat16()  # a last group of 3 outputs
+    bias = torch.randn(1283, generator=g).bfloat16() if with_bias else None
+    together = linear_bf16(x, weight, bias)
+    alone = torch.cat([linear_bf16(x[i : i + 1], weight, bias) for i in range(len(x))])
+    assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
+
+
 def test_bad_input_names_what_is_wrong():
     weight = torch.zeros(16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="features"):
