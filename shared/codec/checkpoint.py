@@ -55,11 +55,17 @@ class CompressedCheckpoint:
         encoded = [self._reader(name).encoded(name) for name in names]
         return decode_tensors(encoded, num_threads=self.num_threads, verify=self.verify)
 
-    def tensors(self, names: list[str], whole: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    decodes_on_gpus = True  # tensors(device=cuda) decodes there (loader.py asks)
+
+    def tensors(
+        self, names: list[str], whole: bool = True, device: torch.device | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of each name, pipelined (shared/readahead.py): a reader thread reads
         the planes in file order, a bounded number of bytes ahead; batches of them decode on
         all threads while the caller places the batch before. Every tensor is decoded whole
-        (a TP rank narrows it), so `whole` is ignored."""
+        (a TP rank narrows it), so `whole` is ignored. With a CUDA `device` the planes move
+        there still compressed and are decoded by the codec's CUDA kernel (gpu.py): the host
+        moves ~2/3 of the bytes and never decodes; tensors come back on that device."""
         # here, not at the top: shared.readahead reads shared.codec.format, whose package
         # imports this module
         from shared.readahead import (
@@ -98,6 +104,8 @@ class CompressedCheckpoint:
                 return reader.encoded(name, planes)
 
             def decode(batch: list[EncodedTensor]) -> list[torch.Tensor]:
+                if device is not None and device.type == "cuda":
+                    return decode_on_gpu(batch, device, self.verify)
                 return decode_tensors(batch, num_threads=self.num_threads, verify=self.verify)
 
             yield from pipelined([(n, r, d) for _, _, n, r, d in jobs], read, decode)
@@ -122,3 +130,21 @@ class CompressedCheckpoint:
     def close(self) -> None:
         for reader in set(self._shards.values()):
             reader.close()
+
+
+def decode_on_gpu(
+    batch: list[EncodedTensor], device: torch.device, verify: bool
+) -> list[torch.Tensor]:
+    """Each tensor decoded on the CUDA `device` (on this thread's current stream of it). What
+    is checked, if verify: the stored planes' CRC-32C, on the host before they move (the CPU
+    decoder checks its output's instead; the GPU kernel has no CRC). A stream that contradicts
+    its block index raises ModelFolderError either way."""
+    from shared.codec.gpu import decode_on_device  # kernels.cuda: imported where a GPU decodes
+
+    out = []
+    with torch.cuda.device(device):
+        for encoded in batch:
+            if verify:
+                check_stored(encoded)
+            out.append(decode_on_device(encoded.to(device)))
+    return out

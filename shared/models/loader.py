@@ -47,7 +47,7 @@ def load_model(
             params = dict(model.named_parameters(remove_duplicate=False))
             targets = _targets(model, checkpoint.names(), params, stage, source)
             resident = ResidentWeights(model, checkpoint, targets)
-        load_weights(model, checkpoint, stage, source, whole=tp.size == 1)
+        load_weights(model, checkpoint, stage, source, whole=tp.size == 1, device=device)
         if resident is not None:
             resident.attach(model, checkpoint)
     finally:
@@ -58,13 +58,19 @@ def load_model(
 
 
 def load_weights(
-    model: nn.Module, checkpoint, stage: PPStage, source: str, whole: bool = True
+    model: nn.Module,
+    checkpoint,
+    stage: PPStage,
+    source: str,
+    whole: bool = True,
+    device: torch.device | None = None,
 ) -> None:
     """Copies the checkpoint's tensors into the model's parameters, each through its
     weight_loader; a stage skips the tensors of layers it does not own. A checkpoint with
     `tensors(names, whole)` hands them over pipelined (read and decoded ahead of the
-    placement); any other needs names() and get() (or get_slice, lazy: only the rank's slice
-    is read). whole: the rank needs each tensor whole (no TP), so reading it whole is best."""
+    placement; a compressed folder's decoded on `device` when that is a GPU); any other needs
+    names() and get() (or get_slice, lazy: only the rank's slice is read). whole: the rank
+    needs each tensor whole (no TP), so reading it whole is best."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
     targets = _targets(model, checkpoint.names(), params, stage, source)
@@ -72,6 +78,12 @@ def load_weights(
     if tensors is None:
         read = getattr(checkpoint, "get_slice", checkpoint.get)
         pairs = ((stored, read(stored)) for stored in targets)
+    elif (
+        device is not None
+        and device.type == "cuda"
+        and getattr(checkpoint, "decodes_on_gpus", False)
+    ):
+        pairs = tensors(list(targets), whole, device=device)
     else:
         pairs = tensors(list(targets), whole)
     loaded: set[str] = set()

@@ -184,6 +184,44 @@ def codec(ctx: Context) -> Iterator[dict]:
            "summary": f"decode {rate:.2f} TB/s{mark}"}  # fmt: skip
 
 
+def codec_load(ctx: Context) -> Iterator[dict]:
+    """A compressed folder loaded onto the device (on a GPU its planes decoded there by the
+    codec's kernel, checkpoint.py's decode_on_gpu) against the raw folder: every parameter the
+    same bits, and the two load times (page cache warm: the folders sit in /dev/shm)."""
+    import torch
+
+    from shared.codec.folder import compress_dir
+    from shared.models.config import ModelConfig
+    from shared.models.loader import load_model
+
+    folder, _ = build_llama_folder(ctx.workdir, 2, ctx.device, vocab_size=32000)
+    packed = folder.with_name(folder.name + "-compressed")
+    shutil.rmtree(packed, ignore_errors=True)
+    try:
+        compress_dir(folder, packed)
+        cfg = ModelConfig.from_dir(folder)
+        params, seconds = {}, {}
+        for name, source in (("raw", folder), ("compressed", packed)):
+            started = time.monotonic()
+            model = load_model(source, cfg, torch.bfloat16, device=ctx.device)
+            if ctx.gpu:
+                torch.cuda.synchronize()
+            seconds[name] = time.monotonic() - started
+            params[name] = dict(model.named_parameters())
+        same = all(torch.equal(p, params["compressed"][n]) for n, p in params["raw"].items())
+        yield {
+            "measure": "codec_load",
+            "ok": same,
+            "raw_s": round(seconds["raw"], 3),
+            "compressed_s": round(seconds["compressed"], 3),
+            "summary": f"compressed {seconds['compressed']:.2f} s, raw {seconds['raw']:.2f} s, "
+            f"parameters {'equal' if same else 'DIFFERENT'}",
+        }
+    finally:
+        shutil.rmtree(packed, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def attention(ctx: Context) -> Iterator[dict]:
     yield from _kernel_rates("attention", "test_cuda_attention")
 
