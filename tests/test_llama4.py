@@ -134,7 +134,7 @@ def test_capped_chunked_kv_survives_preemption(moe):
 
 def test_capped_pools_share_the_kv_budget(moe):
     """The chunked pool takes every sequence's window (max_num_seqs of them) from the budget,
-    the main pool the rest; a capped layout refuses ranks and handoffs it does not serve."""
+    the main pool the rest; a capped layout refuses the handoffs it does not serve."""
     model_dir, _, _ = moe
     engine = _capped_engine(
         model_dir, num_pages=None, kv_cache_bytes=4 << 20, max_num_batched_tokens=24
@@ -143,9 +143,9 @@ def test_capped_pools_share_the_kv_budget(moe):
     assert kv.num_chunk_pages == 8 * per_seq == engine.chunk_allocator.num_pages
     assert kv.nbytes <= 4 << 20 < kv.nbytes + kv.full.nbytes // kv.num_pages
     with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
-        EngineConfig(model_dir=model_dir, cap_chunked_kv=True, tp=2, allow_oversubscribe=True)
-    with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
         EngineConfig(model_dir=model_dir, cap_chunked_kv=True, kv_push=True)
+    with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
+        EngineConfig(model_dir=model_dir, cap_chunked_kv=True, kv_shm_path="/dev/shm/x")
 
 
 def _half_split(x, cos, sin):  # Llama's RoPE layout, on Llama 4's per-pair cos/sin
@@ -184,14 +184,18 @@ def test_each_quirk_is_needed(moe, quirk, monkeypatch):
 def test_parallel_greedy_matches_transformers(moe, tp, pp, ep):
     """TP splits heads, the dense and shared MLPs and each expert's intermediate dim (or with
     --ep gives each rank 2 whole experts, the weight on their input); PP puts layers 0-1
-    (chunked; dense, MoE) and 2-3 (global NoPE, chunked MoE) on two stages."""
+    (chunked; dense, MoE) and 2-3 (global NoPE, chunked MoE) on two stages. The chunked layers'
+    KV is capped on every rank (pages of 4 under chunks of 8): the step plans carry each
+    request's chunked pages to the other ranks."""
     model_dir, prompts, refs = moe
     with LLM(
         model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, allow_oversubscribe=True, num_pages=256,
-        max_num_batched_tokens=24,
+        page_size=4, max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
+        assert llm.engine.chunk_allocator is not None  # capped
         outs = llm.generate(prompts[1::2], GREEDY_32)
         assert [o.token_ids for o in outs] == refs[1::2]
+        assert llm.engine.num_chunk_pages_used == 0 == llm.engine.num_pages_used
 
 
 def test_bfloat16_logprobs_close_to_transformers(moe):

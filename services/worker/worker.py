@@ -56,6 +56,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) 
         allow_oversubscribe=config.allow_oversubscribe,
         cpus=config.cpus,
         kv_push=config.role != "decode",
+        cap_chunked_kv=False,  # the KV handoff moves one page list (shared/kv/chunk_cache.py)
         kv_transport=config.kv_transport,
         kv_secret=config.kv_secret,
         weights_peer=weights.peer,

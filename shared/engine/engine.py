@@ -17,7 +17,7 @@ from shared.engine.micro_batch import schedule_micro_batch, split_launched
 from shared.engine.prompt_logprobs import merge
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.engine.scheduler import Scheduler
-from shared.engine.shard import model_kv_spec, rank_kv_spec
+from shared.engine.shard import model_kv_spec, rank_kv_spec, rank_layers
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
 from shared.kv.chunk_cache import chunk_pages_per_seq, pool_sizes
@@ -379,7 +379,8 @@ def _pool_sizes(config: EngineConfig, cfg: ModelConfig, spec, chunk: int | None)
         return num_pages or spec.pages_for_budget(config.kv_cache_bytes), None
     S = config.page_size
     per_seq = chunk_pages_per_seq(chunk, S, config.max_num_batched_tokens)
-    chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention)
+    first, end = rank_layers(config.parallel, 0, cfg.num_layers)  # rank 0's stage sizes all
+    chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end])
     layer_page = spec.page_size_bytes // spec.num_layers  # every layer's KV is alike
     if num_pages:
         return num_pages, min(per_seq * config.max_num_seqs, num_pages)

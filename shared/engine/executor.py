@@ -68,7 +68,7 @@ class LocalExecutor:
 
     def pool_handles(self) -> tuple[bytes, ...]:
         """Each rank's pool_handle, in rank order."""
-        return (pool_handle(self.runner.kv.data),)
+        return (pool_handle(self.runner.kv),)
 
     def close(self) -> None:
         _close(self.runner, self.handoff)
@@ -121,7 +121,7 @@ class RankExecutor:
     def pool_handles(self) -> tuple[bytes, ...]:
         """Each rank's pool_handle, in rank order (the others' as they stored them)."""
         others = [self.ranks.store.get(f"kv_ipc{r}") for r in range(1, self.comm.shape.world_size)]
-        return (pool_handle(self.runner.kv.data), *others)
+        return (pool_handle(self.runner.kv), *others)
 
     def close(self) -> None:
         self.ranks.stop(self.comm, encode_stop())
@@ -142,9 +142,12 @@ def _run(runner: ModelRunner, out: SchedulerOutput, masks: Masks = None) -> Step
         return StepResult(out, [], None, error=e)
 
 
-def pool_handle(data) -> bytes:
-    """A GPU pool's CUDA IPC handle (transfer/ipc_handles.py); b"" for a CPU pool."""
-    return ipc_handles.export_pool(data) if data.device.type == "cuda" else b""
+def pool_handle(kv: KVCache | SplitKVCache) -> bytes:
+    """A GPU pool's CUDA IPC handle (transfer/ipc_handles.py); b"" for a CPU pool, and for a
+    split one (capped chunked layers: no handoff writes into it)."""
+    if isinstance(kv, SplitKVCache) or kv.data.device.type != "cuda":
+        return b""
+    return ipc_handles.export_pool(kv.data)
 
 
 def rank_handoff(config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int) -> KVHandoff | None:
@@ -209,12 +212,12 @@ def start_executor(
         hook = None if handoff is None else handoff.on_layer
         runner = stage_runner(config, cfg, model, kv, num_pages, hook=hook)
         return LocalExecutor(runner, handoff)
-    ranks = RankProcesses(config, num_pages, torch.get_num_threads())
+    ranks = RankProcesses(config, num_pages, torch.get_num_threads(), num_chunk_pages)
     comm = None
     try:
         comm = ranks.join()
         stage = shape.stage_of(0, cfg.num_layers)
-        model, kv = build_shard(config, cfg, comm.tp, stage, num_pages)
+        model, kv = build_shard(config, cfg, comm.tp, stage, num_pages, 0, num_chunk_pages)
         ranks.wait_ready()
     except BaseException:
         ranks.stop(comm, encode_stop())

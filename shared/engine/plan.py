@@ -3,9 +3,10 @@ the last stage sends back (sampled tokens, prompt logprobs). msgpack bytes, buil
 nowhere else.
 
 Every rank rebuilds the same ForwardBatch from a plan: build_batch reads only the chunk's
-tokens, its start, the page ids, whether the request samples and the prompt tokens it scores."""
+tokens, its start, the page ids (and the capped chunked layers' own, shared/kv/chunk_cache.py),
+whether the request samples and the prompt tokens it scores."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import torch
@@ -20,7 +21,7 @@ from shared.sampling.sampler import SamplerOutput
 from shared.sampling.token_mask import TokenMasks
 from shared.wire import from_plain, to_plain
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 
 @dataclass
@@ -33,6 +34,8 @@ class PlannedSeq:
     page_ids: list[int]
     samples: bool  # this step computes the request's last pending token
     prompt: PromptTargets | None = None  # the prompt tokens this chunk scores (prompt logprobs)
+    chunk_page_ids: list[int] = field(default_factory=list)  # capped chunked layers' pages
+    chunk_first_page: int = 0  # the logical page of chunk_page_ids[0] (as Request's)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         return self.chunk[start - self.start : end - self.start]
@@ -67,9 +70,11 @@ def encode_plan(
         req, end = s.request, s.start + s.num_tokens
         targets = req.prompt_targets(s.start, end)
         prompt = None if targets is None else [targets.first, targets.target_ids, targets.num_top]
+        tokens = req.token_ids(s.start, end)
         seqs.append(
-            [req.request_id, s.start, req.token_ids(s.start, end), req.page_ids, s.samples, prompt]
-        )
+            [req.request_id, s.start, tokens, req.page_ids, s.samples, prompt, req.chunk_page_ids,
+             req.chunk_first_page]
+        )  # fmt: skip
         if s.samples:
             rows.append(_encode_row(req))
     body = {"v": PLAN_VERSION, "mb": micro_batch, "seqs": seqs, "rows": rows, "push": push or {}}
@@ -89,12 +94,12 @@ def decode_plan(data: bytes) -> StepPlan:
         raise ValueError(f"step plan version {body.get('v')} != {PLAN_VERSION}")
     if body.get("stop"):
         return StepPlan(-1, [], [], {}, stop=True)
-    seqs = [
-        PlannedSeq(
-            rid, start, chunk, pages, samples, None if prompt is None else PromptTargets(*prompt)
+    seqs = []
+    for rid, start, chunk, pages, samples, prompt, chunk_pages, chunk_first in body["seqs"]:
+        targets = None if prompt is None else PromptTargets(*prompt)
+        seqs.append(
+            PlannedSeq(rid, start, chunk, pages, samples, targets, chunk_pages, chunk_first)
         )
-        for rid, start, chunk, pages, samples, prompt in body["seqs"]
-    ]
     rows = [_decode_row(r) for r in body["rows"]]
     masks = _decode_masks(*body["masks"]) if "masks" in body else None
     return StepPlan(body["mb"], seqs, rows, body["push"], masks=masks)

@@ -40,7 +40,9 @@ def build_runner(rank: int, port: int, spec: dict):
     try:
         cfg = ModelConfig.from_dir(config.model_dir)
         stage = shape.stage_of(rank, cfg.num_layers)
-        model, kv = build_shard(config, cfg, comm.tp, stage, spec["num_pages"], rank)
+        model, kv = build_shard(
+            config, cfg, comm.tp, stage, spec["num_pages"], rank, spec["num_chunk_pages"]
+        )
         kv_spec = model_kv_spec(cfg, config.page_size, kv.spec.dtype)
         handoff = rank_handoff(config, kv_spec, kv, rank)
         hook = None if handoff is None else handoff.on_layer
@@ -48,7 +50,7 @@ def build_runner(rank: int, port: int, spec: dict):
     except Exception as e:
         store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
         raise
-    store.set(f"kv_ipc{rank}", pool_handle(kv.data))  # a GPU decode worker advertises it
+    store.set(f"kv_ipc{rank}", pool_handle(kv))  # a GPU decode worker advertises it
     store.set(f"ready{rank}", "ok")
     return runner, comm, handoff
 

@@ -21,12 +21,20 @@ SECRET_ENV = "TISON_KV_SECRET"  # EngineConfig.kv_secret, for the ranks (not on 
 class RankProcesses:
     """Starts the other ranks; `join` connects rank 0 to them; `stop` ends them."""
 
-    def __init__(self, config: EngineConfig, num_pages: int, threads: int):
+    def __init__(
+        self, config: EngineConfig, num_pages: int, threads: int, num_chunk_pages: int | None
+    ):
         self.shape = config.parallel
         self.device = config.rank_device(0)
         self.world_size = self.shape.world_size
         self.store = open_store("127.0.0.1", 0, self.world_size, is_master=True)
-        spec = json.dumps({"engine": config.to_json_dict(), "num_pages": num_pages})
+        spec = json.dumps(
+            {
+                "engine": config.to_json_dict(),
+                "num_pages": num_pages,
+                "num_chunk_pages": num_chunk_pages,  # None: no capped chunked-layer pool
+            }
+        )
         root = str(Path(shared.__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         env["OMP_NUM_THREADS"] = str(threads)

@@ -76,7 +76,7 @@ def build_shard(
     stage: PPStage,
     num_pages: int,
     rank: int = 0,
-    num_chunk_pages: int | None = None,  # capped chunked layers' pool (single rank)
+    num_chunk_pages: int | None = None,  # capped chunked layers' pool
 ) -> tuple[torch.nn.Module, KVCache | SplitKVCache]:
     """The model's part and the KV pool of rank `rank` (TP rank tp.rank of stage `stage`)."""
     dtype, device = config.torch_dtype(cfg.torch_dtype), config.rank_device(rank)
@@ -105,7 +105,8 @@ def build_shard(
         pages = num_pages + scratch_pages(config.uses_graphs)
         kv = KVCache(spec, pages, rank_shm_path(config.kv_shm_path, rank), device)
     else:
-        chunked = tuple(a.mask.kind == CHUNKED for a in cfg.layer_attention)
+        first, end = rank_layers(config.parallel, rank, cfg.num_layers)  # the stage's layers
+        chunked = tuple(a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end])
         kv = SplitKVCache(spec, chunked, num_pages, num_chunk_pages, device)
     log.info(
         "rank %d: KV pool of %d pages (%.0f MiB) in %.2f s",

@@ -4,7 +4,9 @@ pool of their own (few pages), while the other layers keep every token in the ma
 
 A request's chunked pages are `Request.chunk_page_ids`, logical pages `chunk_first_page` on:
 the scheduler trims pages before the window of a step it schedules (shared/kv/pages.py's
-`chunk_window`) and adds those the step writes. Single-rank engines only (no handoff)."""
+`chunk_window`) and adds those the step writes; a step plan carries them to the other ranks
+of a T x P engine. Engines without a KV handoff only (workers never cap: the handoff moves one
+page list)."""
 
 from dataclasses import replace
 
