@@ -3,6 +3,7 @@ shared/checkpoint.py's Checkpoint, decoding each tensor when asked for it."""
 
 from collections.abc import Iterator
 from contextlib import ExitStack
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ class CompressedCheckpoint:
         encoded = [self._reader(name).encoded(name) for name in names]
         return decode_tensors(encoded, num_threads=self.num_threads, verify=self.verify)
 
-    decodes_on_gpus = True  # tensors(device=cuda) decodes there (loader.py asks)
+    decodes_on_gpus = True  # tensors(device=...) decodes on a GPU device (loader.py asks)
 
     def tensors(
         self, names: list[str], whole: bool = True, device: torch.device | None = None
@@ -63,9 +64,10 @@ class CompressedCheckpoint:
         """(name, tensor) of each name, pipelined (shared/readahead.py): a reader thread reads
         the planes in file order, a bounded number of bytes ahead; batches of them decode on
         all threads while the caller places the batch before. Every tensor is decoded whole
-        (a TP rank narrows it), so `whole` is ignored. With a CUDA `device` the planes move
-        there still compressed and are decoded by the codec's CUDA kernel (gpu.py): the host
-        moves ~2/3 of the bytes and never decodes; tensors come back on that device."""
+        (a TP rank narrows it), so `whole` is ignored. With a CUDA `device`, where cupy
+        imports, the planes move there still compressed and are decoded by the codec's CUDA
+        kernel (gpu.py): the host moves ~2/3 of the bytes and never decodes; tensors come back
+        on that device. Otherwise they are decoded on the CPU."""
         # here, not at the top: shared.readahead reads shared.codec.format, whose package
         # imports this module
         from shared.readahead import (
@@ -77,6 +79,7 @@ class CompressedCheckpoint:
             read_header,
         )
 
+        on_gpu = device is not None and device.type == "cuda" and find_spec("cupy") is not None
         readers = {name: self._reader(name) for name in names}
         stored = {r.path: read_header(r.path) for r in set(readers.values())}
         jobs, parts = [], {}
@@ -104,7 +107,7 @@ class CompressedCheckpoint:
                 return reader.encoded(name, planes)
 
             def decode(batch: list[EncodedTensor]) -> list[torch.Tensor]:
-                if device is not None and device.type == "cuda":
+                if on_gpu:
                     return decode_on_gpu(batch, device, self.verify)
                 return decode_tensors(batch, num_threads=self.num_threads, verify=self.verify)
 

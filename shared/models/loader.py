@@ -63,7 +63,7 @@ def load_weights(
     stage: PPStage,
     source: str,
     whole: bool = True,
-    device: torch.device | None = None,
+    device: torch.device | str = "cpu",
 ) -> None:
     """Copies the checkpoint's tensors into the model's parameters, each through its
     weight_loader; a stage skips the tensors of layers it does not own. A checkpoint with
@@ -78,11 +78,7 @@ def load_weights(
     if tensors is None:
         read = getattr(checkpoint, "get_slice", checkpoint.get)
         pairs = ((stored, read(stored)) for stored in targets)
-    elif (
-        device is not None
-        and device.type == "cuda"
-        and getattr(checkpoint, "decodes_on_gpus", False)
-    ):
+    elif getattr(checkpoint, "decodes_on_gpus", False) and torch.device(device).type == "cuda":
         pairs = tensors(list(targets), whole, device=device)
     else:
         pairs = tensors(list(targets), whole)
