@@ -135,7 +135,7 @@ __attribute__((always_inline)) static inline void dots(const bf16 *const w[R], c
 static inline __m512 sum_block(__m512 acc[R][MB]) {
     _Static_assert(R == 4 && MB == 4, "sum_block folds a 4 x 4 block");
     __m512 s[8], u[4], v[2];
-    for (int i = 0; i < 8; i++) { /* acc number j = 4 r + m: halves of j = 2i in lanes 0-7, 2i+1 in 8-15 */
+    for (int i = 0; i < 8; i++) { /* acc j = 4 r + m: halves of j = 2i in lanes 0-7, 2i+1 8-15 */
         const __m512 a = acc[i / 2][i % 2 * 2], b = acc[i / 2][i % 2 * 2 + 1];
         s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
     }
@@ -161,11 +161,13 @@ static inline void full_block(const bf16 *const w[R], const bf16 *x, int64_t xst
         const __m128i h = _mm_loadl_epi64((const __m128i *)(bias + n0));
         b = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
     }
-    const __m512i u = _mm512_castps_si512(_mm512_add_ps(sum_block(acc), _mm512_broadcast_f32x4(b)));
+    const __m512 sums = _mm512_add_ps(sum_block(acc), _mm512_broadcast_f32x4(b));
+    const __m512i u = _mm512_castps_si512(sums);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i half = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, half), 16);
+    const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
     const __m256i out = _mm512_cvtepi32_epi16(r); /* 16 bf16: row m's four at 4 m */
     uint64_t rows[MB];
