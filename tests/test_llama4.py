@@ -15,7 +15,7 @@ import torch
 from shared.checkpoint import Checkpoint
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.shard import model_kv_spec
+from shared.engine.shard import model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError
 from shared.kv.chunk_cache import chunk_pages_per_seq
 from shared.models.config import ModelConfig, generation_eos_ids
@@ -24,6 +24,7 @@ from shared.models.layers import rotary
 from shared.models.layers.moe import FusedMoE
 from shared.models.llama4 import Llama4ForCausalLM, Llama4MoE
 from shared.parallel.group import TPGroup
+from shared.parallel.shape import ParallelConfig
 
 from compilers import needs_compiler
 from engine_helpers import (
@@ -364,6 +365,9 @@ def test_scout_kv_bytes_per_token():
     assert growth == 49_152 == spec.page_size_bytes // 16 // 4
     held = ((cfg.num_layers - chunked) * 131_072 + chunked * window) * per_layer
     assert held // 131_072 == 60_708  # 131,072 tokens of context, at most one step's more
+    # at TP=2 (capped too, any T x P shape) each rank holds 4 of the 8 KV heads: half of each
+    rank = rank_kv_spec(spec, ParallelConfig(tp=2), 1)
+    assert rank.page_size_bytes // 16 == 98_304 and rank.layer_token_bytes(0) == per_layer // 2
 
 
 class _CountingGroup:
