@@ -79,7 +79,7 @@ def load_weights(
         read = getattr(checkpoint, "get_slice", checkpoint.get)
         pairs = ((stored, read(stored)) for stored in targets)
     elif getattr(checkpoint, "decodes_on_gpus", False) and torch.device(device).type == "cuda":
-        pairs = tensors(list(targets), whole, device=device)
+        pairs = tensors(list(targets), whole, device=torch.device(device))
     else:
         pairs = tensors(list(targets), whole)
     loaded: set[str] = set()
