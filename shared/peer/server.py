@@ -82,6 +82,12 @@ class FolderSource:
                 self._decoded.clear()
 
     def decoded_bytes(self) -> int:
+        """Bytes of the decoded tensors kept, read under the lock: a connection's thread may
+        be moving them (a reader iterating while one was popped saw a KeyError)."""
+        with self._lock:
+            return self._decoded_bytes()
+
+    def _decoded_bytes(self) -> int:  # the lock held
         return sum(t.numel() * t.element_size() for t in self._decoded.values())
 
     def index(self) -> dict:
@@ -120,7 +126,7 @@ class FolderSource:
             tensor = self.checkpoint.get(name)
         if tensor.numel() * tensor.element_size() <= DECODED_BYTES:
             self._decoded[name] = tensor
-            while self.decoded_bytes() > DECODED_BYTES:
+            while self._decoded_bytes() > DECODED_BYTES:
                 self._decoded.popitem(last=False)
         return tensor
 
