@@ -17,6 +17,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+from gpu.gpu_testing import cupy_backend, host_backend  # noqa: E402, F401 (the CUDA modules')
+
 from tiny_models import build_model  # noqa: E402
 
 

@@ -8,19 +8,12 @@ threads as real threads: few blocks a case."""
 import pytest
 import torch
 from gpu import attention_cases as cases
-from gpu.gpu_testing import installed
-from gpu.host_runtime import HostBackend, compiler
+from gpu.gpu_testing import ON_HOST
 
 from kernels.cuda import attention
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="needs a C++ compiler")
+pytestmark = ON_HOST
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def host_backend(tmp_path_factory):
-    with installed(HostBackend(tmp_path_factory.mktemp("cuda-host"))):
-        yield
 
 
 # (contexts, nh, nkv, hd, partition_size): GQA groups of 8, 4, 1 (MHA), 2 and 12 (two tiles

@@ -11,8 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from gpu import fp8_cases as cases
-from gpu.gpu_testing import installed
-from gpu.host_runtime import HostBackend, compiler
+from gpu.gpu_testing import ON_HOST
 
 from kernels.cpu import library
 from kernels.cuda import fp8_linear as fp8
@@ -29,15 +28,9 @@ from shared.sampling.params import SamplingParams
 from engine_helpers import LOGPROB_TOL, make_prompts, new_engine, run_staggered
 from quant_helpers import quantize_fp8
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="needs a C++ compiler")
+pytestmark = ON_HOST
 DTYPES = (torch.float32, torch.bfloat16)
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def host_backend(tmp_path_factory):
-    with installed(HostBackend(tmp_path_factory.mktemp("cuda-host"))):
-        yield
 
 
 # --- the kernels against their references ---

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gpu import cuda_cases as cases
-from gpu.gpu_testing import installed
-from gpu.host_runtime import HostBackend, compiler
+from gpu.gpu_testing import ON_HOST
 
 from kernels.cpu import library
 from kernels.cuda import activation, kv_pages, norm, rope, runtime
@@ -19,15 +18,9 @@ from shared.models.layers.attention_backend import TorchBackend
 from shared.models.layers.norm import RMSNorm
 from shared.models.layers.rotary import InterleavedRotaryEmbedding, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="needs a C++ compiler")
+pytestmark = ON_HOST
 DTYPES = (torch.float32, torch.bfloat16)
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def host_backend(tmp_path_factory):
-    with installed(HostBackend(tmp_path_factory.mktemp("cuda-host"))):
-        yield
 
 
 @pytest.fixture

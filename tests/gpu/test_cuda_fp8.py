@@ -13,23 +13,16 @@ import math
 import pytest
 import torch
 from gpu import fp8_cases as cases
-from gpu.gpu_testing import gpu_ready, graph_and_eager_ms, installed
+from gpu.gpu_testing import ON_GPU, gpu_ready, graph_and_eager_ms
 
 from kernels.cuda import fp8_linear as fp8
-from kernels.cuda import runtime
 
-pytestmark = pytest.mark.gpu
+pytestmark = ON_GPU
 F32, BF16 = torch.float32, torch.bfloat16
 
 
 if not gpu_ready():
     pytest.skip("needs cupy and a CUDA device", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cupy_backend():
-    with installed(runtime.CupyBackend()):
-        yield
 
 
 SHAPES = {  # (N, K, block)

@@ -8,23 +8,17 @@ import numpy as np
 import pytest
 import torch
 from gpu import cuda_cases as cases
-from gpu.gpu_testing import gpu_ready, installed
+from gpu.gpu_testing import ON_GPU, gpu_ready
 
 from kernels.cuda import activation, kv_pages, runtime
 
-pytestmark = pytest.mark.gpu
+pytestmark = ON_GPU
 BF16 = torch.bfloat16
 DTYPES = (torch.float32, BF16)
 
 
 if not gpu_ready():
     pytest.skip("needs cupy and a CUDA device", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cupy_backend():
-    with installed(runtime.CupyBackend()):
-        yield
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
