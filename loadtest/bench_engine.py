@@ -27,6 +27,7 @@ import torch
 
 from kernels.build import build_library
 from kernels.cpu import isa, library
+from loadtest.decode_steps import prefill
 from loadtest.random_model import llama_fields, mixtral_fields, save_random_llama
 from loadtest.roofline import LlamaShape, mean_step_bytes
 from shared.cpu_report import report as env_report
@@ -82,11 +83,7 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 
 def tison_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> float:
     """Decode tokens/s: tokens after the first of each request / time after all prefills."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts(batch, prompt_len)):
-        engine.add_request(f"d{batch}-{i}", p, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    prefill(engine, prompts(batch, prompt_len), new_tokens, f"d{batch}")
     start = time.perf_counter()
     produced = 0
     while engine.has_unfinished():

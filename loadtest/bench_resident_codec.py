@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.decode_steps import median_step_s
 from loadtest.random_model import llama_fields, save_random_llama
 from shared.codec import compress_dir
 from shared.cpu_report import report as env_report
@@ -28,7 +29,6 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.huge_pages import restart_with_huge_pages
 from shared.models.resident import ResidentLayer, weight_bytes
-from shared.sampling.params import SamplingParams
 
 FIELDS = llama_fields(32000, 768, 2048, layers=16, heads=12, kv_heads=4)  # ~150M parameters
 BATCHES = (1, 32)
@@ -37,18 +37,9 @@ SIDES = ("ordinary", "resident")  # EngineConfig.resident_codec False / True
 
 def decode_step_s(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> float:
     """The median time of a decode step of `batch` rows, after every prompt is computed."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
-    for i, p in enumerate(torch.randint(3, 32000, (batch, prompt_len), generator=g).tolist()):
-        engine.add_request(f"b{batch}-{time.monotonic_ns()}-{i}", p, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    times = []
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()  # returns once the sampled tokens are on the host
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    prompts = torch.randint(3, 32000, (batch, prompt_len), generator=g).tolist()
+    return median_step_s(engine, prompts, new_tokens)
 
 
 def decode_alone_s(engine: LLMEngine) -> float:

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -80,26 +79,16 @@ def mean_between(before: dict, after: dict) -> dict[str, float]:
 
 def engine_steps(model: Path, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
     """{batch: median decode step ms} of an LLMEngine in this process (run pinned, below)."""
+    from loadtest.decode_steps import median_step_s
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.sampling.params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=model))
     rng = np.random.default_rng(1)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     steps = {}
     for batch in [1, *batches]:  # the first, batch 1, warms up
-        for i in range(batch):
-            prompt = rng.integers(3, 1000, prompt_len).tolist()
-            engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", prompt, params)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-            engine.step()
-        times = []
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        steps[batch] = 1e3 * statistics.median(times)
+        prompts = [rng.integers(3, 1000, prompt_len).tolist() for _ in range(batch)]
+        steps[batch] = 1e3 * median_step_s(engine, prompts, new_tokens)
     engine.close()
     return steps
 
