@@ -59,7 +59,7 @@ def pools(tmp_path):
             kv.close()
 
 
-def reserved(request_id: str, slots: torch.Tensor) -> bool:
+def reserved(request_id: str, layer: int, slots: torch.Tensor) -> bool:
     """The decode worker's check: slots in the pages reserved for the request."""
     pages = REQUESTS.get(request_id, ())
     return bool(torch.isin(slots // PAGE, torch.tensor(pages, dtype=torch.long)).all())
@@ -115,10 +115,10 @@ def send_requests(kind: str, ranks, address: str) -> int:
     return sent
 
 
-def slowly_reserved(request_id: str, slots: torch.Tensor) -> bool:
+def slowly_reserved(request_id: str, layer: int, slots: torch.Tensor) -> bool:
     """A server that lags its sender: `finish` must wait for the last frame's write."""
     time.sleep(0.05)
-    return reserved(request_id, slots)
+    return reserved(request_id, layer, slots)
 
 
 @pytest.mark.parametrize("kind", SPECS.keys())

@@ -64,7 +64,7 @@ class ServerThread:
         self.address = self._run(self.server.start())
 
     @staticmethod
-    def allowed(request_id, slots) -> bool:
+    def allowed(request_id, layer, slots) -> bool:
         return request_id == "r" and bool(torch.isin(slots // PAGE, torch.tensor(DST_PAGES)).all())
 
     def _run(self, coro):

@@ -17,7 +17,8 @@ from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.shard import model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError
-from shared.kv.chunk_cache import chunk_pages_per_seq
+from shared.kv.chunk_cache import chunk_pages_per_seq, pool_sizes
+from shared.kv.pages import pages_for
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
 from shared.models.layers import rotary
@@ -145,8 +146,37 @@ def test_capped_pools_share_the_kv_budget(moe):
     assert kv.nbytes <= 4 << 20 < kv.nbytes + kv.full.nbytes // kv.num_pages
     with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
         EngineConfig(model_dir=model_dir, cap_chunked_kv=True, kv_push=True)
-    with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
-        EngineConfig(model_dir=model_dir, cap_chunked_kv=True, kv_shm_path="/dev/shm/x")
+    assert EngineConfig(model_dir=model_dir, kv_shm_path="/dev/shm/x").caps_chunked_kv
+
+
+def test_a_capped_reservation_holds_the_window_then_computes_here(moe):
+    """A decode worker's reservation holds the chunked layers' pages of the first decoded
+    token's window only (chunks of 8, pages of 4); computed here after all (start_local),
+    the prompt takes its chunked pages as it goes, and the tokens are transformers'."""
+    model_dir, prompts, refs = moe
+    engine = _capped_engine(model_dir, max_num_batched_tokens=16)
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    length = len(prompts[i])
+    got = engine.reserve("r", prompts[i], GREEDY_32)
+    first = length // 8 * 8 // 4
+    assert got.chunk_first_page == first and length > 16
+    assert len(got.chunk_page_ids) == pages_for(length + 1, 4) - first
+    assert len(got.page_ids) == pages_for(length + 1, 4)
+    assert engine.handoff_bytes("r") == sum(
+        (length - first * 4 if kind == CHUNKED else length) * engine.kv_spec.layer_token_bytes(n)
+        for n, kind in enumerate(a.mask.kind for a in engine.model_config.layer_attention)
+    )
+    assert engine.start_local("r")
+    assert run_all(engine)["r"] == refs[i]
+    assert engine.num_pages_used == 0 == engine.num_chunk_pages_used
+
+
+def test_pool_sizes_hold_every_stage():
+    """Page counts fit every pipeline stage's budget: here stage 0 holds chunked layers only
+    (200 B a page), stage 1 one layer of each kind (100 B each)."""
+    stages = [(0, 200), (100, 100)]
+    assert pool_sizes(stages, 10_000, per_seq=4, max_num_seqs=2) == (92, 8)  # windows fit
+    assert pool_sizes(stages, 1_000, per_seq=4, max_num_seqs=2) == (5, 5)  # even split
 
 
 def _half_split(x, cos, sin):  # Llama's RoPE layout, on Llama 4's per-pair cos/sin

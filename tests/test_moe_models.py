@@ -171,6 +171,31 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
 
 
+@pytest.mark.parametrize("kv_transport", ["shm", "tcp"])
+async def test_llama4_decode_worker_caps_chunked_kv(tiny_model_factory, tmp_path, kv_transport,
+                                                   monkeypatch):  # fmt: skip
+    """A Llama 4 decode worker of (1, 2) keeps its chunked layers' KV capped to their chunk, in
+    pool files of their own; a prefill worker of (2, 1) writes into the pages it reserved for
+    them the prompt's last chunk of those layers (chunks of 8: these prompts cross several),
+    over shm and over TCP, and the completions equal the offline engine's (itself equal to
+    transformers, tests/test_llama4.py)."""
+    monkeypatch.setenv("TISON_KV_SECRET", "test-secret")  # the workers inherit it: TCP is on
+    model_dir = tiny_model_factory("llama4_moe")
+    prompts = [
+        "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+        "The quick brown fox jumps over the lazy dog. " * 3,
+    ]
+    with LLM(model_dir, dtype="float32") as llm:
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        assert llm.engine.chunk == 8 and all(len(o.prompt_token_ids) > 8 for o in expected)
+    with Services(tmp_path, model_dir) as s:
+        start_prefill_tp2_decode_pp2(s, model_dir, kv_transport)
+        decode_log = (tmp_path / "decode.log").read_text()
+        assert decode_log.count("chunked layers capped") == 2, decode_log  # both ranks
+        assert "chunked layers capped" not in (tmp_path / "prefill.log").read_text()
+        await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
+
+
 def test_a_checkpoint_missing_an_expert_names_it(references, tmp_path):
     model_dir = references("mixtral")[0]
     broken = tmp_path / "broken"

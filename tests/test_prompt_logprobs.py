@@ -125,8 +125,7 @@ def test_colocated_reservation_computes_its_cached_prefix_too(model, references)
     engine = new_engine(model, enable_prefix_caching=True)
     engine.add_request("warm", prompts[3], PLAIN)
     run_all(engine)
-    pages, cached = engine.reserve("local", prompts[3], ASK)
-    assert cached == 32
+    assert engine.reserve("local", prompts[3], ASK).cached_tokens == 32
     assert engine.start_local("local")
     prefill = engine.add_request("prefill", prompts[3], ASK, prefill_only=True)
     local = engine.requests["local"]

@@ -308,6 +308,8 @@ class Scheduler:
             decode_kv=reservation.kv,
             page_ids=reservation.page_ids,
             decode_cached_tokens=reservation.cached_tokens,
+            decode_chunk_page_ids=reservation.chunk_page_ids,
+            decode_chunk_first_page=reservation.chunk_first_page,
             background=submit.priority == protocol.BATCH,
         )
         subject = subjects.assign("prefill", choice.prefill.worker_id)

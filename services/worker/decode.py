@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from services.worker.loop import EngineLoop
 from services.worker.messages import token_item
 from shared import protocol, subjects
-from shared.engine.engine import StepOutput
+from shared.engine.engine import Reservation, StepOutput
 from shared.engine.request import FinishReason
 from shared.errors import TisonError
 from shared.protocol import (
@@ -79,15 +79,19 @@ class DecodeRole:
             self.gateways[rid] = assign.gateway_id
             interval = self.gateway_seen.get(assign.gateway_id, (0.0, ORPHAN_DEFAULT_BEAT_S))[1]
             self.gateway_seen[assign.gateway_id] = (time.monotonic(), interval)
-            pages, cached = reserved
-            reply = DecodeAssignReplyMsg(rid, True, tuple(pages), self.pool, cached_tokens=cached)
+            reply = DecodeAssignReplyMsg(
+                rid, True, reserved.page_ids, self.pool,
+                cached_tokens=reserved.cached_tokens,
+                chunk_page_ids=reserved.chunk_page_ids,
+                chunk_first_page=reserved.chunk_first_page,
+            )  # fmt: skip
         if msg.reply:
             await self.nc.publish(msg.reply, protocol.encode(reply))
         if reserved is not None and assign.prefill_here:  # its first token leaves with our steps
             await self.loop.call(self.engine.start_local, rid)
 
-    def _reserve(self, assign: DecodeAssignMsg) -> tuple[tuple[list[int], int] | None, bool, str]:
-        """(the reservation (pages, cached tokens) or None, whether it is new, why not). It adds
+    def _reserve(self, assign: DecodeAssignMsg) -> tuple[Reservation | None, bool, str]:
+        """(the reservation or None, whether it is new, why not). It adds
         a request and takes free pages only, as EngineLoop.call_now requires. A retry from the
         same gateway gets the pages it was given before."""
         rid = assign.request_id
@@ -174,11 +178,7 @@ class DecodeRole:
         KV must have come (a rank whose connection broke cannot tell rank 0), whichever server
         took it. "" when complete, or by shm."""
         got = self._take_received(request_id)
-        req = self.engine.requests.get(request_id)
-        spec = self.engine.kv_spec
-        # the prompt's tokens after those its pages held from the cache (still its computed ones)
-        new = 0 if req is None else req.num_prompt_tokens - req.num_computed_tokens
-        want = new * spec.page_size_bytes // spec.page_size
+        want = self.engine.handoff_bytes(request_id)
         return f"KV incomplete: {got} of {want} bytes arrived" if got and got != want else ""
 
     def _take_received(self, request_id: str) -> int:

@@ -48,7 +48,10 @@ class PrefillRole:
             await self.loop.call(self.engine.start_local, rid)  # pages are ours already
             return
         try:
-            self.handoff.add(rid, assign.page_ids, assign.decode_kv, assign.decode_cached_tokens)
+            self.handoff.add(
+                rid, assign.page_ids, assign.decode_kv, assign.decode_cached_tokens,
+                assign.decode_chunk_page_ids, assign.decode_chunk_first_page,
+            )  # fmt: skip
             prompt = list(assign.prompt_token_ids)
             await self.loop.call(
                 self.engine.add_request, rid, prompt, assign.sampling, True, assign.background

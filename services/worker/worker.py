@@ -56,7 +56,9 @@ def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) 
         allow_oversubscribe=config.allow_oversubscribe,
         cpus=config.cpus,
         kv_push=config.role != "decode",
-        cap_chunked_kv=False,  # the KV handoff moves one page list (shared/kv/chunk_cache.py)
+        # a CPU decode worker caps (shared/kv/chunk_cache.py); a GPU one takes the handoff
+        # by CUDA IPC, which a split pool does not export
+        cap_chunked_kv=None if shm_path is not None else False,
         kv_transport=config.kv_transport,
         kv_secret=config.kv_secret,
         weights_peer=weights.peer,
@@ -86,7 +88,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
             announcer = await WeightsAnnouncer.start(nc, config, weights.model_dir)
         if "decode" in ids:  # a CPU pool in shared memory, or GPU pools' CUDA IPC handles
             handles = engine.executor.pool_handles() if shm_path is None else ()
-            ranks = rank_pools(engine.kv_spec, engine.config.parallel, shm_path, handles)
+            shape, capped = engine.config.parallel, engine.capped_layers
+            ranks = rank_pools(engine.kv_spec, shape, shm_path, handles, capped)
             if secret:
                 kv_servers = _kv_servers(engine, ranks, secret)
             at = {
@@ -133,7 +136,7 @@ async def _dispatch(roles: list, outputs) -> None:
 def _kv_servers(engine: LLMEngine, ranks, secret: bytes) -> dict:
     """The decode worker's network KV servers by transport, not started: each writes frames
     into every rank's pool and counts each request's bytes (DecodeRole sums them)."""
-    pools = map_pools(engine.kv_spec, ranks, own={0: engine.kv.data})
+    pools = map_pools(engine.kv_spec, ranks, own={0: engine.kv})
     allowed = _reserved_check(engine)
     return {
         tcp.NAME: tcp.TcpKVServer(engine.kv_spec, pools, secret, allowed),
@@ -142,11 +145,12 @@ def _kv_servers(engine: LLMEngine, ranks, secret: bytes) -> dict:
 
 
 def _reserved_check(engine: LLMEngine):
-    """Whether slots of a KV frame lie in pages reserved for its request (KV servers)."""
-    page_size = engine.kv_spec.page_size
+    """Whether slots of a KV frame of a layer lie in pages reserved for its request (KV
+    servers): the capped chunked layers' pages for theirs."""
+    page_size, capped = engine.kv_spec.page_size, engine.capped_layers
 
-    def allowed(request_id: str, dst: torch.Tensor) -> bool:
-        pages = engine.reserved_pages(request_id)
+    def allowed(request_id: str, layer: int, dst: torch.Tensor) -> bool:
+        pages = engine.reserved_pages(request_id, chunked=layer in capped)
         if pages is None or len(dst) == 0:
             return False
         return bool(torch.isin(dst // page_size, torch.as_tensor(pages)).all())

@@ -64,8 +64,8 @@ class EngineConfig:
     decode_graphs: str = "auto"
     attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | cuda | torch
     # chunked layers (Llama 4) keep only their chunk's KV, in a pool of their own
-    # (shared/kv/chunk_cache.py): engines of any T x P shape without a KV handoff.
-    # None: wherever that holds; True: required; False: never
+    # (shared/kv/chunk_cache.py): engines of any T x P shape that push no KV (decode workers
+    # and engines without a handoff). None: wherever that holds; True: required; False: never
     cap_chunked_kv: bool | None = None
     # full pages of computed KV stay cached after their requests (shared/kv/prefix_cache.py):
     # a request computes only its uncached suffix. Not with capped chunked layers (their
@@ -125,8 +125,8 @@ class EngineConfig:
         if self.cap_chunked_kv and not self._can_cap_chunked_kv:
             raise InvalidRequestError(
                 "cap_chunked_kv",
-                "a capped chunked-layer pool is built for engines without a KV handoff only "
-                "(no kv_push, no kv_shm_path: the handoff moves one page list)",
+                "a capped chunked-layer pool is built for engines that push no KV only "
+                "(not with kv_push: a prefill worker writes whole page lists)",
             )
         if self.resident_codec:
             self._check_resident_codec()
@@ -158,7 +158,7 @@ class EngineConfig:
 
     @property
     def _can_cap_chunked_kv(self) -> bool:
-        return not self.kv_push and self.kv_shm_path is None
+        return not self.kv_push
 
     @property
     def caps_chunked_kv(self) -> bool:

@@ -48,6 +48,19 @@ class StepOutput:
         return self.request.finished
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """The pages a decode engine holds for a prompt that a prefill worker computes (`reserve`):
+    the prefill worker writes the prompt's KV there, but for the first `cached_tokens` tokens
+    (the decode engine's cached prefix). With capped chunked layers, theirs go to
+    chunk_page_ids, which hold logical pages chunk_first_page on: the prompt's last chunk."""
+
+    page_ids: tuple[int, ...]
+    cached_tokens: int
+    chunk_page_ids: tuple[int, ...] = ()
+    chunk_first_page: int = 0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, extra_eos_ids: frozenset[int] = frozenset()):
         self.config = config
@@ -117,12 +130,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         background: bool = False,
-    ) -> tuple[list[int], int] | None:
+    ) -> Reservation | None:
         """Decode side of a handoff: holds pages for the prompt's KV, which a prefill worker
-        writes. Returns (the page ids, how many of the prompt's tokens they hold already: its
-        cached prefix, which the prefill worker must not write), or None when the pool cannot
-        hold it now. background: a batch request (Request.background), should it compute its
-        prompt here (start_local)."""
+        writes; None when the pools cannot hold it now. background: a batch request
+        (Request.background), should it compute its prompt here (start_local)."""
         req = self._new_request(request_id, prompt_token_ids, params)
         req.background = background
         self.grammars.add(req)  # before the pages: it raises on a grammar it cannot compile
@@ -130,18 +141,43 @@ class LLMEngine:
             self.grammars.drop(request_id)
             return None
         self.requests[request_id] = req
-        return list(req.page_ids), req.num_computed_tokens
+        return _reservation(req)
 
-    def reservation(self, request_id: str) -> tuple[list[int], int] | None:
+    def reservation(self, request_id: str) -> Reservation | None:
         """What `reserve` returned for a request whose KV has not arrived yet; None otherwise."""
         req = self.scheduler.reserved.get(request_id)
-        return None if req is None else (list(req.page_ids), req.num_computed_tokens)
+        return None if req is None else _reservation(req)
 
-    def reserved_pages(self, request_id: str) -> list[int] | None:
+    def reserved_pages(self, request_id: str, chunked: bool = False) -> list[int] | None:
         """Pages a prefill worker may write for a reserved request whose KV has not arrived
-        yet (not those of its cached prefix: other requests read them); None otherwise."""
+        yet (not those of its cached prefix: other requests read them), those of the capped
+        chunked layers if `chunked`; None otherwise."""
         req = self.scheduler.reserved.get(request_id)
-        return None if req is None else req.page_ids[req.num_cached_pages :]
+        if req is None:
+            return None
+        return list(req.chunk_page_ids) if chunked else req.page_ids[req.num_cached_pages :]
+
+    @property
+    def capped_layers(self) -> tuple[int, ...]:
+        """The chunked layers whose KV is capped to their chunk (shared/kv/chunk_cache.py)."""
+        if self.chunk is None:
+            return ()
+        kinds = enumerate(a.mask.kind for a in self.model_config.layer_attention)
+        return tuple(i for i, kind in kinds if kind == CHUNKED)
+
+    def handoff_bytes(self, request_id: str) -> int:
+        """KV bytes a prefill worker writes for a reserved request: every layer's of the tokens
+        after its cached prefix, the capped chunked layers' from their first page on."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return 0
+        spec, new = self.kv_spec, req.num_prompt_tokens - req.num_computed_tokens
+        window = max(0, req.num_prompt_tokens - req.chunk_first_page * spec.page_size)
+        capped = self.capped_layers
+        return sum(
+            (window if i in capped else new) * spec.layer_token_bytes(i)
+            for i in range(spec.num_layers)
+        )
 
     def start_remote(
         self,
@@ -377,15 +413,16 @@ def _pool_sizes(config: EngineConfig, cfg: ModelConfig, spec, chunk: int | None)
     num_pages = config.num_pages or _pages_for_memory(config, cfg, spec.dtype)
     if chunk is None:
         return num_pages or spec.pages_for_budget(config.kv_cache_bytes), None
-    S = config.page_size
-    per_seq = chunk_pages_per_seq(chunk, S, config.max_num_batched_tokens)
-    first, end = rank_layers(config.parallel, 0, cfg.num_layers)  # rank 0's stage sizes all
-    chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end])
-    layer_page = spec.page_size_bytes // spec.num_layers  # every layer's KV is alike
+    per_seq = chunk_pages_per_seq(chunk, config.page_size, config.max_num_batched_tokens)
     if num_pages:
         return num_pages, min(per_seq * config.max_num_seqs, num_pages)
-    full_bytes, chunk_bytes = (spec.num_layers - chunked) * layer_page, chunked * layer_page
-    return pool_sizes(full_bytes, chunk_bytes, config.kv_cache_bytes, per_seq, config.max_num_seqs)
+    shape, layer_page = config.parallel, spec.page_size_bytes // spec.num_layers  # layers alike
+    stages = []  # each stage's (main, chunked) page bytes on a rank: its layers of each kind
+    for stage in range(shape.pp):
+        first, end = rank_layers(shape, stage * shape.tp, cfg.num_layers)
+        chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end])
+        stages.append(((end - first - chunked) * layer_page, chunked * layer_page))
+    return pool_sizes(stages, config.kv_cache_bytes, per_seq, config.max_num_seqs)
 
 
 def _pages_for_memory(config: EngineConfig, cfg: ModelConfig, dtype) -> int | None:
@@ -436,3 +473,12 @@ def _logprobs(samples, row: int, token_id: int, n: int) -> TokenLogprob:
         ids = tuple(samples.top_logprob_ids[row, :n].tolist())
         values = tuple(samples.top_logprobs[row, :n].tolist())
     return TokenLogprob(token_id, float(samples.logprobs[row]), ids, values)
+
+
+def _reservation(req: Request) -> Reservation:
+    return Reservation(
+        tuple(req.page_ids),
+        req.num_computed_tokens,
+        tuple(req.chunk_page_ids),
+        req.chunk_first_page,
+    )

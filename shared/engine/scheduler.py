@@ -81,17 +81,29 @@ class Scheduler:
         this engine, start_local). All or nothing, and never pages that the waiting requests
         need to be admitted first (a preempted one would otherwise starve while new
         reservations took its room). With a prefix cache, the pages of the prompt's cached
-        prefix are held as they are, counted computed: only the rest is to be written."""
+        prefix are held as they are, counted computed: only the rest is to be written. With
+        capped chunked layers, their pages from the window of the first decoded token on too
+        (the prompt's last chunk, which the prefill worker writes there)."""
         cached = self._cached_prefix(req, computes_prompt=False)
         own = max(0, self._admission_pages(req) - len(cached))
         taken = self.cache.num_free_among(cached) if cached else 0
         waiting = sum(map(self._admission_pages, self.waiting))
-        if not self.allocator.can_allocate(own + taken + waiting):
+        window = self._decode_window(req)
+        if not self._can_allocate(own + taken + waiting, window[1] - window[0]):
             return False
         self._start_on(req, cached)
         req.page_ids += self.allocator.allocate(own)
+        req.chunk_first_page = window[0]
+        self._allocate_chunk(req, window[1] - window[0])
         self.reserved[req.request_id] = req
         return True
+
+    def _decode_window(self, req: Request) -> tuple[int, int]:
+        """[first, end) logical pages a capped chunked layer holds for req's first decode
+        step (its prompt's chunk and the token sampled from it); (0, 0) when none is capped."""
+        if self.chunk_allocator is None:
+            return 0, 0
+        return chunk_window(req.num_tokens, req.num_tokens + 1, self.chunk, self.page_size)
 
     def _admission_pages(self, req: Request) -> int:
         """Pages req needs to join the batch, beyond those it holds (a reserved request holds
@@ -106,6 +118,8 @@ class Scheduler:
         del self.reserved[req.request_id]
         if not computed and req.num_computed_tokens and req.needs_prompt_logprobs:
             self._release(req)  # admitted again as a new request
+        if not computed:
+            self._free_chunk(req)  # the prompt's first chunks come first: pages as they go
         if computed:
             self.running.append(req)
         else:

@@ -10,7 +10,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.graphs import scratch_pages
 from shared.kv.cache import KVCache
-from shared.kv.chunk_cache import SplitKVCache
+from shared.kv.chunk_cache import SplitKVCache, chunk_shm_path
 from shared.kv.spec import KVSpec, MHAKVSpec, MLAKVSpec
 from shared.models.config import ModelConfig
 from shared.models.layer_attention import CHUNKED
@@ -47,19 +47,31 @@ def rank_kv_spec(spec: KVSpec, shape: ParallelConfig, rank: int) -> KVSpec:
 
 
 def rank_pools(
-    spec: KVSpec, shape: ParallelConfig, shm_path: Path | None, handles: tuple[bytes, ...] = ()
+    spec: KVSpec,
+    shape: ParallelConfig,
+    shm_path: Path | None,
+    handles: tuple[bytes, ...] = (),
+    capped: tuple[int, ...] = (),
 ) -> tuple[KVRankPool, ...]:
     """Each rank's layers, units and pool: its file (CPU pools in shared memory), or its CUDA
-    IPC handle (GPU pools, `handles` in rank order): a decode worker's KVPool.ranks."""
-    return tuple(
-        KVRankPool(
-            rank_layers(shape, rank, spec.num_layers),
-            spec.rank_units(rank % shape.tp, shape.tp),
-            "" if shm_path is None else str(rank_shm_path(shm_path, rank)),
-            handles[rank] if handles else b"",
+    IPC handle (GPU pools, `handles` in rank order): a decode worker's KVPool.ranks. `capped`:
+    the global layers whose KV is capped to their chunk, in a pool (file) of their own."""
+    pools = []
+    for rank in range(shape.world_size):
+        first, end = rank_layers(shape, rank, spec.num_layers)
+        path = rank_shm_path(shm_path, rank)
+        chunked = tuple(layer for layer in capped if first <= layer < end)
+        pools.append(
+            KVRankPool(
+                (first, end),
+                spec.rank_units(rank % shape.tp, shape.tp),
+                "" if path is None else str(path),
+                handles[rank] if handles else b"",
+                chunked,
+                str(chunk_shm_path(path)) if chunked and path is not None else "",
+            )
         )
-        for rank in range(shape.world_size)
-    )
+    return tuple(pools)
 
 
 def rank_shm_path(path: Path | None, rank: int) -> Path | None:
@@ -107,11 +119,14 @@ def build_shard(
     else:
         first, end = rank_layers(config.parallel, rank, cfg.num_layers)  # the stage's layers
         chunked = tuple(a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end])
-        kv = SplitKVCache(spec, chunked, num_pages, num_chunk_pages, device)
+        shm = rank_shm_path(config.kv_shm_path, rank)
+        kv = SplitKVCache(spec, chunked, num_pages, num_chunk_pages, device, shm)
+    capped = "" if num_chunk_pages is None else f", chunked layers capped: {num_chunk_pages} pages"
     log.info(
-        "rank %d: KV pool of %d pages (%.0f MiB) in %.2f s",
+        "rank %d: KV pool of %d pages%s (%.0f MiB) in %.2f s",
         rank,
         num_pages,
+        capped,
         kv.nbytes / 2**20,
         time.perf_counter() - loaded,
     )

@@ -33,6 +33,9 @@ class KVCache:
             self.data = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         elif self.shm_path is None:
             self.data = zeroed_pages(shape, spec.dtype)
+        elif math.prod(shape) == 0:  # no layer here (a stage of capped chunked layers only)
+            self.shm_path.touch()  # its file all the same: a peer looks for it
+            self.data = torch.zeros(shape, dtype=spec.dtype)
         else:
             # shared=True maps the file MAP_SHARED: writes by any process are seen by all
             self.data = torch.from_file(
@@ -55,6 +58,8 @@ class KVCache:
 
 def map_pool(path: str | Path, spec: KVSpec) -> torch.Tensor:
     """Another process's pool file, mapped shared (writes land in its pool), shaped by `spec`."""
+    if spec.num_layers == 0:  # an empty pool's file (KVCache)
+        return torch.zeros(spec.pool_shape(0), dtype=spec.dtype)
     num_pages = spec.pages_in(Path(path).stat().st_size)
     shape = spec.pool_shape(num_pages)
     return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=spec.dtype).view(

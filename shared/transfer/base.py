@@ -8,6 +8,7 @@ them, and the decode worker's `KVPool` (shared/protocol.py) says which of its ra
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -29,6 +30,15 @@ class KVTarget:
     page_ids: tuple[int, ...]  # decode pages, in token order
     pool: KVPool  # the decode worker's pool (DecodeAssignReplyMsg.kv)
     transport: str  # the sender that reaches it (shm | tcp | dist | cuda_ipc)
+    # the decode worker's capped chunked layers (KVRankPool.chunked_layers): their pages,
+    # logical pages chunk_first_page on; only the tokens from that page on go there
+    chunk_page_ids: tuple[int, ...] = ()
+    chunk_first_page: int = 0
+
+    @cached_property
+    def capped(self) -> frozenset[int]:
+        """The global layers whose KV goes to chunk_page_ids."""
+        return frozenset(layer for rank in self.pool.ranks for layer in rank.chunked_layers)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,10 @@ class KVHandoff:
         if pool.layout != self.spec.layout:
             raise ValueError(f"KV layout {pool.layout} != this worker's {self.spec.layout}")
         same_host = pool.host == self.host and all(
-            rank.shm and Path(rank.shm).exists() for rank in pool.ranks
+            rank.shm
+            and Path(rank.shm).exists()
+            and (not rank.chunk_shm or Path(rank.chunk_shm).exists())
+            for rank in pool.ranks
         )
         if same_host and self.transport in ("auto", shm.NAME):
             return shm.NAME
@@ -111,17 +114,31 @@ class KVHandoff:
             f"{pool.dist or 'none'}; is a KV secret set?)"
         )
 
-    def add(self, request_id: str, page_ids, pool: KVPool | None, held: int = 0) -> None:
+    def add(
+        self,
+        request_id: str,
+        page_ids,
+        pool: KVPool | None,
+        held: int = 0,
+        chunk_page_ids=(),
+        chunk_first_page: int = 0,
+    ) -> None:
         """Rank 0: registers a request's destination, whose pages hold the KV of its first
-        `held` tokens already (the decode worker's cached prefix: never sent); ValueError if no
+        `held` tokens already (the decode worker's cached prefix: never sent), and where the
+        decode worker caps chunked layers, their pages (KVTarget's); ValueError if no
         transport reaches it."""
         if pool is None:
             raise ValueError("the decode worker sent no KV pool")
-        target = KVTarget(request_id, tuple(page_ids), pool, self.transport_to(pool))
+        target = KVTarget(
+            request_id, tuple(page_ids), pool, self.transport_to(pool),
+            tuple(chunk_page_ids), chunk_first_page,
+        )  # fmt: skip
         self.targets[request_id] = target
         self._sent[request_id] = (held, held)
         if self.announces:
-            self._new[request_id] = [list(page_ids), to_plain(pool), held]
+            self._new[request_id] = [
+                list(page_ids), to_plain(pool), held, list(chunk_page_ids), chunk_first_page,
+            ]  # fmt: skip
 
     def plan_extras(self, out) -> dict:
         """Rank 0: what the other ranks learn with this step's plan."""
@@ -134,11 +151,14 @@ class KVHandoff:
         for rid in push.get("gone", ()):
             self.targets.pop(rid, None)
             self._sent.pop(rid, None)
-        for rid, (pages, plain, held) in push.get("new", {}).items():
+        for rid, (pages, plain, held, chunk_pages, chunk_first) in push.get("new", {}).items():
             pool = from_plain(KVPool, plain)
             self._sent[rid] = (held, held)
             try:
-                self.targets[rid] = KVTarget(rid, tuple(pages), pool, self.transport_to(pool))
+                transport = self.transport_to(pool)
+                self.targets[rid] = KVTarget(
+                    rid, tuple(pages), pool, transport, tuple(chunk_pages), chunk_first
+                )
             except ValueError as e:  # rank 0 reached it: the decode worker's byte count tells
                 log.warning("request %s: %s", rid, e)
 
@@ -150,9 +170,11 @@ class KVHandoff:
         if layer == self.layers[0]:  # the first layer of a step: work out its slots once
             self._step = self._step_slots(out)
         if self.writes:
-            for rid, (target, src, dst, _) in self._step.items():
+            for rid, (target, full, chunked, _) in self._step.items():
                 if rid not in self.errors:
-                    self._send(target, layer, src, dst)
+                    src, dst = chunked if layer in target.capped else full
+                    if len(dst):
+                        self._send(target, layer, src, dst)
         if layer == self.layers[1] - 1:
             for target, _, _, last in self._step.values():
                 if last:
@@ -188,7 +210,9 @@ class KVHandoff:
         """Source and destination slots of every pushed request's tokens not sent yet, up to
         this step's end: this step's, and with its first chunk the prefix it found cached
         (computed by earlier requests, already in this rank's pages); never those the decode
-        worker's pages hold already (its own cached prefix, shared with other requests)."""
+        worker's pages hold already (its own cached prefix, shared with other requests).
+        Separately those of the decode worker's capped chunked layers: the same tokens from
+        its first chunked page on, into those pages."""
         step = {}
         for s in out.scheduled:
             target = self.targets.get(s.request.request_id)
@@ -198,11 +222,24 @@ class KVHandoff:
                 start = max(held, min(sent, s.start))  # min: recomputed after a preemption
                 if start >= end:  # this chunk's tokens are all there already
                     continue
-                src = self.spec.slots(s.request.page_ids, start, end)
-                dst = self.spec.slots(target.page_ids, start, end)
-                step[rid] = (target, src, dst, s.samples)
+                pages = s.request.page_ids
+                full = (
+                    self.spec.slots(pages, start, end),
+                    self.spec.slots(target.page_ids, start, end),
+                )
+                chunked = None
+                if target.chunk_page_ids:
+                    first = max(start, target.chunk_first_page * self.spec.page_size)
+                    chunked = self._chunk_slots(pages, target, first, max(first, end))
+                step[rid] = (target, full, chunked, s.samples)
                 self._sent[rid] = (held, end)
         return step
+
+    def _chunk_slots(self, pages, target: KVTarget, start: int, end: int):
+        """(source, destination) slots of tokens [start, end) of a capped chunked layer."""
+        shift = target.chunk_first_page * self.spec.page_size  # dst: counted from its first page
+        dst = self.spec.slots(target.chunk_page_ids, start - shift, end - shift)
+        return self.spec.slots(pages, start, end), dst
 
     def finish(self, request_id: str) -> str | None:
         """Rank 0, once the request's last chunk came back: None, or why its KV is not all in

@@ -20,15 +20,16 @@ log = logging.getLogger(__name__)
 
 
 class KVInbox:
-    """Writes frames into `pools`; `allowed(request_id, slots)` says whether the slots belong
-    to pages reserved for the request. Thread-safe: frames of different pairs land in
-    different slots or units, and the counters are locked."""
+    """Writes frames into `pools`; `allowed(request_id, layer, slots)` says whether the slots
+    belong to pages reserved for the request (for that layer: capped chunked layers have their
+    own). Thread-safe: frames of different pairs land in different slots or units, and the
+    counters are locked."""
 
     def __init__(
         self,
         spec: KVSpec,
         pools: list[MappedPool],
-        allowed: Callable[[str, torch.Tensor], bool],
+        allowed: Callable[[str, int, torch.Tensor], bool],
     ):
         self.spec = spec  # the whole model's
         self.pools = pools
@@ -60,7 +61,7 @@ class KVInbox:
         """Writes one frame: `slots` (n,) int64, `payload` its bytes as (payload_bytes,) uint8;
         `started` is when its body began to arrive (time.perf_counter). Drops it if its slots
         lie outside the request's pages (a request cancelled while its KV was on the way)."""
-        if not self.allowed(request_id, slots.cpu()):
+        if not self.allowed(request_id, layer, slots.cpu()):
             log.warning("dropped a KV frame of layer %d outside request %r's pages", layer,
                         request_id)  # fmt: skip
             return

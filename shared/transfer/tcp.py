@@ -34,7 +34,7 @@ MAX_HEADER = 1 << 24
 
 class TcpKVServer:
     """Decode side: accepts authenticated peers and writes their frames into the pools of the
-    worker's ranks. `allowed(request_id, slots)` says whether the slots belong to pages
+    worker's ranks. `allowed(request_id, layer, slots)` says whether the slots belong to pages
     reserved for it; a frame that is not allowed is read and dropped (a request cancelled while
     its KV was on the way), and the connection goes on."""
 
@@ -43,7 +43,7 @@ class TcpKVServer:
         spec: KVSpec,
         pools: list[MappedPool],
         secret: bytes,
-        allowed: Callable[[str, torch.Tensor], bool],
+        allowed: Callable[[str, int, torch.Tensor], bool],
     ):
         self.spec = spec  # the whole model's
         self.pools = pools
@@ -103,7 +103,7 @@ class TcpKVServer:
         rid = str(header["r"])
         slots = torch.frombuffer(bytearray(header["s"]), dtype=torch.int64)
         layer, units = int(header["l"]), tuple(header["u"])
-        if not 0 <= layer < self.spec.num_layers or not self.allowed(rid, slots):
+        if not 0 <= layer < self.spec.num_layers or not self.allowed(rid, layer, slots):
             log.warning("dropped a KV frame of layer %d outside request %r's pages", layer, rid)
             return
         shape = self.spec.payload_shape(layer, len(slots), units)
