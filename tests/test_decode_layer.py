@@ -22,6 +22,8 @@ VARIANTS = {  # family, overrides: each flag of the layer that the C code branch
     "q/k norms": ("qwen3", {}),
     "sliding window": ("mistral", {"sliding_window": 8}),
     "tied embeddings": ("llama_tied", {}),
+    # not a multiple of 32: padded at load (models/packing.py), as the bundled model's 688
+    "intermediate 80": ("llama", {"intermediate_size": 80}),
 }
 MOE_VARIANTS = {  # moe.c: softmax top-k, renormalised or not, beside dense layers or not
     "mixtral": ("mixtral", {}),

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kernels.cpu import library
-from kernels.cpu.linear import linear_fits
+from kernels.cpu.linear import LINEAR_K_ALIGN, linear_fits
 from shared.models.layers import cpu_linear, fp8_weights
 from shared.models.layers.embedding import ParallelLMHead
 from shared.models.layers.linear import LinearBase
@@ -21,6 +21,10 @@ def prepare_cpu_linears(model: nn.Module) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     kernels = library.usable(torch.zeros(1, dtype=torch.bfloat16))
     onednn = cpu_linear.onednn_bf16()
+    if kernels:
+        for module in model.modules():
+            if hasattr(module, "fused_parts"):
+                pad_intermediate(**module.fused_parts())
     for module in model.modules():
         if isinstance(module, FusedMoE):
             module.c_linear = kernels and linear_fits(module.w13[0]) and linear_fits(module.w2[0])
@@ -38,6 +42,38 @@ def prepare_cpu_linears(model: nn.Module) -> None:
     for module in model.modules():  # decoder stacks whose linears all take the C linear
         if hasattr(module, "prepare_fused_decode"):
             module.prepare_fused_decode()
+
+
+def pad_intermediate(gate_up=None, down=None, **routed) -> None:
+    """A dense SwiGLU MLP whose intermediate size I the C linear cannot take as down's input
+    features (not a multiple of LINEAR_K_ALIGN: the bundled model's 688) gets it padded to the
+    next multiple: zero rows at the end of gate's and of up's halves of gate_up (whose outputs
+    there are 0, and silu(0) * 0 = 0) and zero columns at the end of down, which meet those
+    zeros. The outputs are the same numbers; every linear then runs on the C linear, and decode
+    steps in one call (layers/decode_layer.py). gate_up (2I, H), down (H, I): one TP rank's."""
+    if gate_up is None or down is None or resident(gate_up) or resident(down):
+        return  # routed experts (their own matrices), or weights decoded anew before each use
+    size = down.weight.shape[1]
+    padded = -(-size // LINEAR_K_ALIGN) * LINEAR_K_ALIGN
+    if padded == size or down.weight.dtype != torch.bfloat16 or gate_up.weight.shape[0] != 2 * size:
+        return
+    halves = gate_up.weight.data.view(2, size, -1)
+    wide = torch.zeros(2, padded, halves.shape[2], dtype=halves.dtype)
+    wide[:, :size] = halves
+    _replace(gate_up, "weight", wide.view(2 * padded, -1))
+    if gate_up.bias is not None:
+        bias = torch.zeros(2, padded, dtype=gate_up.bias.dtype)
+        bias[:, :size] = gate_up.bias.data.view(2, size)
+        _replace(gate_up, "bias", bias.view(-1))
+    cols = torch.zeros(down.weight.shape[0], padded, dtype=down.weight.dtype)
+    cols[:, :size] = down.weight.data
+    _replace(down, "weight", cols)
+
+
+def _replace(module: nn.Module, name: str, data: torch.Tensor) -> None:
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader = getattr(module, name).weight_loader
+    setattr(module, name, param)
 
 
 def resident(module: nn.Module) -> bool:
