@@ -1,8 +1,12 @@
 """Where the engine runs: EngineConfig.device (the CPU only, for now) and the attention
 backend chosen once per engine from device, dtype and the C kernels (or forced)."""
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kernels.cpu import library
 from shared.engine import device as devices
@@ -100,3 +104,30 @@ def test_the_shared_memory_pool_is_a_cpu_pool(tmp_path):
     with pytest.raises(ValueError, match="shared memory is a CPU pool"):
         KVCache(spec, 2, tmp_path / "pool", device="meta")
     assert KVCache(spec, 2, device="cpu").data.device.type == "cpu"
+
+
+def test_a_float16_checkpoint_runs_in_bfloat16_on_a_cpu(tiny_llama, tmp_path):
+    """dtype auto: a float16 checkpoint runs in bfloat16 on a CPU (vLLM's CPU rule; torch has
+    no fast float16 matmul there and the C kernels take bfloat16), its tokens those of the same
+    weights stored in bfloat16; asked for by name, float16 stays float16."""
+    tensors = load_file(tiny_llama / "model.safetensors")
+    config = json.loads((tiny_llama / "config.json").read_text())
+    folders = {}
+    for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        folder = folders[name] = tmp_path / name
+        shutil.copytree(tiny_llama, folder)
+        half = {k: v.to(torch.float16).to(dtype) for k, v in tensors.items()}
+        save_file(half, folder / "model.safetensors")
+        stored = {**config, "dtype": name, "torch_dtype": name}
+        (folder / "config.json").write_text(json.dumps(stored))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for name, folder in folders.items():
+        engine = new_engine(folder, dtype="auto")
+        assert engine.dtype == torch.bfloat16 and engine.model.model.fused is not None
+        reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(make_prompts())]
+        run_all(engine)
+        outputs[name] = [r.output_token_ids for r in reqs]
+    assert outputs["float16"] == outputs["bfloat16"]
+    config = EngineConfig(model_dir=folders["float16"], dtype="float16")
+    assert config.torch_dtype("float16") == torch.float16

@@ -22,7 +22,8 @@ GRAPH_MODES = ("auto", "on", "off")  # EngineConfig.decode_graphs
 class EngineConfig:
     model_dir: Path
     dtype: str = (
-        "auto"  # float32 | bfloat16 | float16 | auto (the checkpoint's, float32 if unknown)
+        "auto"  # float32 | bfloat16 | float16 | auto (the checkpoint's, float32 if unknown;
+        # a float16 checkpoint runs in bfloat16 on a CPU: torch_dtype)
     )
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # memory budget of the KV pool
@@ -191,6 +192,10 @@ class EngineConfig:
         return {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}
 
     def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:
-        if self.dtype == "auto":
-            return DTYPES.get(checkpoint_dtype, torch.float32)
-        return DTYPES[self.dtype]
+        """The dtype the model runs in. auto: the checkpoint's, but bfloat16 for a float16
+        checkpoint on a CPU, as vLLM's CPU backend does: CPUs have no fast float16 matmul, and
+        Tison's kernels take bfloat16 and float32 (float16's range fits bfloat16's)."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        dtype = DTYPES.get(checkpoint_dtype, torch.float32)
+        return torch.bfloat16 if dtype == torch.float16 and not self.on_gpu else dtype
