@@ -100,6 +100,9 @@ def test_a_tp_rank_from_a_peer_holds_the_shard_of_the_disk_load(folders, servers
     disk = Checkpoint.open(folders[kind])
     decoded = sum(_nbytes(disk.get(name)) for name in disk.names())
     assert 0.45 * decoded < peer.bytes_received < 0.55 * decoded
+    # the first layer's narrows wait a round trip; the later layers' were asked ahead
+    layers = ModelConfig.from_dir(folders[kind]).num_layers
+    assert layers >= 2 and peer.round_trips <= peer.narrows / layers + 2, peer.round_trips
 
 
 def test_a_slice_outside_the_tensor_is_refused_and_the_server_serves_on(servers):

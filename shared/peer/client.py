@@ -13,10 +13,13 @@ stop reading and TCP holds the peer back.
 
 A TP rank (`sliced`) owns only part of most tensors, so it gets PeerSlices instead: its
 weight_loaders narrow them as they narrow a folder's lazy TensorSlices, and each narrow asks
-the peer for just those rows or columns (one round trip each, raw bytes on the wire: 1/tp of a
-sharded tensor instead of all of it)."""
+the peer for just those rows or columns (raw bytes on the wire: 1/tp of a sharded tensor
+instead of all of it). The same rows or columns of the tensors of the same name in the next
+layers and experts are asked for with it (ahead.py), so most narrows find their answer on the
+way instead of waiting a round trip each."""
 
 import contextlib
+import math
 import queue
 import re
 import socket
@@ -32,6 +35,7 @@ from shared.codec.tensor import decode_tensors
 from shared.errors import ModelFolderError, WeightsPeerError
 from shared.parallel.pipeline import PPStage
 from shared.peer import wire
+from shared.peer.ahead import Answers, Siblings, pattern
 from shared.transfer import auth
 
 BATCH_BYTES = 8 << 20
@@ -111,9 +115,13 @@ class PeerCheckpoint:
         self.source = f"weights peer {endpoint}"
         self.num_threads = num_threads
         self.bytes_received = 0
+        self.narrows = self.round_trips = 0  # sliced: narrows, and those not asked ahead
         native.keep_freed_memory()  # payloads and decoded tensors reuse freed memory, unfaulted
         self._control = self._connect(secret)  # the index; slices; tensors asked out of order
+        self._answers = Answers(self._control, self.receive)
         self._stream: _Stream | None = None
+        self._siblings: Siblings | None = None  # sliced: the tensors whose slices are guessed
+        self._narrows: dict[str, set] = {}  # a pattern -> the (dim, start, length) narrowed
         try:
             index, _ = request(self._control, {"op": "index"})
             self._names = [str(n) for n in index["tensors"]]
@@ -121,6 +129,9 @@ class PeerCheckpoint:
             self._order = (
                 {} if sliced else {n: i for i, n in enumerate(n for n in self._names if wanted(n))}
             )  # position in the stream of each tensor it carries
+            if sliced:
+                shapes = {name: shape for name, (_, shape) in self._meta.items()}
+                self._siblings = Siblings(self._names, shapes, wanted)
             stream = None if sliced else self._connect(secret)
         except BaseException as e:
             self._control.close()
@@ -164,14 +175,46 @@ class PeerCheckpoint:
 
     def get_many(self, names: list[str]) -> list[torch.Tensor]:
         """The tensors, asked for in one request on the control connection (not the stream)."""
-        wire.send_frame(self._control, {"op": "tensors", "names": list(names)})
-        return self.decode([self.receive(self._control) for _ in names])
+        keys = [("tensor", name) for name in names]
+        self._answers.ask({"op": "tensors", "names": list(names)}, keys)
+        return self.decode([self._answers.take(key) for key in keys])
 
     def narrowed(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        """Rows or columns [start, start + length) of dimension dim of a tensor."""
-        ask = {"op": "slice", "name": name, "dim": dim, "start": start, "length": length}
-        wire.send_frame(self._control, ask)
-        return self.decode([self.receive(self._control)])[0]
+        """Rows or columns [start, start + length) of dimension dim of a tensor; the same of
+        its siblings are asked for ahead (ahead.py)."""
+        dim %= len(self._meta[name][1])
+        key = ("slice", name, dim, start, length)
+        self.narrows += 1
+        if not self._answers.asked(key):
+            self.round_trips += 1
+            self._answers.ask(_slice_ask(key), [key])
+        if self._siblings is None:
+            return self.decode([self._answers.take(key)])[0]
+        narrows = self._narrows.setdefault(pattern(name), set())
+        narrows.add((dim, start, length))
+        self._guess(self._siblings.after(name), narrows)
+        order, at = self._siblings.order, self._siblings.order.get(name, 0)
+
+        def keep(k) -> bool:  # whole tensors, and slices of tensors the loader has not passed
+            return k[0] != "slice" or order.get(k[1], at) >= at
+
+        self._answers.drop(keep)
+        return self.decode([self._answers.take(key, keep)])[0]
+
+    def _guess(self, names: list[str], narrows: set) -> None:
+        """Asks for the narrows of the tensors `names`, in order, while there is room."""
+        for name in names:
+            dtype_name, shape = self._meta[name]
+            dtype = DTYPES_BY_NAME.get(str(dtype_name))
+            size = 1 if dtype is None else dtype.itemsize
+            for dim, start, length in sorted(narrows):
+                key = ("slice", name, dim, start, length)
+                if self._answers.asked(key):
+                    continue
+                nbytes = math.prod(shape) // max(shape[dim], 1) * length * size
+                if not self._answers.room(nbytes):
+                    return
+                self._answers.ask(_slice_ask(key), [key], nbytes)
 
     def receive(self, sock: socket.socket):
         try:
@@ -310,6 +353,11 @@ class _Stream:
         except OSError:
             pass
         self.sock.close()
+
+
+def _slice_ask(key: tuple) -> dict:
+    _, name, dim, start, length = key
+    return {"op": "slice", "name": name, "dim": dim, "start": start, "length": length}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
