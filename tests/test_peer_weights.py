@@ -22,6 +22,7 @@ from shared.models.loader import load_model
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 from shared.peer import wire
+from shared.peer.ahead import Siblings
 from shared.peer.client import PeerCheckpoint, connect, fetch_files, for_stage, request
 from shared.peer.server import WeightsServer
 from shared.sampling.params import SamplingParams
@@ -282,3 +283,19 @@ def test_a_peer_silent_mid_load_fails_the_load_after_the_read_timeout(folders):
         wait_until(lambda: not any(t.is_alive() for t in loader), 10, "the loader's threads to end")
     finally:
         server.close()
+
+
+def test_siblings_are_later_tensors_of_the_same_name_pattern_and_shape():
+    """What a narrow guesses for: the same tensor of the next layers and experts that the rank
+    loads, of the same shape (a dense layer's MLP beside a MoE layer's is not one)."""
+    names = [
+        "model.layers.0.mlp.experts.0.w1.weight", "model.layers.0.mlp.experts.1.w1.weight",
+        "model.layers.1.mlp.experts.0.w1.weight", "model.layers.2.mlp.experts.0.w1.weight",
+        "model.layers.3.mlp.experts.0.w1.weight", "model.norm.weight",
+    ]  # fmt: skip
+    shapes = {name: (8, 4) for name in names} | {names[3]: (16, 4), "model.norm.weight": (4,)}
+    siblings = Siblings(names, shapes, wanted=lambda n: ".layers.4." not in n)
+    assert siblings.after(names[0]) == [names[1], names[2], names[4]]
+    assert siblings.after(names[2]) == [names[4]] and siblings.after(names[3]) == []
+    stage = Siblings(names, shapes, wanted=lambda n: ".layers.3." not in n)
+    assert stage.after(names[1]) == [names[2]] and names[4] not in stage.order
