@@ -3,6 +3,7 @@ running the tiny model, driven by the official `openai` client. Outputs must equ
 `LLM.generate` token for token; KV pages move peer-to-peer, never over NATS."""
 
 import asyncio
+import contextlib
 
 import aiohttp
 import nats
@@ -23,6 +24,7 @@ from services_harness import (
     wait_pages_free,
 )
 
+STREAMS_DROPPED = 8
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"]
 
 
@@ -261,6 +263,9 @@ async def test_malformed_nats_messages_are_dropped_counted_and_served_through(
 
 
 async def test_client_disconnect_frees_pages_on_both_workers(cluster, tiny_llama):
+    """Streams that their clients drop mid-way: their pages come back. Several at once, so
+    that they decode for many heartbeats (one alone could end before the decode worker's next
+    one reports its pages in use)."""
     body = {
         "model": tiny_llama.name,
         "prompt": "Once upon a time",
@@ -268,12 +273,15 @@ async def test_client_disconnect_frees_pages_on_both_workers(cluster, tiny_llama
         "ignore_eos": True,
         "stream": True,
     }
-    async with aiohttp.ClientSession() as http:
-        async with http.post(cluster.base_url + "/v1/completions", json=body) as resp:
+    async with aiohttp.ClientSession() as http, contextlib.AsyncExitStack() as streams:
+        for _ in range(STREAMS_DROPPED):
+            resp = await streams.enter_async_context(
+                http.post(cluster.base_url + "/v1/completions", json=body)
+            )
             assert resp.status == 200
             await resp.content.readuntil(b"\n\n")
-            what = "the decode worker to report pages in use"
-            await wait_metric(cluster, "tison_kv_pages_used", lambda n: n > 0, what, "decode")
+        what = "the decode worker to report pages in use"
+        await wait_metric(cluster, "tison_kv_pages_used", lambda n: n > 0, what, "decode")
     await wait_pages_free(cluster)
     assert await metric(cluster, "tison_requests_running") == 0
 
