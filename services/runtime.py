@@ -1,6 +1,7 @@
 """How every service process runs: logging, uvloop where available, stop on SIGINT/SIGTERM."""
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
@@ -37,6 +38,17 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log_level: str
         log.error("%s", e)
         return 2
     return 0
+
+
+def freeze_heap() -> None:
+    """Moves every object alive once a service has started (torch, a worker's model modules:
+    ~190K of them there) out of the garbage collector's view, as vLLM does: a full collection
+    walks them all (~70-85 ms in a worker on a Zen 5 core), a stall of the decode loop or of
+    the gateway's streams whenever the collector decides to run one. What the service
+    allocates from here on is collected as before."""
+    gc.collect()
+    gc.freeze()
+    log.info("froze %d objects out of the garbage collector's view", gc.get_freeze_count())
 
 
 class TaskSet:

@@ -19,6 +19,7 @@ from services.gateway.openai_request import parse_chat, parse_completion
 from services.gateway.openapi import document
 from services.gateway.responses import ResponsesService
 from services.gateway.tokenize import detokenize, tokenize
+from services.runtime import freeze_heap
 from shared.errors import InvalidRequestError
 from shared.tokenizer.tokenizer import Tokenizer
 from shared.tool_calls import detect_parser, parser_for
@@ -220,6 +221,7 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
             config.port,
         )
         await batches.start()  # its runner posts to the routes above
+        freeze_heap()
         await stop.wait()
     finally:
         await batches.close()

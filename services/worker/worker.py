@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from services.nats_client import connect_nats
+from services.runtime import freeze_heap
 from services.worker.config import WorkerConfig
 from services.worker.decode import DecodeRole
 from services.worker.kv_events import KVEventsPublisher
@@ -77,6 +78,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
         shm_path = config.shm_dir / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     weights = await resolve_weights(config)
     engine = await asyncio.to_thread(build_engine, config, shm_path, weights)
+    freeze_heap()
     secret = config.kv_secret.encode() or None
     roles: list = []
     loop = EngineLoop(engine, lambda outputs: _dispatch(roles, outputs))
