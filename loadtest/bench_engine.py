@@ -7,7 +7,8 @@ before and after that very measure (the bandwidth of this shared machine drifts 
 minutes) by a C read probe (membw.c) on the same threads. It prints the CPU tier each kernel
 ran at; --isa runs it at a lower tier (as TISON_CPU_ISA does). `--model-kind moe` runs a
 Mixtral-shaped mixture of experts of the same size instead, against its active-bytes roofline
-(the experts a step's tokens chose, roofline.py).
+(the experts a step's tokens chose, roofline.py). Once both models are built, the process's
+objects are frozen out of the garbage collector's view, as a worker's are.
 
     python -m loadtest.bench_engine [--isa avx2] [--model-kind moe] [--threads 2] [--out f.json]
 """
@@ -15,6 +16,7 @@ Mixtral-shaped mixture of experts of the same size instead, against its active-b
 import argparse
 import ctypes
 import functools
+import gc
 import json
 import os
 import statistics
@@ -221,6 +223,10 @@ def main() -> None:
         engine = LLMEngine(config)
         tison_decode(engine, 1, 8, 4)  # warm-up
         hf_dtype, hf, trial = fastest_hf(folders, args.prompt_len)
+        # as a worker does once its engine is built (services/runtime.py freeze_heap): a full
+        # garbage collection of both models' objects would stall a step by ~80 ms, for either
+        gc.collect()
+        gc.freeze()
         rounds = [
             measure_round(engine, hf, args.prompt_len, args.new_tokens, flip=i % 2 == 1)
             for i in range(args.rounds)
