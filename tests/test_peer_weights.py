@@ -295,7 +295,12 @@ def test_siblings_are_later_tensors_of_the_same_name_pattern_and_shape():
     ]  # fmt: skip
     shapes = {name: (8, 4) for name in names} | {names[3]: (16, 4), "model.norm.weight": (4,)}
     siblings = Siblings(names, shapes, wanted=lambda n: ".layers.4." not in n)
-    assert siblings.after(names[0]) == [names[1], names[2], names[4]]
-    assert siblings.after(names[2]) == [names[4]] and siblings.after(names[3]) == []
+
+    def after(s, name, start=0):
+        return [n for _, n in s.after(name, start)]
+
+    assert after(siblings, names[0]) == [names[1], names[2], names[4]]
+    assert after(siblings, names[0], start=3) == [names[4]]  # positions in the group
+    assert after(siblings, names[2]) == [names[4]] and not after(siblings, names[3])
     stage = Siblings(names, shapes, wanted=lambda n: ".layers.3." not in n)
-    assert stage.after(names[1]) == [names[2]] and names[4] not in stage.order
+    assert after(stage, names[1]) == [names[2]] and names[4] not in stage.order

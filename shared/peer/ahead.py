@@ -11,7 +11,7 @@ passed its tensor (load_weights reads the tensors in the order of names())."""
 import re
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from shared.peer import wire
 
@@ -31,14 +31,21 @@ class Siblings:
     def __init__(self, names: list[str], shapes: dict[str, tuple], wanted: Callable[[str], bool]):
         self.order = {name: i for i, name in enumerate(n for n in names if wanted(n))}
         groups: dict[tuple, list[str]] = {}
+        self._place: dict[str, tuple[list[str], int]] = {}  # name -> (its group, its index)
         for name in self.order:
-            groups.setdefault((pattern(name), tuple(shapes[name])), []).append(name)
-        self._after = {
-            name: group[i + 1 :] for group in groups.values() for i, name in enumerate(group)
-        }
+            group = groups.setdefault((pattern(name), tuple(shapes[name])), [])
+            self._place[name] = (group, len(group))
+            group.append(name)
 
-    def after(self, name: str) -> list[str]:
-        return self._after.get(name, [])
+    def after(self, name: str, start: int = 0) -> Iterator[tuple[int, str]]:
+        """(position, name) of the later tensors of its group, from position `start` on at
+        the earliest, in order (lazily: a group of Kimi K2.5's expert tensors holds ~23K)."""
+        group, index = self._place.get(name, ([], 0))
+        return ((i, group[i]) for i in range(max(index + 1, start), len(group)))
+
+    def group_of(self, name: str) -> int:
+        """An id of the tensor's group (its pattern and shape)."""
+        return id(self._place[name][0]) if name in self._place else 0
 
 
 class Answers:
@@ -49,16 +56,18 @@ class Answers:
     def __init__(self, sock: socket.socket, receive: Callable):
         self.sock, self.receive = sock, receive
         self.pending: deque = deque()  # (key, bytes) of the frames asked for, in order
+        self.pending_keys: set = set()  # their keys
         self.ready: dict = {}  # key -> (its answer, bytes), read ahead
         self.waiting_bytes = 0  # of the pending and ready frames that were guesses
 
     def asked(self, key) -> bool:
-        return key in self.ready or any(k == key for k, _ in self.pending)
+        return key in self.ready or key in self.pending_keys
 
     def ask(self, header: dict, keys: list, guess_bytes: int = 0) -> None:
         """Sends the request; guess_bytes: the size of its one frame when it is a guess."""
         wire.send_frame(self.sock, header)
         self.pending.extend((key, guess_bytes) for key in keys)
+        self.pending_keys.update(keys)
         self.waiting_bytes += guess_bytes
 
     def room(self, nbytes: int) -> bool:
@@ -72,6 +81,7 @@ class Answers:
             if not self.pending:
                 raise KeyError(f"{key!r} was never asked for")
             got, nbytes = self.pending.popleft()
+            self.pending_keys.discard(got)
             answer = self.receive(self.sock)
             if got == key or keep(got):
                 self.ready[got] = (answer, nbytes)

@@ -122,6 +122,7 @@ class PeerCheckpoint:
         self._stream: _Stream | None = None
         self._siblings: Siblings | None = None  # sliced: the tensors whose slices are guessed
         self._narrows: dict[str, set] = {}  # a pattern -> the (dim, start, length) narrowed
+        self._cursor: dict[tuple, int] = {}  # (group, narrow) -> the next sibling to ask for
         try:
             index, _ = request(self._control, {"op": "index"})
             self._names = [str(n) for n in index["tensors"]]
@@ -192,7 +193,8 @@ class PeerCheckpoint:
             return self.decode([self._answers.take(key)])[0]
         narrows = self._narrows.setdefault(pattern(name), set())
         narrows.add((dim, start, length))
-        self._guess(self._siblings.after(name), narrows)
+        for narrow in sorted(narrows):
+            self._guess(name, narrow)
         order, at = self._siblings.order, self._siblings.order.get(name, 0)
 
         def keep(k) -> bool:  # whole tensors, and slices of tensors the loader has not passed
@@ -201,20 +203,22 @@ class PeerCheckpoint:
         self._answers.drop(keep)
         return self.decode([self._answers.take(key, keep)])[0]
 
-    def _guess(self, names: list[str], narrows: set) -> None:
-        """Asks for the narrows of the tensors `names`, in order, while there is room."""
-        for name in names:
-            dtype_name, shape = self._meta[name]
-            dtype = DTYPES_BY_NAME.get(str(dtype_name))
-            size = 1 if dtype is None else dtype.itemsize
-            for dim, start, length in sorted(narrows):
-                key = ("slice", name, dim, start, length)
-                if self._answers.asked(key):
-                    continue
+    def _guess(self, name: str, narrow: tuple[int, int, int]) -> None:
+        """Asks for `narrow` of the tensors after `name` in its group while there is room,
+        from the first one not asked for yet (`_cursor`: asking is O(1) a narrow)."""
+        dim, start, length = narrow
+        cursor = (self._siblings.group_of(name), narrow)
+        for position, sibling in self._siblings.after(name, self._cursor.get(cursor, 0)):
+            key = ("slice", sibling, dim, start, length)
+            if not self._answers.asked(key):
+                dtype_name, shape = self._meta[sibling]
+                dtype = DTYPES_BY_NAME.get(str(dtype_name))
+                size = 1 if dtype is None else dtype.itemsize
                 nbytes = math.prod(shape) // max(shape[dim], 1) * length * size
                 if not self._answers.room(nbytes):
                     return
                 self._answers.ask(_slice_ask(key), [key], nbytes)
+            self._cursor[cursor] = position + 1
 
     def receive(self, sock: socket.socket):
         try:
