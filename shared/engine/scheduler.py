@@ -118,11 +118,10 @@ class Scheduler:
         del self.reserved[req.request_id]
         if not computed and req.num_computed_tokens and req.needs_prompt_logprobs:
             self._release(req)  # admitted again as a new request
-        if not computed:
-            self._free_chunk(req)  # the prompt's first chunks come first: pages as they go
         if computed:
             self.running.append(req)
         else:
+            self._free_chunk(req)  # the prompt's first chunks come first: pages as they go
             self.add(req)
 
     def add(self, req: Request) -> None:

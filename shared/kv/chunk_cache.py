@@ -30,6 +30,17 @@ def chunk_shm_path(path: Path | None) -> Path | None:
     return None if path is None else path.with_name(f"{path.name}-chunked")
 
 
+def split_places(chunked) -> list[tuple[bool, int]]:
+    """Each layer's place in a split pool, from whether each is chunked (in layer order):
+    (chunked, its index among the layers of its kind)."""
+    counts = {True: 0, False: 0}
+    places = []
+    for c in chunked:
+        places.append((bool(c), counts[bool(c)]))
+        counts[bool(c)] += 1
+    return places
+
+
 class SplitKVCache:
     """The KV of one rank as two pools: `full` (layers that see the whole sequence, `num_pages`
     pages) and `chunked` (chunked layers, `num_chunk_pages`), each in its own /dev/shm file
@@ -46,7 +57,6 @@ class SplitKVCache:
     ):
         self.spec, self.num_pages, self.num_chunk_pages = spec, num_pages, num_chunk_pages
         self.device = torch.device(device)
-        self.layer_chunked = chunked
         num_chunked = sum(chunked)
         self.full = KVCache(
             replace(spec, num_layers=len(chunked) - num_chunked), num_pages, shm_path, device
@@ -54,11 +64,7 @@ class SplitKVCache:
         self.chunked = KVCache(
             replace(spec, num_layers=num_chunked), num_chunk_pages, chunk_shm_path(shm_path), device
         )
-        counts = {True: 0, False: 0}
-        self._where: list[tuple[KVCache, int]] = []
-        for c in chunked:
-            self._where.append((self.chunked if c else self.full, counts[c]))
-            counts[c] += 1
+        self._where = [(self.chunked if c else self.full, i) for c, i in split_places(chunked)]
 
     def layer(self, index: int) -> torch.Tensor:
         cache, i = self._where[index]

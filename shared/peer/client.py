@@ -120,7 +120,7 @@ class PeerCheckpoint:
         self._control = self._connect(secret)  # the index; slices; tensors asked out of order
         self._answers = Answers(self._control, self.receive)
         self._stream: _Stream | None = None
-        self._siblings: Siblings | None = None  # sliced: the tensors whose slices are guessed
+        self._siblings: Siblings | None = None  # sliced (PeerSlices): whose slices are guessed
         self._narrows: dict[str, set] = {}  # a pattern -> the (dim, start, length) narrowed
         self._cursor: dict[tuple, int] = {}  # (group, narrow) -> the next sibling to ask for
         try:
@@ -189,8 +189,6 @@ class PeerCheckpoint:
         if not self._answers.asked(key):
             self.round_trips += 1
             self._answers.ask(_slice_ask(key), [key])
-        if self._siblings is None:
-            return self.decode([self._answers.take(key)])[0]
         narrows = self._narrows.setdefault(pattern(name), set())
         narrows.add((dim, start, length))
         for narrow in sorted(narrows):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from shared.kv.cache import KVCache, map_pool
-from shared.kv.chunk_cache import SplitKVCache
+from shared.kv.chunk_cache import SplitKVCache, split_places
 from shared.kv.spec import KVSpec
 from shared.protocol import KVRankPool
 from shared.transfer.base import LayerKV
@@ -21,20 +21,18 @@ class MappedPool:
     data: torch.Tensor  # its pool tensor; split: its full layers' (spec.pool_shape of them)
     chunked: torch.Tensor | None = None  # split: its capped chunked layers' pool tensor
 
+    def __post_init__(self) -> None:
+        (first, end), capped = self.desc.layers, self.desc.chunked_layers
+        parts = {False: (self.data, self.spec)}  # a split pool: each part with its own spec
+        if capped:
+            parts[False] = (self.data, _part(self.spec, self.spec.num_layers - len(capped)))
+            parts[True] = (self.chunked, _part(self.spec, len(capped)))
+        places = split_places(layer in capped for layer in range(first, end))
+        self._where = [(*parts[chunked], index) for chunked, index in places]
+
     def where(self, layer: int) -> tuple[torch.Tensor, KVSpec, int]:
         """Global layer `layer`'s pool tensor, that tensor's spec and the layer's index in it."""
-        first = self.desc.layers[0]
-        capped = self.desc.chunked_layers
-        if not capped:
-            return self.data, self.spec, layer - first
-        if layer in capped:
-            return self.chunked, _part(self.spec, len(capped)), capped.index(layer)
-        below = sum(c < layer for c in capped)
-        return (
-            self.data,
-            _part(self.spec, self.spec.num_layers - len(capped)),
-            layer - first - below,
-        )
+        return self._where[layer - self.desc.layers[0]]
 
 
 def _part(spec: KVSpec, num_layers: int) -> KVSpec:
