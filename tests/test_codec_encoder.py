@@ -1,7 +1,7 @@
-"""The C encoder writes the reference's planes byte for byte whatever its thread count: its
-package-merge gives huffman.code_lengths' lengths, and tensors cut into chunks (boundaries
-mid-byte and mid-segment) give the planes of one chunk, for every coded dtype and awkward
-sizes."""
+"""The C encoder writes the reference's planes byte for byte whatever its thread count, into
+planes that start as garbage: its package-merge gives huffman.code_lengths' lengths, and
+tensors cut into chunks (boundaries mid-byte and mid-segment) give the planes of one chunk,
+for every coded dtype and awkward sizes."""
 
 import shutil
 import subprocess
@@ -27,6 +27,13 @@ CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
 @pytest.fixture
 def lib():
     return native.load()
+
+
+@pytest.fixture(autouse=True)
+def planes_start_as_garbage(monkeypatch):
+    """The encoder's planes come uninitialized (native.plane_buffer): here full of 0xA5, so
+    a byte the C encoder leaves unwritten differs from the reference's."""
+    monkeypatch.setattr(native, "plane_buffer", lambda n: np.full(n, 0xA5, dtype=np.uint8))
 
 
 def assert_same_planes(a, b) -> None:
@@ -88,6 +95,29 @@ def test_threads_write_the_planes_of_one_thread_and_of_the_reference(dtype, n, m
     monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 128)  # chunks of 128 elements and up
     for threads in (2, 3, 8, 64):
         assert_same_planes(encode_tensor(t, "w", backend="native", num_threads=threads), one)
+
+
+@pytest.mark.parametrize("dtype", list(LAYOUTS))
+def test_runs_of_the_longest_codes(dtype, monkeypatch):
+    """Half the elements one symbol, half spread over the whole alphabet at the finest split:
+    codes of 1 bit and of the most bits (12 for BF16 and FP32), often four of the longest in
+    a row (the C encoder joins four codes, up to 48 bits, before it shifts them out), across
+    chunk starts."""
+    layout = LAYOUTS[dtype]
+    k, n = min(layout.candidate_ks()), 30_011
+    rng = np.random.default_rng(7)
+    symbols = 1 << (layout.width - 1 - k)
+    sym = np.where(rng.random(n) < 0.5, 1, rng.integers(0, symbols, size=n))
+    u = (rng.integers(0, 2, size=n) << (layout.width - 1)) | (sym << k) | rng.integers(0, 1 << k, n)
+    bits = u.astype({1: np.uint8, 2: np.uint16, 4: np.uint32}[layout.width // 8])
+    t = torch.from_numpy(bits.view(np.dtype(f"i{layout.width // 8}"))).view(dtype).reshape(1, n)
+    reference = encode_tensor(t, "w", k=k, backend="reference")
+    lengths = code_lengths(np.bincount(sym, minlength=symbols))
+    assert lengths.max() == min(MAX_CODE_LEN, layout.width - k)  # BF16, FP32: 12
+    monkeypatch.setattr(native, "MIN_CHUNK_ELEMENTS", 128)
+    for threads in (1, 3):
+        native_planes = encode_tensor(t, "w", k=k, backend="native", num_threads=threads)
+        assert_same_planes(native_planes, reference)
 
 
 def test_chunk_boundaries_fall_mid_byte_and_mid_segment(lib, monkeypatch):

@@ -11,8 +11,10 @@
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-/* Hot loops built twice on x86-64 (baseline, and AVX2 + BMI2), picked at load time. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* Hot loops built twice on x86-64 (baseline, and AVX2 + BMI2), picked at load time; once,
+ * baseline, at the portable tier (TISON_CPU_ISA=portable: native.py), so that every CPU
+ * can test the baseline code. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TC_BASELINE_ONLY)
 #define MULTI_TARGET __attribute__((target_clones("default", "arch=x86-64-v3")))
 #else
 #define MULTI_TARGET
@@ -113,10 +115,12 @@ static inline tc_sizes tc_plane_sizes(int64_t n, int k, int64_t total_bits) {
 int tc_decode_runs(const tc_table *table, const tc_target *target, tc_run *runs, int lanes,
                    int verify);
 
-/* _pack.c: the raw fields of elements a .. z - 1 (a a multiple of 16) into their zeroed part
- * planes in `raw`. */
+/* _pack.c: the raw fields of elements a .. z - 1 (a a multiple of 128) into their part
+ * planes in `raw`, whose bytes from element (n / 128) * 128 on tc_zero_raw_tail has zeroed
+ * (n: the tensor's elements; raw_len: the bytes of all part planes). */
 void tc_pack_raw(const void *in, int64_t a, int64_t z, int width, int k, uint8_t *raw,
                  const int64_t *parts, int nparts);
+void tc_zero_raw_tail(int64_t n, uint8_t *raw, const int64_t *parts, int nparts, int64_t raw_len);
 
 /* _encode.c, _huffman.c, _crc32c.c: what _many.c calls of them (see there, and native.py). */
 void tc_histogram(const void *in, int width, int k, const int64_t *chunk_first, int64_t nchunks,

@@ -25,6 +25,8 @@ typedef struct {
     int64_t nchunks, next;      /* next: the first chunk no thread has taken (atomic) */
 } chunks;
 
+ALWAYS_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
 static int64_t take_chunk(chunks *c) { return __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED); }
 
 typedef struct {
@@ -79,7 +81,7 @@ void tc_histogram(const void *in, int width, int k, const int64_t *chunk_first, 
 typedef struct {
     chunks c;
     const int64_t *chunk_bit; /* nchunks + 1 stream bits: where each chunk's codes start */
-    const uint32_t *table;    /* element >> k (sign included) -> code << 4 | code length */
+    const uint64_t *table;    /* element >> k (sign included) -> its entry (LEN_BITS) */
     uint8_t *stream, *raw;
     const int64_t *parts;
     int nparts;
@@ -90,14 +92,28 @@ typedef struct {
     int *status;          /* per chunk: TC_OK, or TC_MISMATCH if it missed its end bit */
 } enc_work;
 
-/* A chunk's bit writer: pending bits are the low `nacc` of `acc` (at most 7 between codes
- * but inside a group of four); `out` is the byte they start in. */
+/* A chunk's bit writer: the pending bits are the top `nacc` of `acc` (at most 7 between
+ * groups of codes), every lower bit 0; `out` is the byte they start in, so the next code
+ * starts at stream bit 8 * (out - stream) + nacc. */
 typedef struct {
     uint8_t *out;
     uint64_t acc;
-    int64_t nacc, pos;      /* pos: the stream bit where the next code starts */
+    int64_t nacc;
     int64_t seg, seg_start; /* the next segment to record, and its first bit */
 } writer;
+
+/* A code table entry: the code in the top bits of 64 (its first bit at bit 63), the length
+ * in the low 6. The low 6 bits of a sum of up to four entries are the sum of their lengths
+ * (at most 48: carries only go up into code bits), so `x >> (sum & LEN_BITS)` is one shift
+ * (x86's shrx and ARM's lsr take the count mod 64 anyway), and an entry shifted right by the
+ * lengths before it is its code in place, over length bits in the low 6 that `& CODE_BITS`
+ * clears. */
+#define LEN_BITS 63u
+#define CODE_BITS (~(uint64_t)LEN_BITS)
+
+static int64_t bit_pos(const enc_work *w, const writer *b) {
+    return 8 * (b->out - w->stream) + b->nacc;
+}
 
 /* Element i starts at bit pos: it is the first code of every segment not yet recorded that
  * starts at or before pos. */
@@ -108,46 +124,74 @@ ALWAYS_INLINE void record(const enc_work *w, writer *b, int64_t i, int64_t pos) 
     }
 }
 
-/* The codes of elements a .. z - 1: four codes, then one 8-byte big-endian store of the
- * pending bits, as long as the store stays below `limit` (the chunk's last byte); byte by
- * byte after that. */
+/* The first bit of the next segment to record (beyond any stream if none is left). */
+ALWAYS_INLINE int64_t next_segment(const enc_work *w, const writer *b) {
+    return b->seg < w->n_seg ? b->seg_start : INT64_MAX / 2;
+}
+
+/* Records the segments that the codes of elements i .. i + 3 start, the first at stream bit
+ * pos; returns next_segment. Out of line, with the code lengths looked up again, so that
+ * the coding loop keeps its registers. */
+static __attribute__((noinline)) int64_t record4(const enc_work *w, writer *b, int64_t i,
+                                                 int64_t pos) {
+    for (int64_t j = i; j < i + 4; j++) {
+        record(w, b, j, pos);
+        pos += w->table[load_elem(w->c.in, j, w->c.width) >> w->c.k] & LEN_BITS;
+    }
+    return next_segment(w, b);
+}
+
+/* The codes of elements a .. z - 1. Four entries are joined into their codes in a row (at
+ * most 4 * 12 bits, which below the <= 7 pending bits fits 64), ORed below the pending bits,
+ * and stored with one 8-byte big-endian store at the byte the pending bits start in, in runs
+ * of groups that cannot store past `limit` (the chunk's last byte; a group moves the store
+ * by at most 6 bytes); code by code after that. The loop keeps the stream bit `pos` (pos & 7
+ * pending bits), and the serial chains are one add for pos and an or and a shift for acc
+ * per four elements. */
 ALWAYS_INLINE void code_range(const enc_work *w, writer *b, int64_t a, int64_t z,
                               const uint8_t *limit, int width, int k) {
-    const uint32_t *table = w->table;
+    const uint64_t *table = w->table;
     const void *in = w->c.in;
-    uint8_t *out = b->out;
+    uint8_t *const stream = w->stream;
     uint64_t acc = b->acc;
-    int64_t nacc = b->nacc, pos = b->pos, next_seg = b->seg_start, i = a;
-#define ADD(I)                                                                                 \
-    do {                                                                                       \
-        const uint32_t e = table[load_elem(in, (I), width) >> k];                              \
-        if (__builtin_expect(pos >= next_seg, 0)) {                                            \
-            record(w, b, (I), pos);                                                            \
-            next_seg = b->seg < w->n_seg ? b->seg_start : INT64_MAX;                           \
-        }                                                                                      \
-        acc = (acc << (e & 15)) | (e >> 4);                                                    \
-        nacc += e & 15;                                                                        \
-        pos += e & 15;                                                                         \
-    } while (0)
-    for (; i + 4 <= z && out + 8 <= limit; i += 4) {
-        ADD(i);
-        ADD(i + 1);
-        ADD(i + 2);
-        ADD(i + 3);
-        const uint64_t word = __builtin_bswap64(acc << (64 - nacc));
-        memcpy(out, &word, sizeof word);
-        out += nacc >> 3;
-        nacc &= 7;
-    }
-    for (; i < z; i++) {
-        ADD(i);
-        for (; nacc >= 8; out++) {
-            nacc -= 8;
-            if (out < limit) *out = (uint8_t)(acc >> nacc); /* else: too many bits, see below */
+    int64_t pos = bit_pos(w, b), next_seg = next_segment(w, b), i = a;
+    for (int64_t groups; (groups = min64((z - i) / 4, ((limit - stream) - 8 - pos / 8) / 6)) > 0;) {
+        for (const int64_t run_end = i + 4 * groups; i < run_end; i += 4) {
+            const uint64_t e0 = table[load_elem(in, i, width) >> k];
+            const uint64_t e1 = table[load_elem(in, i + 1, width) >> k];
+            const uint64_t e2 = table[load_elem(in, i + 2, width) >> k];
+            const uint64_t e3 = table[load_elem(in, i + 3, width) >> k];
+            const uint64_t to1 = e0 + e1, to2 = to1 + e2, to3 = to2 + e3; /* lengths, low bits */
+            const uint64_t codes =
+                (e0 | e1 >> (e0 & LEN_BITS) | e2 >> (to1 & LEN_BITS) | e3 >> (to2 & LEN_BITS)) &
+                CODE_BITS;
+            if (__builtin_expect(pos + (int64_t)(to2 & LEN_BITS) >= next_seg, 0)) {
+                next_seg = record4(w, b, i, pos); /* a segment starts at one of these */
+                table = w->table, in = w->c.in;
+            }
+            const int64_t byte = pos >> 3;
+            acc |= codes >> (pos & 7);
+            memcpy(stream + byte, &(uint64_t){__builtin_bswap64(acc)}, sizeof acc);
+            pos += to3 & LEN_BITS;
+            acc <<= 8 * ((pos >> 3) - byte);
         }
     }
-#undef ADD
-    b->out = out, b->acc = acc, b->nacc = nacc, b->pos = pos;
+    for (; i < z; i++) {
+        const uint64_t e = table[load_elem(in, i, width) >> k];
+        if (pos >= next_seg) {
+            record(w, b, i, pos);
+            next_seg = next_segment(w, b);
+        }
+        uint8_t *out = stream + pos / 8;
+        int64_t nacc = (pos & 7) + (int64_t)(e & LEN_BITS);
+        acc |= (e & CODE_BITS) >> (pos & 7);
+        pos += e & LEN_BITS;
+        for (; nacc >= 8; nacc -= 8, out++) {
+            if (out < limit) *out = (uint8_t)(acc >> 56); /* else: too many bits, see below */
+            acc <<= 8;
+        }
+    }
+    b->out = stream + pos / 8, b->acc = acc, b->nacc = pos & 7;
 }
 
 /* code_range with the element width and k known at compile time: the common splits. */
@@ -169,19 +213,19 @@ MULTI_TARGET static int encode_chunk(const enc_work *w, int64_t c) {
     const int64_t a = w->c.chunk_first[c], z = w->c.chunk_first[c + 1];
     const int64_t start = w->chunk_bit[c], end = w->chunk_bit[c + 1];
     const int64_t seg = (start + SEG_BITS - 1) / SEG_BITS;
-    writer b = {w->stream + start / 8, 0, start & 7, start, seg, seg * SEG_BITS};
+    writer b = {w->stream + start / 8, 0, start & 7, seg, seg * SEG_BITS};
     const uint8_t *limit = w->stream + end / 8;
     for (int64_t s = a; s < z; s += SUB) {
         const int64_t e = z - s < SUB ? z : s + SUB;
         code_any(w, &b, s, e, limit);
         tc_pack_raw(w->c.in, s, e, w->c.width, w->c.k, w->raw, w->parts, w->nparts);
     }
-    if (b.pos != end || b.out != limit) return TC_MISMATCH;
+    if (bit_pos(w, &b) != end || b.out != limit) return TC_MISMATCH;
     for (; b.seg_start < end && b.seg < w->n_seg; b.seg++, b.seg_start += SEG_BITS) { /* none starts in them */
         w->seg_gap[b.seg] = (uint8_t)(end - b.seg_start);
         if (b.seg % SEGS_PER_BLOCK == 0) w->block_first[b.seg / SEGS_PER_BLOCK] = z;
     }
-    w->tail[c] = b.nacc ? (uint8_t)(b.acc << (8 - b.nacc)) : 0;
+    w->tail[c] = (uint8_t)(b.acc >> 56);
     return TC_OK;
 }
 
@@ -191,17 +235,17 @@ static void *enc_worker(void *arg) {
     return NULL;
 }
 
-/* The code table indexed by element >> k (the sign bit too: 2 * symbols entries), entry =
- * code << 4 | length, from the code lengths of the symbols: canonical codes, shorter ones
- * first, codes of one length consecutive in symbol order (huffman.canonical_codes). */
-static void code_table(const uint8_t *lengths, int64_t symbols, uint32_t *table) {
-    uint32_t count[LUT_MAX_BITS + 2] = {0}, next[LUT_MAX_BITS + 2] = {0};
+/* The code table indexed by element >> k (the sign bit too: 2 * symbols entries) of
+ * entries (LEN_BITS), from the code lengths of the symbols: canonical codes, shorter ones first,
+ * codes of one length consecutive in symbol order (huffman.canonical_codes). */
+static void code_table(const uint8_t *lengths, int64_t symbols, uint64_t *table) {
+    uint64_t count[LUT_MAX_BITS + 2] = {0}, next[LUT_MAX_BITS + 2] = {0};
     for (int64_t s = 0; s < symbols; s++) count[lengths[s] <= LUT_MAX_BITS ? lengths[s] : 0]++;
     count[0] = 0;
     for (int l = 1, code = 0; l <= LUT_MAX_BITS; l++) next[l] = code = (code + count[l - 1]) << 1;
     for (int64_t s = 0; s < symbols; s++) {
         const int l = lengths[s] <= LUT_MAX_BITS ? lengths[s] : 0;
-        table[s] = table[s + symbols] = l ? (next[l]++ << 4) | (uint32_t)l : 0;
+        table[s] = table[s + symbols] = l ? next[l]++ << (64 - l) | (uint64_t)l : 0;
     }
 }
 
@@ -209,7 +253,8 @@ static void code_table(const uint8_t *lengths, int64_t symbols, uint32_t *table)
  * the block index of the chunks' elements, on up to `threads` threads; lengths: the code
  * length of each of the 2**(width*8-1-k) symbols. chunk_bit[c] is the
  * stream bit where chunk c's codes start (chunk_bit[nchunks]: the total); chunks start on
- * multiples of 128 elements. The planes must be zeroed and sized by the caller (FORMAT.md).
+ * multiples of 128 elements, the first at 0. The planes must be sized by the caller
+ * (FORMAT.md); every byte of them is written, so they need not be zeroed.
  * Returns TC_OK, TC_MISMATCH if the codes do not fill the chunks' bit ranges exactly (the
  * planes are then garbage), or TC_NO_MEMORY. */
 int tc_encode(const void *in, int width, int k, const uint8_t *lengths, uint8_t *stream,
@@ -220,9 +265,14 @@ int tc_encode(const void *in, int width, int k, const uint8_t *lengths, uint8_t 
     uint8_t *seg_gap = malloc((size_t)n_seg + 2), *tail = malloc((size_t)nchunks);
     int *status = malloc((size_t)nchunks * sizeof *status);
     const int64_t symbols = (int64_t)1 << (width * 8 - 1 - k);
-    uint32_t *table = malloc((size_t)(2 * symbols) * sizeof *table);
+    uint64_t *table = malloc((size_t)(2 * symbols) * sizeof *table);
     int result = seg_gap && tail && status && table ? TC_OK : TC_NO_MEMORY;
     if (result == TC_OK) {
+        /* the chunks store every byte but the last partial one and the padding */
+        const int64_t n = chunk_first[nchunks], total = chunk_bit[nchunks];
+        const tc_sizes sizes = tc_plane_sizes(n, k, total);
+        memset(stream + total / 8, 0, (size_t)(sizes.stream - total / 8));
+        tc_zero_raw_tail(n, raw, parts, nparts, sizes.raw);
         code_table(lengths, symbols, table);
         enc_work w = {{in, width, k, chunk_first, nchunks, 0}, chunk_bit, table, stream, raw,
                       parts, nparts, seg_gap, n_seg, block_first, tail, status};

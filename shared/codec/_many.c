@@ -26,7 +26,7 @@ typedef struct {
     int64_t status, crc, k; /* k: the split chosen, or -1: stored raw */
     int64_t total_bits, stream_len, raw_len, packed_len, gaps_len, n_blocks, index_width;
     int64_t first_symbol;
-    /* the caller's, before tc_encode_many: the planes, zeroed and of the sizes above */
+    /* the caller's, before tc_encode_many: the planes, of the sizes above (not zeroed) */
     uint8_t *stream, *raw, *packed, *gaps;
     void *index;
     int64_t planes_crc; /* tc_encode_many's */
@@ -97,6 +97,7 @@ static void encode_one(tc_many_job *j) {
         for (int64_t b = 0; b < j->n_blocks; b++) ((int32_t *)j->index)[b] = (int32_t)first[b];
         free(first);
     }
+    memset(j->packed, 0, (size_t)j->packed_len);
     for (int64_t s = 0; s < 2 * j->packed_len; s++) { /* huffman.pack_lengths */
         const int64_t symbol = j->first_symbol + s;
         j->packed[s / 2] |= (uint8_t)((symbol < coarse ? len[symbol] : 0) << (4 * (s & 1)));

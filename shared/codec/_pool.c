@@ -3,9 +3,11 @@
  * a loader decodes tensor by tensor, many of them in a few hundred microseconds. So
  * tc_run_parallel keeps the helpers it starts, and both sides spin for a short while before
  * they sleep: helpers after a call (the next one usually follows within tens of
- * microseconds), the calling thread while its helpers finish. One call uses the helpers at
- * a time: a concurrent call (from another Python thread) starts threads of its own. A
- * forked child, which has none of the parent's threads, starts afresh. */
+ * microseconds), the calling thread while its helpers finish. Between tc_pool_poll(1) and
+ * tc_pool_poll(-1) helpers poll without end: an encoder returns to Python between its calls
+ * for longer than SPIN_NS (laying out planes, loading the next tensors). One call uses the
+ * helpers at a time: a concurrent call (from another Python thread) starts threads of its
+ * own. A forked child, which has none of the parent's threads, starts afresh. */
 #include <pthread.h>
 #include <time.h>
 
@@ -23,6 +25,7 @@ static struct {
     int busy;             /* a call is using the helpers */
     int wanted;           /* helpers the current call still asks for (atomic) */
     int running;          /* helpers the current call waits for (atomic) */
+    int polling;          /* tc_pool_poll(1) calls not yet undone: no sleeping (atomic) */
     void *(*fn)(void *);
     void *arg;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER,
@@ -43,14 +46,19 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Polls *counter for up to SPIN_NS; returns once it is nonzero (want) or zero (!want). */
+/* Polls *counter for up to SPIN_NS (or while tc_pool_poll holds); returns once it is nonzero
+ * (want) or zero (!want). */
 static void spin_while(const int *counter, int want) {
     const int64_t until = now_ns() + SPIN_NS;
     for (int i = 1; (__atomic_load_n(counter, __ATOMIC_ACQUIRE) != 0) != want; i++) {
         cpu_relax();
-        if (i % 64 == 0 && now_ns() > until) return;
+        const int held = __atomic_load_n(&pool.polling, __ATOMIC_RELAXED) > 0;
+        if (i % 64 == 0 && !held && now_ns() > until) return;
     }
 }
+
+/* delta 1: helpers poll for work without end until the matching tc_pool_poll(-1). */
+void tc_pool_poll(int delta) { __atomic_add_fetch(&pool.polling, delta, __ATOMIC_RELAXED); }
 
 static void *helper(void *unused) {
     (void)unused;
@@ -80,7 +88,7 @@ static void *helper(void *unused) {
 static void before_fork(void) { pthread_mutex_lock(&pool.lock); }
 static void after_fork_in_parent(void) { pthread_mutex_unlock(&pool.lock); }
 static void after_fork_in_child(void) {
-    pool.helpers = pool.sleepers = pool.busy = pool.wanted = pool.running = 0;
+    pool.helpers = pool.sleepers = pool.busy = pool.wanted = pool.running = pool.polling = 0;
     pthread_cond_init(&pool.wake, NULL);
     pthread_cond_init(&pool.done, NULL);
     pthread_mutex_unlock(&pool.lock);

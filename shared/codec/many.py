@@ -7,6 +7,7 @@ tensor's ~9 calls through ctypes each gave up the GIL and waited for it back, an
 such tensors encoded at 1.14x of one thread. The planes are the same however the work is dealt
 (encode_tensor's)."""
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
@@ -60,17 +61,18 @@ def encode_lazily(
         batch.clear()
         held = 0
 
-    for name in names:
-        size = num_elements(name)
-        if lib is None or size > MAX_BATCHED_ELEMENTS:
-            flush()
-            on_encoded(encode_tensor(load(name), name, num_threads=threads))
-            continue
-        if held + size > BATCH_ELEMENTS or len(batch) == BATCH_TENSORS:
-            flush()
-        batch.append((name, load(name)))
-        held += size
-    flush()
+    with native.helpers_polling(lib) if lib is not None else contextlib.nullcontext():
+        for name in names:
+            size = num_elements(name)
+            if lib is None or size > MAX_BATCHED_ELEMENTS:
+                flush()
+                on_encoded(encode_tensor(load(name), name, num_threads=threads))
+                continue
+            if held + size > BATCH_ELEMENTS or len(batch) == BATCH_TENSORS:
+                flush()
+            batch.append((name, load(name)))
+            held += size
+        flush()
 
 
 def encode_batch(
@@ -101,7 +103,7 @@ def encode_batch(
     sub = jobs[coded]  # a copy: the coded jobs, contiguous
     sizes = np.stack([sub[f"{p}_len"] for p in PLANES[:4]] + [sub["n_blocks"]], axis=1)
     sizes[:, 4] *= sub["index_width"]  # (coded, 5) bytes of each plane, tensors() order
-    planes = _scratch(sizes.reshape(-1))
+    planes = _scratch(sizes.reshape(-1), zeroed=False)
     starts = planes[1].reshape(-1, len(PLANES))
     for column, plane in enumerate(PLANES):
         sub[plane] = starts[:, column]
@@ -140,14 +142,16 @@ def _splits(t: torch.Tensor) -> tuple[int, int, int]:
     return min(ks), len(ks), 1 << (layout.width - 1 - min(ks))
 
 
-def _scratch(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(one zeroed buffer, the address of each of its parts of nbytes[i] bytes, each 64-byte
-    aligned). One allocation a batch, not several a tensor: freshly mapped planes fault their
-    pages in, and unmapping them interrupts every core the process runs on (a TLB shootdown),
-    which with two encoding threads on a virtual machine took more system time than the
-    encoding (4,400 faults and ~30 ms a batch of MiniLM's 39 small tensors)."""
+def _scratch(nbytes: np.ndarray, zeroed: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(one buffer, zeroed or native.plane_buffer's, the address of each of its parts of
+    nbytes[i] bytes, each 64-byte aligned). One allocation a batch, not several a tensor:
+    freshly mapped planes fault their pages in, and unmapping them interrupts every core the
+    process runs on (a TLB shootdown), which with two encoding threads on a virtual machine
+    took more system time than the encoding (4,400 faults and ~30 ms a batch of MiniLM's 39
+    small tensors)."""
     rounded = -(-nbytes // 64) * 64
     offsets = np.concatenate([[0], np.cumsum(rounded)[:-1]]) if len(nbytes) else rounded
-    buffer = np.zeros(int(rounded.sum()) + 64, dtype=np.uint8)
+    size = int(rounded.sum()) + 64
+    buffer = np.zeros(size, dtype=np.uint8) if zeroed else native.plane_buffer(size)
     base = -buffer.ctypes.data % 64
     return buffer[base:], buffer.ctypes.data + base + offsets
