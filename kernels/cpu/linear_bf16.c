@@ -18,6 +18,7 @@
  * - portable: plain C on x as float32 that the compiler vectorizes for any target.
  */
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "kernels.h"
@@ -451,6 +452,12 @@ static inline void any_group(const bf16 *w, const bf16 *bias, const void *xv, in
     group(w, bias, xv, xstride, M, N, K, n0, y);
 }
 
+/* Asks for the AHEAD bytes from `from` (not past `end`): where a thread's run of groups
+ * starts, before group's own prefetch, AHEAD bytes ahead of it, takes over. */
+static inline void prefetch_from(const char *from, const char *end) {
+    for (const char *p = from; p < from + AHEAD && p < end; p += 64) __builtin_prefetch(p, 0, 1);
+}
+
 /* Outputs a group for M rows. */
 static inline int64_t group_size(int wide) {
 #if defined(OUTER)
@@ -472,11 +479,8 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
     int64_t previous = -2;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        if (g != previous + 1) { /* a thread's first group: ask for the AHEAD bytes from here */
-            const char *from = (const char *)(w + g * size * K), *end = (const char *)(w + N * K);
-            for (const char *p = from; p < from + AHEAD && p < end; p += 64)
-                __builtin_prefetch(p, 0, 1);
-        }
+        if (g != previous + 1) /* a thread's first group */
+            prefetch_from((const char *)(w + g * size * K), (const char *)(w + N * K));
         previous = g;
         any_group(w, bias, xv, xstride, M, N, K, g * size, y, wide);
     }
@@ -501,11 +505,19 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
     int wide = count > 0 && WIDE(start[E] / count); /* rows an active expert, on average */
     int64_t xstride, size = group_size(wide), groups = (N + size - 1) / size;
     const void *xv = lay_out_x(x, K, start[E], start, active, count, K, wide, scratch, &xstride);
+    /* Thread t takes the t-th of T equal parts of every expert's groups (the static schedule
+     * deals the T * count units out in T runs of count), not whole experts: experts have
+     * unequal rows, so whole ones left the team waiting on the busiest. */
+    const int64_t T = omp_get_num_threads();
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < count * groups; g++) {
-        int64_t a = g / groups, e = active[a], first = start[e];
-        any_group(w + e * w_stride, NULL, rows_at(xv, xstride, first, a, K, wide),
-                  xstride, start[e + 1] - first, N, K, g % groups * size, y + first * N, wide);
+    for (int64_t u = 0; u < T * count; u++) {
+        const int64_t part = u / count, a = u % count, e = active[a], first = start[e];
+        const int64_t g0 = groups * part / T, g1 = groups * (part + 1) / T;
+        const bf16 *we = w + e * w_stride;
+        prefetch_from((const char *)(we + g0 * size * K), (const char *)(we + N * K));
+        for (int64_t g = g0; g < g1; g++)
+            any_group(we, NULL, rows_at(xv, xstride, first, a, K, wide), xstride,
+                      start[e + 1] - first, N, K, g * size, y + first * N, wide);
     }
 #endif
 }
