@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from kernels.cpu import attention as cpu_attention
-from shared.engine.batch import build_batch
+from shared.engine.batch import ROW_KEYS, build_batch, prefills_as_rows
 from shared.engine.plan import PlannedSeq
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.errors import ModelFolderError
@@ -183,16 +183,19 @@ BACKENDS = {
 }
 
 
+@pytest.mark.parametrize("as_rows", [False, True], ids=["prefill chunks", "prompts as rows"])
 @pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
 @pytest.mark.parametrize("mask", MASKS, ids=str)
-def test_step_attention_matches_query_by_query(backend, mask):
+def test_step_attention_matches_query_by_query(backend, mask, as_rows):
+    """Decode rows and prefill chunks mixed; or, where the step is short enough for the fused
+    decoder (max_rows), every prompt token a decode row over its context so far."""
     out, q, k, v, kv_layer, keys = step_case()
-    batch = build_batch(out, PAGE, MASKS)
+    batch = build_batch(out, PAGE, MASKS, max_rows=len(q) if as_rows else 0)
     assert list(batch.meta.by_mask) == MASKS
     meta = batch.meta.of(mask)
     got = backend().forward(q, k, v, kv_layer, meta, HD**-0.5)
     torch.testing.assert_close(got.double(), brute_attention(q, keys, mask), rtol=1e-5, atol=1e-5)
-    assert meta.decode.rows is not None  # decode rows and prefill chunks mixed
+    assert (meta.decode.rows is None) == as_rows and (not meta.prefills) == as_rows
     if mask.kind == CHUNKED:
         aligned = mask.window % PAGE == 0  # then the C kernel decodes the rows itself
         assert (meta.decode.first_key is None) == aligned
@@ -216,6 +219,20 @@ def test_kernel_backend_decodes_in_one_pass_where_the_mask_allows(monkeypatch):
     for mask in MASKS:
         backend.forward(q, k, v, kv_layer, batch.meta.of(mask), HD**-0.5)
     assert calls == [True, True, True, False]
+
+
+def test_prompts_become_rows_only_in_a_short_step_that_reads_few_keys():
+    """prefills_as_rows: not without a fused decoder (max_rows 0), not in a step of decode
+    rows only, nor one of more tokens than it takes, nor where the rows would read more than
+    ROW_KEYS keys (a row attends to its whole context)."""
+    out = step_case()[0]  # 29 tokens: prompt chunks of 7 from 10, 5 from 0, 14 from 13
+    assert prefills_as_rows(out, 29) and prefills_as_rows(out, 64)
+    assert not prefills_as_rows(out, 28) and not prefills_as_rows(out, 0)
+    decode_only = SchedulerOutput([s for s in out.scheduled if s.num_tokens == 1])
+    assert not prefills_as_rows(decode_only, 64)
+    seq = PlannedSeq("long", 8000, list(range(20)), list(range(2100)), True)
+    late = SchedulerOutput([ScheduledRequest(seq, 8000, 20, True)])  # 20 rows of ~8K keys
+    assert 20 * 8020 > ROW_KEYS and not prefills_as_rows(late, 64)
 
 
 def test_a_uniform_model_builds_one_metadata():

@@ -40,18 +40,24 @@ def folders(tiny_model_factory, tmp_path_factory):
     return made
 
 
-def _generate(folder, dtype: str, **options) -> tuple[list, torch.nn.Module]:
+def _generate(folder, dtype: str, prompt_rows: bool = True, **options):
+    """(outputs, model); prompt_rows False: prompts take prefill attention even where the fused
+    decoder would take their tokens as rows (batch.prefills_as_rows), as a model that is never
+    fused, a resident one, always does."""
     with LLM(folder, dtype=dtype, **options) as llm:
+        if not prompt_rows:
+            llm.engine.model.model.fused_rows = 0
         return llm.generate(PROMPTS, PARAMS), llm.engine.model
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "mixtral"])
 def test_same_tokens_and_logprobs_as_the_ordinary_load(folders, name):
     _, packed, dtype = folders[name]
-    ref, _ = _generate(packed, dtype)
+    ref, _ = _generate(packed, dtype, prompt_rows=False)  # the same steps, fused or not
     out, model = _generate(packed, dtype, resident_codec=True)
     assert all(isinstance(layer, ResidentLayer) for layer in model.model.layers)
     assert model.model.fused is None  # decode_layer.c would read every layer's weights at once
+    assert model.model.fused_rows == 0
     for a, b in zip(ref, out):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs

@@ -75,7 +75,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None, masks):
         capped = isinstance(self.kv, SplitKVCache)
-        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device, capped)
+        max_rows = getattr(getattr(self.model, "model", None), "fused_rows", 0)
+        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device, capped, max_rows)
         hook = self.on_layer_done
         after_layer = None if hook is None else (lambda layer: hook(layer, out))
         hidden = residual = None

@@ -164,6 +164,9 @@ class LlamaModel(nn.Module):
         self.start = stage.start_layer
         self.end = cfg.num_layers if stage.end_layer is None else stage.end_layer
         self.fused: FusedDecoder | None = None  # see prepare_fused_decode
+        # the most rows a fused step takes (0: never fused); steps of at most this many tokens
+        # give their prompt tokens as decode rows (shared/engine/batch.py's prefills_as_rows)
+        self.fused_rows = 0
 
     def prepare_fused_decode(self) -> None:
         """Once the weights are final: decode steps run all layers in one C call, where each
@@ -175,19 +178,23 @@ class LlamaModel(nn.Module):
         specs = [self.layers[i].decode_spec() for i in range(self.start, self.end)]
         if specs and all(spec is not None for spec in specs):
             self.fused = FusedDecoder(specs, self.layers[self.start].self_attn.rotary)
+            self.fused_rows = self.fused.max_rows()
 
     def forward(
         self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None
     ):
         """First stage: input_ids (T,); later stages: hidden/residual (T, H) from the previous.
         meta: the step's StepMetadata, each layer reading its mask's part. after_layer(i) runs
-        once layer i has written its KV (to stream it out)."""
+        once layer i has written its KV (to stream it out; after the one call, fused)."""
         if self.stage.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        if self.fused is not None and after_layer is None:
+        if self.fused is not None:
             only = meta.of(self.masks[self.start])  # fused: every layer has this mask
             if self.fused.takes(hidden, only):
                 hidden, residual = self.fused(positions, hidden, residual, kv, only)
+                for i in range(self.start, self.end):  # every layer's KV is written by now
+                    if after_layer is not None:
+                        after_layer(i)
                 return self._finish(hidden, residual)
         for i in range(self.start, self.end):
             hidden, residual = self.layers[i](

@@ -75,14 +75,20 @@ class FusedDecoder:
         self.rotary = rotary
 
     @staticmethod
+    def max_rows() -> int:
+        """The most rows a fused step takes (the C linear's, which beats F.linear up to there)."""
+        return linear_max_rows()
+
+    @staticmethod
     def takes(x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step can run fused: every row decodes, in order, few enough rows."""
+        """Whether this step can run fused: every row decodes (a prompt's tokens too, as
+        shared/engine/batch.py's prefills_as_rows makes them), in order, few enough rows."""
         d = meta.decode
         return (
             d is not None
             and d.rows is None
             and not meta.prefills
-            and x.shape[0] <= linear_max_rows()
+            and x.shape[0] <= FusedDecoder.max_rows()
             and x.dtype == torch.bfloat16
         )
 
