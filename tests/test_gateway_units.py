@@ -221,3 +221,30 @@ def test_the_priority_header_picks_the_lane_and_the_queue_timeout(tokenizer, tin
     gen = Generation(control, None, tokenizer, "r", [1, 2], sampling, "", batch)
     submit = gen._submit  # what the scheduler gets
     assert submit.priority == BATCH and 40 < submit.deadline - time.time() <= 50
+
+
+async def test_short_texts_tokenize_on_the_event_loop_and_long_ones_in_a_thread(
+    tokenizer, tiny_llama, monkeypatch
+):
+    """The thread-pool hop is skipped only where tokenizing costs less than it (INLINE_CHARS);
+    both ways give the same ids."""
+    from services.gateway import completions
+
+    service = CompletionService(GatewayConfig(tiny_llama), tokenizer, None, metrics=None)
+    threaded = []
+    to_thread = completions.asyncio.to_thread
+
+    async def counted(fn, *args):
+        threaded.append(args[0])
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(completions.asyncio, "to_thread", counted)
+    short = parse_completion({"model": "m", "prompt": "def fibonacci(n):"})
+    long = parse_completion({"model": "m", "prompt": "x = 1\n" * 100})  # 600 characters
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = dataclasses.replace(chat, tools=tuple(tools))
+    for parsed in (short, long, chat, with_tools):
+        assert await service.tokenize_soon(parsed) == service.tokenize(parsed)
+    assert threaded == [long, with_tools]
+    assert completions.INLINE_CHARS < 600

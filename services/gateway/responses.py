@@ -2,7 +2,6 @@
 OpenAI's Responses API (responses_format.py); its conversation is stored for a later
 `previous_response_id` unless `store` is false."""
 
-import asyncio
 import json
 
 from aiohttp import web
@@ -43,7 +42,7 @@ class ResponsesService:
         if (error := svc.model_error(chat.model)) is not None:
             return error
         timing = svc.timing(request.headers)
-        prompt_ids = await asyncio.to_thread(svc.tokenize, chat)
+        prompt_ids = await svc.tokenize_soon(chat)
         sampling = svc.sampling(chat, prompt_ids)
         choices = Choices(svc.generations(request, chat, prompt_ids, sampling, timing, "resp"))
         response = ResponseObject(chat.model, req.echo, req.previous_response_id, chat.max_tokens)
