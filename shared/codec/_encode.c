@@ -92,13 +92,11 @@ typedef struct {
     int *status;          /* per chunk: TC_OK, or TC_MISMATCH if it missed its end bit */
 } enc_work;
 
-/* A chunk's bit writer: the pending bits are the top `nacc` of `acc` (at most 7 between
- * groups of codes), every lower bit 0; `out` is the byte they start in, so the next code
- * starts at stream bit 8 * (out - stream) + nacc. */
+/* A chunk's bit writer: the next code starts at stream bit `pos`; the pending bits, those of
+ * its byte before it (pos & 7), are the top ones of `acc`, every lower bit 0. */
 typedef struct {
-    uint8_t *out;
+    int64_t pos;
     uint64_t acc;
-    int64_t nacc;
     int64_t seg, seg_start; /* the next segment to record, and its first bit */
 } writer;
 
@@ -110,10 +108,6 @@ typedef struct {
  * clears. */
 #define LEN_BITS 63u
 #define CODE_BITS (~(uint64_t)LEN_BITS)
-
-static int64_t bit_pos(const enc_work *w, const writer *b) {
-    return 8 * (b->out - w->stream) + b->nacc;
-}
 
 /* Element i starts at bit pos: it is the first code of every segment not yet recorded that
  * starts at or before pos. */
@@ -154,7 +148,7 @@ ALWAYS_INLINE void code_range(const enc_work *w, writer *b, int64_t a, int64_t z
     const void *in = w->c.in;
     uint8_t *const stream = w->stream;
     uint64_t acc = b->acc;
-    int64_t pos = bit_pos(w, b), next_seg = next_segment(w, b), i = a;
+    int64_t pos = b->pos, next_seg = next_segment(w, b), i = a;
     for (int64_t groups; (groups = min64((z - i) / 4, ((limit - stream) - 8 - pos / 8) / 6)) > 0;) {
         for (const int64_t run_end = i + 4 * groups; i < run_end; i += 4) {
             const uint64_t e0 = table[load_elem(in, i, width) >> k];
@@ -191,7 +185,7 @@ ALWAYS_INLINE void code_range(const enc_work *w, writer *b, int64_t a, int64_t z
             acc <<= 8;
         }
     }
-    b->out = stream + pos / 8, b->acc = acc, b->nacc = pos & 7;
+    b->pos = pos, b->acc = acc;
 }
 
 /* code_range with the element width and k known at compile time: the common splits. */
@@ -213,14 +207,14 @@ MULTI_TARGET static int encode_chunk(const enc_work *w, int64_t c) {
     const int64_t a = w->c.chunk_first[c], z = w->c.chunk_first[c + 1];
     const int64_t start = w->chunk_bit[c], end = w->chunk_bit[c + 1];
     const int64_t seg = (start + SEG_BITS - 1) / SEG_BITS;
-    writer b = {w->stream + start / 8, 0, start & 7, seg, seg * SEG_BITS};
+    writer b = {start, 0, seg, seg * SEG_BITS};
     const uint8_t *limit = w->stream + end / 8;
     for (int64_t s = a; s < z; s += SUB) {
         const int64_t e = z - s < SUB ? z : s + SUB;
         code_any(w, &b, s, e, limit);
         tc_pack_raw(w->c.in, s, e, w->c.width, w->c.k, w->raw, w->parts, w->nparts);
     }
-    if (bit_pos(w, &b) != end || b.out != limit) return TC_MISMATCH;
+    if (b.pos != end) return TC_MISMATCH;
     for (; b.seg_start < end && b.seg < w->n_seg; b.seg++, b.seg_start += SEG_BITS) { /* none starts in them */
         w->seg_gap[b.seg] = (uint8_t)(end - b.seg_start);
         if (b.seg % SEGS_PER_BLOCK == 0) w->block_first[b.seg / SEGS_PER_BLOCK] = z;

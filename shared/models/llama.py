@@ -192,8 +192,8 @@ class LlamaModel(nn.Module):
             only = meta.of(self.masks[self.start])  # fused: every layer has this mask
             if self.fused.takes(hidden, only):
                 hidden, residual = self.fused(positions, hidden, residual, kv, only)
-                for i in range(self.start, self.end):  # every layer's KV is written by now
-                    if after_layer is not None:
+                if after_layer is not None:  # every layer's KV is written by now
+                    for i in range(self.start, self.end):
                         after_layer(i)
                 return self._finish(hidden, residual)
         for i in range(self.start, self.end):
