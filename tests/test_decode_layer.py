@@ -25,20 +25,28 @@ VARIANTS = {  # family, overrides: each flag of the layer that the C code branch
     "tied embeddings": ("llama_tied", {}),
     # not a multiple of 32: padded at load (models/packing.py), as the bundled model's 688
     "intermediate 80": ("llama", {"intermediate_size": 80}),
+    # interleaved RoPE, L2-normed q and k after it, a NoPE layer with the query temperature,
+    # chunks of 8 (most prompts cross several; pages of 4, so that each starts a page) beside a
+    # global layer: two masks
+    "llama 4": ("llama4", {}, {"page_size": 4}),
+    # ... the chunked layers' KV in a pool of their own, from their window on
+    "llama 4 capped": ("llama4", {}, {"page_size": 4, "cap_chunked_kv": True, "max_num_seqs": 8}),
 }
 MOE_VARIANTS = {  # moe.c: softmax top-k, renormalised or not, beside dense layers or not
     "mixtral": ("mixtral", {}),
     "qwen3_moe": ("qwen3_moe", {}),  # not renormalised; layer 1 dense
     "qwen3_moe renormalised": ("qwen3_moe", {"norm_topk_prob": True}),
+    # sigmoid top-1 weighting each expert's input, beside a shared expert; layers 0, 2 dense
+    "llama 4": ("llama4_moe", {}, {"page_size": 4}),
 }
 MOE_LOGPROB_TOL = 0.1  # nats: its routing weights round at other places than torch's softmax
 ROWS_PREFILL_TOL = 0.1  # nats: prompts' KV from the C kernels as rows, or oneDNN and SDPA
 
 
-def generate(model_dir, fused: bool, threads: int, prompts: list[list[int]]) -> list:
+def generate(model_dir, fused: bool, threads: int, prompts: list[list[int]], **options) -> list:
     """Token ids and top-3 logprobs of greedy requests for the prompts, the second half of them
-    joining after the others decode."""
-    engine = new_engine(model_dir, dtype="bfloat16")
+    joining after the others decode (options: the engine's)."""
+    engine = new_engine(model_dir, dtype="bfloat16", **options)
     assert engine.model.model.fused is not None, "every layer's linears run on the C linear"
     if not fused:
         engine.model.model.fused = None
@@ -73,17 +81,17 @@ def test_fused_layer_gives_the_op_by_op_bits(
 def both_ways(
     tiny_model_factory, monkeypatch, model, threads, tier, copies=1, prompts=None
 ) -> tuple[list, list]:
-    """generate's outputs for model (family, overrides) at a tier, fused, then op by op, for
-    the prompts (make_prompts()'s 8, `copies` times, by default)."""
+    """generate's outputs for model (family, overrides[, engine options]) at a tier, fused, then
+    op by op, for the prompts (make_prompts()'s 8, `copies` times, by default)."""
     use_tier(tier, monkeypatch)
-    family, overrides = model
+    family, overrides, options = (*model, {})[:3]
     model_dir = tiny_model_factory(family, **overrides)
     prompts = prompts or make_prompts() * copies
     calls = count_fused_calls(monkeypatch)
-    fused = generate(model_dir, True, threads, prompts)
+    fused = generate(model_dir, True, threads, prompts, **options)
     assert len(prompts) in calls, "a decode step of all requests ran fused"
     calls.clear()
-    op_by_op = generate(model_dir, False, threads, prompts)
+    op_by_op = generate(model_dir, False, threads, prompts, **options)
     assert not calls
     return fused, op_by_op
 
@@ -136,20 +144,36 @@ def assert_same_tokens(fused: list, op_by_op: list) -> None:
 
 
 def test_mixed_and_oversized_steps_go_op_by_op():
-    """Steps with a prefill chunk (one that prefills_as_rows did not make decode rows), or
-    more rows than the C linear takes, are not fused."""
-    from shared.models.layers.attention import AttentionMetadata, DecodeRows, PrefillSpan
+    """Steps with a prefill chunk (one that prefills_as_rows did not make decode rows) under
+    any of the layers' masks, a chunked row whose keys start inside a page, or more rows than
+    the C linear takes, are not fused."""
+    from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
+    from shared.models.layers.attention import AttentionMetadata as Meta
+    from shared.models.layers.attention import DecodeRows, PrefillSpan, StepMetadata
 
-    decode = DecodeRows(None, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2), 16, None)
+    chunked = AttentionMask(CHUNKED, 8)
+    fused = FusedDecoder([], [GLOBAL_MASK, chunked, GLOBAL_MASK])
+    assert fused.masks == [GLOBAL_MASK, chunked]
+
+    def rows(first_key=None):
+        table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+        return DecodeRows(None, table, lens, 16, None, first_key)
+
+    def step(global_meta, chunked_meta):
+        return StepMetadata({GLOBAL_MASK: global_meta, chunked: chunked_meta})
+
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     slots = torch.zeros(2, dtype=torch.long)
-    assert FusedDecoder.takes(x, AttentionMetadata(slots, decode, []))
+    decode = Meta(slots, rows(), [])
+    assert fused.takes(x, step(decode, decode))
     span = PrefillSpan(0, 1, torch.zeros(1, dtype=torch.long), 1, None)
-    assert not FusedDecoder.takes(x, AttentionMetadata(slots, decode, [span]))
-    assert not FusedDecoder.takes(x, AttentionMetadata(slots, None, [span]))
-    assert not FusedDecoder.takes(x.float(), AttentionMetadata(slots, decode, []))
+    assert not fused.takes(x, step(decode, Meta(slots, rows(), [span])))
+    assert not fused.takes(x, step(Meta(slots, None, [span]), decode))
+    inside = Meta(slots, rows(torch.tensor([0, 3], dtype=torch.int32)), [])
+    assert not fused.takes(x, step(decode, inside))
+    assert not fused.takes(x.float(), step(decode, decode))
     big = torch.zeros(linear_max_rows() + 1, 64, dtype=torch.bfloat16)
-    assert not FusedDecoder.takes(big, AttentionMetadata(slots, decode, []))
+    assert not fused.takes(big, step(decode, decode))
 
 
 def test_a_step_of_short_prompts_runs_fused_and_writes_their_kv(tiny_model_factory, monkeypatch):

@@ -12,6 +12,7 @@ from compilers import needs_compiler
 from engine_helpers import (
     GREEDY_32,
     attention_backends,
+    count_fused_calls,
     hf_greedy,
     make_prompts,
     new_engine,
@@ -75,10 +76,20 @@ def test_one_mask_for_all_layers_gives_other_tokens(mixed, mask):
 
 
 @needs_compiler
-def test_mixed_bfloat16_layers_decode_op_by_op(mixed):
-    """The fused decoder takes one window for all layers: a mixed model decodes op by op."""
+def test_mixed_bfloat16_layers_decode_fused_as_op_by_op(mixed, monkeypatch):
+    """The fused decoder takes each mask's tables: a model mixing sliding and full layers
+    decodes in its one call, with the op-by-op tokens and logprobs bit for bit."""
     model_dir, prompts, _ = mixed
-    engine = new_engine(model_dir, dtype="bfloat16")
-    assert engine.model.model.fused is None
-    engine.add_request("a", prompts[3], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert len(run_all(engine)["a"]) == 4
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    outputs = []
+    for fused in (True, False):
+        engine = new_engine(model_dir, dtype="bfloat16")
+        assert len(engine.model.model.fused.masks) == 2
+        if not fused:
+            engine.model.model.fused = None
+        calls = count_fused_calls(monkeypatch)
+        requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        run_all(engine)
+        assert (len(prompts) in calls) == fused
+        outputs.append([(r.output_token_ids, r.output_logprobs) for r in requests])
+    assert outputs[0] == outputs[1]

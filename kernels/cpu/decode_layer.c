@@ -1,29 +1,51 @@
 /* The decoder layers of a decode step (one new token per sequence), Llama family (MLPs dense
- * or routed experts, moe.c), bfloat16, in one call and one OpenMP parallel region: the team
- * runs each layer's kernels one after the other (see kernels.h), meeting at a barrier after
- * each. Op by op, every op pays a Python module call, a ctypes call, a tensor allocation and
- * a thread-team wake-up, and the Python between them runs on caches that the weights stream
- * has just flushed: ~250 us a layer here, a quarter of a batch-32 step. The kernels are the
- * ones the op-by-op path runs, in the same order, so the output is the same bit for bit (the
- * routing weights of moe.c to an ulp). The linears are linear_bf16.c's:
- * AMX tiles or the vector units, whichever the build's tier has.
+ * or routed experts, moe.c; Llama 4's interleaved RoPE, NoPE layers, L2-normed q and k, query
+ * temperature and shared expert; layers of several attention masks), bfloat16, in one call
+ * and one OpenMP parallel region: the team runs each layer's kernels one after the other (see
+ * kernels.h), meeting at a barrier after each. Op by op, every op pays a Python module call, a
+ * ctypes call, a tensor allocation and a thread-team wake-up, and the Python between them runs
+ * on caches that the weights stream has just flushed: ~250 us a layer here, a quarter of a
+ * batch-32 step. The kernels are the ones the op-by-op path runs, in the same order, so the
+ * output is the same bit for bit (the routing weights of moe.c to an ulp). The linears are
+ * linear_bf16.c's: AMX tiles or the vector units, whichever the build's tier has.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "kernels.h"
 
+#define ROPE_NONE 0 /* NoPE: q and k as they are */
+#define ROPE_TABLES 1 /* "rotate half", the layer's cos/sin tables */
+#define ROPE_PAIRS 2 /* interleaved pairs, the step's cos/sin (rope_pairs_team) */
+
 /* One layer's weights and shapes, filled once (decode_layer.py). Pointers to bf16 tensors;
- * qkv_bias, q_norm and k_norm may be NULL. Its MLP: dense (gate_up, down), or with router set
- * routed experts (moe.c; gate_up and down NULL), `intermediate` then each expert's. */
+ * qkv_bias, q_norm, k_norm, cos and sin may be NULL. Its MLP: dense (gate_up, down), or with
+ * router set routed experts (moe.c; gate_up and down NULL), `intermediate` then each expert's,
+ * beside a shared expert (shared_gate_up, shared_down) or not. */
 typedef struct {
     const bf16 *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
-    const bf16 *cos, *sin; /* rotary tables (max_positions, hd) */
+    const bf16 *cos, *sin; /* rotary tables (max_positions, hd), ROPE_TABLES */
     const bf16 *router, *w13, *w2; /* (E, H), (E, 2I, H), (E, H, I), or NULL */
-    int64_t hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t experts, top_k, renormalize; /* softmax top-k routing; renormalize: 0 or 1 */
+    const bf16 *shared_gate_up, *shared_down; /* (2S, H), (H, S), or NULL */
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, shared_intermediate;
+    int64_t experts, top_k, scoring, renormalize; /* routing: ROUTE_*; renormalize: 0 or 1 */
+    int64_t mask; /* the step's attention mask this layer reads (step_mask) */
+    int64_t rope; /* ROPE_* */
+    int64_t norm_after_rope; /* q_norm and k_norm after the rotation (Llama 4), else before */
+    int64_t temperature; /* 1: q times the step's temperature of its row (NoPE layers only) */
     float eps, qk_eps, scale;
 } decode_layer;
+
+/* One attention mask's view of the step (its layers' pool): row t's new K/V go to slots[t],
+ * its keys are context_lens[t] positions of the pages block_table[t] (the last `window` when
+ * window > 0; a chunked mask's tables start at the row's chunk). */
+typedef struct {
+    const int64_t *slots;
+    const int32_t *block_table, *context_lens;
+    int64_t table_stride, window;
+} step_mask;
+
+#define MAX_MASKS 4
 
 static __thread bf16 *workspace; /* the caller's intermediate activations, grown, kept */
 static __thread size_t workspace_elems;
@@ -39,46 +61,96 @@ static bf16 *grow_workspace(size_t elems) {
 
 /* One step's shapes and the team's scratch, shared by every layer of the call. */
 typedef struct {
-    int64_t n, table_stride, page_size, window, span; /* span: attention_span's */
-    const int64_t *positions, *slots;
-    const int32_t *block_table, *context_lens;
+    int64_t n, page_size, span[MAX_MASKS]; /* span: attention_span's of each mask */
+    const int64_t *positions;
+    const float *rope_cs, *temperature; /* (n, hd) cos then sin, (n,); or NULL */
+    const step_mask *masks;
     bf16 *xn, *qkv, *q, *k, *attn, *o, *gate_up, *act;
     void *xp; /* linear_scratch */
     float *scores;
     moe_scratch moe;
 } step_args;
 
-/* Inside the region: layer L on x (n, H) -> out (n, H); residual as the op-by-op layer keeps
- * it (first: residual is x and is only normalised; later: residual += x first). */
-static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x, bf16 *residual,
-                       int first, bf16 *out, bf16 *k_pool, bf16 *v_pool) {
-    int64_t n = S->n, H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
-    int64_t F = L->intermediate, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
-    bf16 *qkv = S->qkv;
-    rms_norm_team_bf16(x, H, S->xn, H, first ? NULL : residual, L->input_norm, n, 1, H, L->eps);
-    linear_team(S->xn, H, L->qkv, L->qkv_bias, n, qkv_size, H, qkv, S->xp);
-    if (L->q_norm != NULL) { /* Qwen3: per-head norms of q and k, in place */
+/* NoPE: q and k out of qkv (n rows, row stride qkv_size) into q_out (n, nh, hd) and k_out
+ * (n, nkv, hd); q times temperature[t] in float32, rounded once, where temperature is given. */
+static void nope_team(const bf16 *qkv, int64_t qkv_size, int64_t n, int64_t q_size,
+                      int64_t k_size, const float *temperature, bf16 *q_out, bf16 *k_out) {
+#pragma omp for
+    for (int64_t t = 0; t < n; t++) {
+        const bf16 *q = qkv + t * qkv_size;
+        if (temperature == NULL)
+            memcpy(q_out + t * q_size, q, q_size * 2);
+        else
+            for (int64_t i = 0; i < q_size; i++)
+                q_out[t * q_size + i] = f32_to_bf16(bf16_to_f32(q[i]) * temperature[t]);
+        memcpy(k_out + t * k_size, q + q_size, k_size * 2);
+    }
+}
+
+/* Inside the region: q and k of L's heads from qkv (n rows) into S->q, S->k: normed (q_norm,
+ * k_norm) before or after the rotation, rotated as L->rope says. */
+static void rotate_team(const decode_layer *L, const step_args *S, bf16 *qkv) {
+    int64_t n = S->n, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
+    int64_t q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
+    if (L->q_norm != NULL && !L->norm_after_rope) { /* Qwen3: per-head norms, in place */
         rms_norm_team_bf16(qkv, qkv_size, qkv, qkv_size, NULL, L->q_norm, n, nh, hd, L->qk_eps);
         rms_norm_team_bf16(qkv + q_size, qkv_size, qkv + q_size, qkv_size, NULL, L->k_norm, n,
                            nkv, hd, L->qk_eps);
     }
-    rope_team_bf16(qkv, qkv_size, qkv + q_size, qkv_size, n, nh, nkv, hd, S->positions, L->cos,
-                   L->sin, S->q, S->k);
-    kv_write_team_bf16(S->k, nkv * hd, qkv + q_size + nkv * hd, qkv_size, S->slots, n, k_pool,
+    if (L->rope == ROPE_TABLES)
+        rope_team_bf16(qkv, qkv_size, qkv + q_size, qkv_size, n, nh, nkv, hd, S->positions,
+                       L->cos, L->sin, S->q, S->k);
+    else if (L->rope == ROPE_PAIRS)
+        rope_pairs_team_bf16(qkv, qkv_size, qkv + q_size, qkv_size, n, nh, nkv, hd, S->rope_cs,
+                             S->q, S->k);
+    else
+        nope_team(qkv, qkv_size, n, q_size, nkv * hd, L->temperature ? S->temperature : NULL,
+                  S->q, S->k);
+    if (L->q_norm != NULL && L->norm_after_rope) { /* Llama 4: L2 norms (weights of ones) */
+        rms_norm_team_bf16(S->q, q_size, S->q, q_size, NULL, L->q_norm, n, nh, hd, L->qk_eps);
+        rms_norm_team_bf16(S->k, nkv * hd, S->k, nkv * hd, NULL, L->k_norm, n, nkv, hd,
+                           L->qk_eps);
+    }
+}
+
+/* Inside the region: y (n, H) = down(silu(gate) * up) of xn, gate_up (2F, H), down (H, F). */
+static void swiglu_team(const bf16 *gate_up, const bf16 *down, int64_t F, const step_args *S,
+                        int64_t H, bf16 *y) {
+    linear_team(S->xn, H, gate_up, NULL, S->n, 2 * F, H, S->gate_up, S->xp);
+    silu_mul_team_bf16(S->gate_up, S->act, S->n, F);
+    linear_team(S->act, F, down, NULL, S->n, H, F, y, S->xp);
+}
+
+/* Inside the region: layer L on x (n, H) -> out (n, H); residual as the op-by-op layer keeps
+ * it (first: residual is x and is only normalised; later: residual += x first). Its K/V pools:
+ * k_pool, v_pool (P*S, nkv, hd), its mask's pages. */
+static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x, bf16 *residual,
+                       int first, bf16 *out, bf16 *k_pool, bf16 *v_pool) {
+    int64_t n = S->n, H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
+    int64_t q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
+    const step_mask *A = &S->masks[L->mask];
+    bf16 *qkv = S->qkv;
+    rms_norm_team_bf16(x, H, S->xn, H, first ? NULL : residual, L->input_norm, n, 1, H, L->eps);
+    linear_team(S->xn, H, L->qkv, L->qkv_bias, n, qkv_size, H, qkv, S->xp);
+    rotate_team(L, S, qkv);
+    kv_write_team_bf16(S->k, nkv * hd, qkv + q_size + nkv * hd, qkv_size, A->slots, n, k_pool,
                        v_pool, nkv, hd);
-    decode_attention_team_bf16(S->q, q_size, NULL, k_pool, v_pool, S->block_table,
-                               S->table_stride, S->context_lens, n, nh, nkv, hd, S->page_size,
-                               S->window, L->scale, S->attn, S->span, S->scores);
+    decode_attention_team_bf16(S->q, q_size, NULL, k_pool, v_pool, A->block_table,
+                               A->table_stride, A->context_lens, n, nh, nkv, hd, S->page_size,
+                               A->window, L->scale, S->attn, S->span[L->mask], S->scores);
     linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
     rms_norm_team_bf16(S->o, H, S->xn, H, residual, L->post_norm, n, 1, H, L->eps);
-    if (L->router != NULL) {
-        moe_team_bf16(S->xn, L->router, L->w13, L->w2, n, H, F, L->experts, L->top_k,
-                      (int)L->renormalize, out, &S->moe, S->xp);
+    if (L->router == NULL) {
+        swiglu_team(L->gate_up, L->down, L->intermediate, S, H, out);
         return;
     }
-    linear_team(S->xn, H, L->gate_up, NULL, n, 2 * F, H, S->gate_up, S->xp);
-    silu_mul_team_bf16(S->gate_up, S->act, n, F);
-    linear_team(S->act, F, L->down, NULL, n, H, F, out, S->xp);
+    moe_team_bf16(S->xn, L->router, L->w13, L->w2, n, H, L->intermediate, L->experts, L->top_k,
+                  (int)L->scoring, (int)L->renormalize, out, &S->moe, S->xp);
+    if (L->shared_gate_up == NULL) return;
+    swiglu_team(L->shared_gate_up, L->shared_down, L->shared_intermediate, S, H, S->o);
+#pragma omp for /* out = shared + routed, as the op-by-op layer adds them */
+    for (int64_t i = 0; i < n * H; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(S->o[i]) + bf16_to_f32(out[i]));
 }
 
 /* The MoE layers' scratch for n rows (moe.c's layout, sized for the widest of them) in one
@@ -109,39 +181,46 @@ static void *moe_alloc(const decode_layer *layers, int64_t count, int64_t n, moe
     return block;
 }
 
-/* `count` layers (same attention shapes) of a decode step: x (n, hidden) -> out (n, hidden), which is
- * the last layer's output; residual (n, hidden) updated as the op-by-op layers do (first !=
- * 0: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd) are at
- * pool + i * layer_stride and that + kv_stride elements; new K/V go to slots[t]; row t
- * attends to the pages block_table[t] (row stride table_stride), context_lens[t] keys (the
- * last `window` when window > 0), pages of page_size tokens. out must not be x. Returns 0,
- * or -1 when scratch memory cannot be allocated. */
+/* `count` layers (same attention shapes) of a decode step: x (n, hidden) -> out (n, hidden),
+ * which is the last layer's output; residual (n, hidden) updated as the op-by-op layers do
+ * (first != 0: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd)
+ * are k_pools[i] and v_pools[i]; it reads masks[layers[i].mask] (num_masks of them, at most
+ * MAX_MASKS), pages of page_size tokens. rope_cs (n, hd): each row's cosines then sines for
+ * ROPE_PAIRS layers; temperature (n,): each row's factor on q for layers that ask; NULL where
+ * no layer needs them. out must not be x. Returns 0, -1 when scratch memory cannot be
+ * allocated, -2 for too many masks. */
 int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
                           bf16 *residual, int first, bf16 *out, int64_t n,
-                          const int64_t *positions, const int64_t *slots, bf16 *pool,
-                          int64_t layer_stride, int64_t kv_stride, const int32_t *block_table,
-                          int64_t table_stride, const int32_t *context_lens, int64_t page_size,
-                          int64_t window, int threads) {
+                          const int64_t *positions, const float *rope_cs,
+                          const float *temperature, bf16 *const *k_pools, bf16 *const *v_pools,
+                          const step_mask *masks, int64_t num_masks, int64_t page_size,
+                          int threads) {
+    if (num_masks < 1 || num_masks > MAX_MASKS) return -2;
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t F = 0, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
     int64_t k = 1; /* the most rows a linear takes: n, or n * top_k (moe.c's experts) */
-    for (int64_t i = 0; i < count; i++) { /* the widest intermediate: dense or an expert's */
-        F = layers[i].intermediate > F ? layers[i].intermediate : F;
-        k = layers[i].router != NULL && layers[i].top_k > k ? layers[i].top_k : k;
+    for (int64_t i = 0; i < count; i++) { /* the widest intermediate: dense, expert or shared */
+        const decode_layer *Li = &layers[i];
+        F = Li->intermediate > F ? Li->intermediate : F;
+        F = Li->shared_intermediate > F ? Li->shared_intermediate : F;
+        k = Li->router != NULL && Li->top_k > k ? Li->top_k : k;
     }
     /* per row: xn, o, a spare output (H each); qkv; q, attn; k; gate_up (2F); act (F) */
     size_t per_row = (size_t)(3 * H + qkv_size + 2 * q_size + nkv * hd + 3 * F);
     bf16 *xn = grow_workspace(per_row * n);
-    int64_t widest = H > q_size ? H : q_size;
-    int64_t max_len = max_attended(context_lens, n, window);
-    int64_t span = attention_span(context_lens, n, nkv, window, page_size, threads);
-    step_args S = {.n = n, .table_stride = table_stride, .page_size = page_size,
-                   .window = window, .span = span,
-                   .positions = positions, .slots = slots, .block_table = block_table,
-                   .context_lens = context_lens};
+    int64_t widest = H > q_size ? H : q_size, scores = 0;
+    step_args S = {.n = n, .page_size = page_size, .positions = positions, .rope_cs = rope_cs,
+                   .temperature = temperature, .masks = masks};
+    for (int64_t m = 0; m < num_masks; m++) { /* each mask's split; scratch for the largest */
+        const step_mask *A = &masks[m];
+        int64_t max_len = max_attended(A->context_lens, n, A->window);
+        S.span[m] = attention_span(A->context_lens, n, nkv, A->window, page_size, threads);
+        int64_t need = attention_scratch(threads, n, nh, hd, max_len, S.span[m]);
+        scores = need > scores ? need : scores;
+    }
     S.xp = linear_scratch(n * k, widest > F ? widest : F);
-    S.scores = malloc(sizeof(float) * attention_scratch(threads, n, nh, hd, max_len, S.span));
+    S.scores = malloc(sizeof(float) * scores);
     int moe_failed;
     void *moe_block = moe_alloc(layers, count, n, &S.moe, &moe_failed);
     if (xn == NULL || S.xp == NULL || S.scores == NULL || moe_failed) {
@@ -158,9 +237,8 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
         const bf16 *in = x;
         for (int64_t i = 0; i < count; i++) {
             bf16 *to = (count - 1 - i) % 2 == 0 ? out : spare;
-            bf16 *k_pool = pool + i * layer_stride;
-            layer_team(&layers[i], &S, in, residual, first && i == 0, to, k_pool,
-                       k_pool + kv_stride);
+            layer_team(&layers[i], &S, in, residual, first && i == 0, to, k_pools[i],
+                       v_pools[i]);
             in = to;
         }
         linear_team_done();

@@ -14,18 +14,26 @@ from kernels.cpu import library
 
 _POINTERS = (
     "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down",
-    "cos", "sin", "router", "w13", "w2",
+    "cos", "sin", "router", "w13", "w2", "shared_gate_up", "shared_down",
 )  # fmt: skip
 _SIZES = (
-    "hidden", "heads", "kv_heads", "head_dim", "intermediate", "experts", "top_k", "renormalize",
+    "hidden", "heads", "kv_heads", "head_dim", "intermediate", "shared_intermediate", "experts",
+    "top_k", "scoring", "renormalize", "mask", "rope", "norm_after_rope", "temperature",
 )  # fmt: skip
+ROPE_NONE, ROPE_TABLES, ROPE_PAIRS = 0, 1, 2  # decode_layer.c's ROPE_*
+ROUTE_SOFTMAX, ROUTE_SIGMOID = 0, 1  # kernels.h's ROUTE_*
+MAX_MASKS = 4  # decode_layer.c's
 
 
 class DecodeLayerSpec(ctypes.Structure):
     """decode_layer.c's `decode_layer`: one layer's weight addresses (bf16 tensors, contiguous;
-    qkv_bias, q_norm and k_norm may be None) and shapes. Its MLP is dense (gate_up, down) or,
-    with `router` set, routed experts (moe.c: w13 (E, 2I, H), w2 (E, H, I), softmax top_k,
-    renormalize 0 or 1; `intermediate` is then an expert's I)."""
+    qkv_bias, q_norm, k_norm, cos and sin may be None) and shapes. Its MLP is dense (gate_up,
+    down) or, with `router` set, routed experts (moe.c: w13 (E, 2I, H), w2 (E, H, I), top_k,
+    `scoring` ROUTE_*, renormalize 0 or 1; `intermediate` is then an expert's I) beside a
+    shared expert (shared_gate_up, shared_down, shared_intermediate) or not. `mask`: which of
+    the step's masks the layer attends with; `rope` ROPE_*; norm_after_rope: q_norm and k_norm
+    after the rotation (Llama 4's L2 norms), else before (Qwen3's); temperature: q times the
+    step's factor of its row."""
 
     _fields_ = (
         [(name, ctypes.c_void_p) for name in _POINTERS]
@@ -34,33 +42,65 @@ class DecodeLayerSpec(ctypes.Structure):
     )
 
 
+class StepMask(ctypes.Structure):
+    """decode_layer.c's `step_mask`: one attention mask's decode rows in its layers' pool."""
+
+    _fields_ = [
+        ("slots", ctypes.c_void_p),
+        ("block_table", ctypes.c_void_p),
+        ("context_lens", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("window", ctypes.c_int64),
+    ]
+
+
+def step_mask(
+    slots: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, window: int | None
+) -> StepMask:
+    """A mask's rows: new K/V to slots (T,) int64; row t attends to its pages block_table[t]
+    (T, Pmax) int32, context_lens[t] (T,) int32 keys, the last `window` of them when set. The
+    tensors must outlive the call."""
+    return StepMask(
+        slots.data_ptr(), block_table.data_ptr(), context_lens.data_ptr(),
+        block_table.stride(0), window or 0,
+    )  # fmt: skip
+
+
 def decode_layers(
     specs: ctypes.Array,
     x: torch.Tensor,
     residual: torch.Tensor,
     first: bool,
     positions: torch.Tensor,
-    slots: torch.Tensor,
-    pool: torch.Tensor,
-    block_table: torch.Tensor,
-    context_lens: torch.Tensor,
+    pools: tuple[ctypes.Array, ctypes.Array],
+    masks: list[StepMask],
     page_size: int,
-    window: int | None,
+    rope_cs: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The layers of `specs` (a DecodeLayerSpec array), one new token a row: x (T, H) ->
     the last layer's output (T, H); residual (T, H) updated in place as the op-by-op layers
-    do (first: it is x itself, the first layer's input). Layer i's K/V pages are pool[i]
-    (L, 2, P, S, nkv, hd); the new K/V go to slots (T,) int64 at positions (T,) int64; row t
-    attends to its pages block_table[t] (T, Pmax) int32, context_lens[t] (T,) int32 keys, the
-    last `window` of them when a window is set."""
+    do (first: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd)
+    are at pools[0][i] and pools[1][i]; it attends as masks[spec.mask] says; new tokens at
+    positions (T,) int64. rope_cs (T, hd) float32: each row's cosines then sines (interleaved
+    RoPE layers); temperature (T,) float32: each row's factor on q (layers that ask)."""
     if not (x.is_contiguous() and residual.is_contiguous()):
         raise ValueError("decode layers: x and residual must be contiguous")
+    for name, t, shape in (("rope_cs", rope_cs, 2), ("temperature", temperature, 1)):
+        if t is not None and not (
+            t.dtype == torch.float32 and t.dim() == shape and len(t) == len(x)
+            and t.is_contiguous()
+        ):  # fmt: skip
+            raise ValueError(f"decode layers: {name} must be contiguous float32, a row a token")
+    if not 1 <= len(masks) <= MAX_MASKS:
+        raise ValueError(f"decode layers: {len(masks)} masks (1 to {MAX_MASKS})")
     out = torch.empty_like(x)
     status = library.kernel("tk_decode_layers_bf16")(
         specs, len(specs), x.data_ptr(), residual.data_ptr(), first, out.data_ptr(), x.shape[0],
-        positions.data_ptr(), slots.data_ptr(), pool.data_ptr(), pool.stride(0), pool.stride(1),
-        block_table.data_ptr(), block_table.stride(0), context_lens.data_ptr(), page_size,
-        window or 0, torch.get_num_threads(),
+        positions.data_ptr(), None if rope_cs is None else rope_cs.data_ptr(),
+        None if temperature is None else temperature.data_ptr(), pools[0],
+        pools[1], (StepMask * len(masks))(*masks), len(masks), page_size,
+        torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("decode layers: no memory for their activations")

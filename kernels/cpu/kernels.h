@@ -88,6 +88,9 @@ void rms_norm_team_bf16(const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_
 void rope_team_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, int64_t n,
                     int64_t nh, int64_t nkv, int64_t hd, const int64_t *positions,
                     const bf16 *cos, const bf16 *sin, bf16 *q_out, bf16 *k_out);
+void rope_pairs_team_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride,
+                          int64_t n, int64_t nh, int64_t nkv, int64_t hd, const float *cs,
+                          bf16 *q_out, bf16 *k_out);
 void silu_mul_team_bf16(const bf16 *x, bf16 *out, int64_t n, int64_t d);
 void kv_write_team_bf16(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride,
                         const int64_t *slots, int64_t n_new, bf16 *k_pool, bf16 *v_pool,
@@ -106,9 +109,11 @@ typedef struct {
     int64_t *ids, *pos, *start, *fill, *token;
     float *weights;
 } moe_scratch;
+#define ROUTE_SOFTMAX 0 /* softmax top-k, each expert's output weighted (renormalised or not) */
+#define ROUTE_SIGMOID 1 /* sigmoid of the top-k logits, weighting the expert's input (Llama 4) */
 void moe_team_bf16(const bf16 *x, const bf16 *router, const bf16 *w13, const bf16 *w2,
-                   int64_t n, int64_t H, int64_t I, int64_t E, int64_t k, int renormalize,
-                   bf16 *out, const moe_scratch *M, void *xp);
+                   int64_t n, int64_t H, int64_t I, int64_t E, int64_t k, int scoring,
+                   int renormalize, bf16 *out, const moe_scratch *M, void *xp);
 /* linear_bf16.c: y (M, N) = x (M, K; row stride xs) w (N, K)^T + bias, on AMX tiles where
  * the build has them, else on the vector units; scratch: linear_scratch(M, K), the calling
  * thread's, shared by the team. linear_team_done: each team thread once its linears are done. */

@@ -9,11 +9,11 @@ from torch import nn
 
 from shared.kv.cache import KVCache
 from shared.models.config import ModelConfig
-from shared.models.layer_attention import GLOBAL, SLIDING, LayerAttention
+from shared.models.layer_attention import CHUNKED, GLOBAL, SLIDING, LayerAttention
 from shared.models.layers.activation import SiluAndMul
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
 from shared.models.layers.attention_backend import AttentionBackend, select_backend
-from shared.models.layers.decode_layer import FusedDecoder, layer_spec
+from shared.models.layers.decode_layer import MAX_MASKS, FusedDecoder, layer_spec
 from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shared.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -117,8 +117,6 @@ class LlamaDecoderLayer(nn.Module):
     def decode_spec(self):
         """This layer's part of a FusedDecoder, or None where it cannot run fused."""
         a, mlp = self.self_attn, self.mlp
-        if a.rotary is None:  # decode_layer.c rotates every layer
-            return None
         parts = getattr(mlp, "fused_parts", None)  # a dense SwiGLU or softmax-routed experts
         if parts is None:
             return None
@@ -170,14 +168,16 @@ class LlamaModel(nn.Module):
 
     def prepare_fused_decode(self) -> None:
         """Once the weights are final: decode steps run all layers in one C call, where each
-        layer can run there and all attend alike: globally, or in one sliding window (the
-        call takes one block table and one window for every layer)."""
-        masks = set(self.masks[self.start : self.end])
-        if len(masks) != 1 or next(iter(masks)).kind not in (GLOBAL, SLIDING):
+        layer can run there, attending globally, in a sliding window or in chunks (the call
+        takes each distinct mask's tables, up to MAX_MASKS)."""
+        masks = self.masks[self.start : self.end]
+        if len(set(masks)) > MAX_MASKS or any(
+            m.kind not in (GLOBAL, SLIDING, CHUNKED) for m in masks
+        ):
             return
-        specs = [self.layers[i].decode_spec() for i in range(self.start, self.end)]
-        if specs and all(spec is not None for spec in specs):
-            self.fused = FusedDecoder(specs, self.layers[self.start].self_attn.rotary)
+        parts = [self.layers[i].decode_spec() for i in range(self.start, self.end)]
+        if parts and all(part is not None for part in parts):
+            self.fused = FusedDecoder(parts, masks)
             self.fused_rows = self.fused.max_rows()
 
     def forward(
@@ -188,14 +188,12 @@ class LlamaModel(nn.Module):
         once layer i has written its KV (to stream it out; after the one call, fused)."""
         if self.stage.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        if self.fused is not None:
-            only = meta.of(self.masks[self.start])  # fused: every layer has this mask
-            if self.fused.takes(hidden, only):
-                hidden, residual = self.fused(positions, hidden, residual, kv, only)
-                if after_layer is not None:  # every layer's KV is written by now
-                    for i in range(self.start, self.end):
-                        after_layer(i)
-                return self._finish(hidden, residual)
+        if self.fused is not None and self.fused.takes(hidden, meta):
+            hidden, residual = self.fused(positions, hidden, residual, kv, meta)
+            if after_layer is not None:  # every layer's KV is written by now
+                for i in range(self.start, self.end):
+                    after_layer(i)
+            return self._finish(hidden, residual)
         for i in range(self.start, self.end):
             hidden, residual = self.layers[i](
                 positions, hidden, residual, kv.layer(i - self.start), meta.of(self.masks[i])

@@ -9,8 +9,8 @@ What differs from Llama (llama.py, whose skeleton and forward passes these class
   by log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1 at position p;
 - the layers in `moe_layers` route each token to experts (sigmoid top-k weight on the expert's
   input) beside a shared expert; the others are a dense MLP of `intermediate_size_mlp`.
-Per-layer masks come from layer_attention.py; the fused decoder (decode_layer.c) has none of
-this, so Llama 4 decodes layer by layer."""
+Per-layer masks come from layer_attention.py. Decode steps of bf16 models on the C kernels run
+all layers in the fused decoder's one call (layers/decode_layer.py), as the other families."""
 
 from collections.abc import Callable
 from dataclasses import replace
@@ -18,10 +18,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from kernels.cpu import library
+from kernels.cpu.norm import rms_norm
 from shared.models.config import ModelConfig
 from shared.models.layer_attention import LayerAttention
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
 from shared.models.layers.attention_backend import AttentionBackend
+from shared.models.layers.decode_layer import layer_spec
 from shared.models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from shared.models.layers.moe import DOWN_T, GATE_UP_T, SIGMOID, FusedMoE
 from shared.models.layers.norm import RMSNorm
@@ -33,10 +36,21 @@ from shared.parallel.group import TPGroup
 _NOT_TEXT = ("vision_model.", "multi_modal_projector.")
 
 
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, no weight; in float32 as transformers' Llama4TextL2Norm."""
-    f = x.float()
-    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+class L2Norm(nn.Module):
+    """x / rms(x) over the last dim, no weight; statistics in float32 as transformers'
+    Llama4TextL2Norm. On the C kernels: their RMSNorm with a weight of ones (1 * x rounds to
+    x), which the fused decoder runs too, so both give the same bits."""
+
+    def __init__(self, size: int, eps: float, dtype):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(size, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if library.usable(x):
+            return rms_norm(x, self.weight, self.eps)
+        f = x.float()
+        return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Llama4Attention(nn.Module):
@@ -60,7 +74,8 @@ class Llama4Attention(nn.Module):
         )
         self.rotary = rotary if layer.rope else None
         # transformers gives only RoPE layers the L2 norm and only NoPE ones the temperature
-        self.qk_norm_eps = cfg.rms_norm_eps if l4.use_qk_norm and layer.rope else None
+        l2 = l4.use_qk_norm and layer.rope
+        self.qk_norm = L2Norm(hd, cfg.rms_norm_eps, dtype) if l2 else None
         self.temperature_tuning = l4.attn_temperature_tuning and not layer.rope
         self.floor_scale, self.attn_scale = l4.floor_scale, l4.attn_scale
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, backend)
@@ -71,8 +86,8 @@ class Llama4Attention(nn.Module):
         q, k, v = qkv_heads(self, x)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        if self.qk_norm_eps is not None:
-            q, k = l2_norm(q, self.qk_norm_eps), l2_norm(k, self.qk_norm_eps)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q), self.qk_norm(k)
         if self.temperature_tuning:
             q = (q * self.temperature(positions)).to(q.dtype)
         out = self.attn(q, k, v, kv_layer, meta)  # (T, nh, hd)
@@ -101,6 +116,10 @@ class Llama4MoE(nn.Module):
         shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
         self.shared_expert = LlamaMLP(shared, dtype, tp, reduce=False)
 
+    def fused_parts(self) -> dict:
+        """What layer_spec takes of this MLP (moe.c's sigmoid routing, then the shared expert)."""
+        return dict(router=self.router, experts=self.experts, shared=self.shared_expert)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared, routed = self.shared_expert(x), self.experts(x, self.router(x))
         if self.experts.ep is not None:  # the routed sum arrives whole from its ranks
@@ -125,7 +144,17 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
             self.mlp = LlamaMLP(dense, dtype, tp)
 
     def decode_spec(self):
-        return None  # decode_layer.c rotates half-split and has no L2 norm, temperature or MoE
+        """This layer's part of a FusedDecoder (its L2 norms after the rotation, the NoPE
+        layers' temperature), or None where it cannot run fused."""
+        a, parts = self.self_attn, getattr(self.mlp, "fused_parts", None)
+        if parts is None:
+            return None
+        return layer_spec(
+            input_norm=self.input_layernorm, qkv=a.qkv_proj, q_norm=a.qk_norm, k_norm=a.qk_norm,
+            rotary=a.rotary, attn=a.attn, o=a.o_proj, post_norm=self.post_attention_layernorm,
+            norm_after_rope=True, temperature=a.temperature if a.temperature_tuning else None,
+            **parts(),
+        )  # fmt: skip
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):

@@ -1,109 +1,193 @@
 """A stage's decoder layers, for decode steps, in one C call (kernels/cpu/decode_layer.py), on
 every CPU tier. It takes steps whose rows all decode, bfloat16, one tensor-parallel rank (no
-all-reduce inside) and linears on the C linear (kernels/cpu/linear.py); an MLP is dense or
-routed experts with softmax top-k (Mixtral, Qwen3-MoE; not expert parallelism, not Llama 4's
-sigmoid routing); everything else stays op by op."""
+all-reduce inside) and linears on the C linear (kernels/cpu/linear.py); layers may attend with
+different masks (global, sliding, chunked: up to MAX_MASKS) and pools (capped chunked layers);
+RoPE by tables, on interleaved pairs (Llama 4) or none (NoPE, with or without Llama 4's query
+temperature); an MLP is dense or routed experts with softmax top-k (Mixtral, Qwen3-MoE) or
+Llama 4's sigmoid top-1 beside a shared expert (not expert parallelism); everything else stays
+op by op."""
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu.decode_layer import DecodeLayerSpec, decode_layers
+from kernels.cpu import decode_layer as c
+from kernels.cpu.decode_layer import MAX_MASKS, DecodeLayerSpec, decode_layers, step_mask
 from kernels.cpu.linear import linear_max_rows
 from shared.kv.cache import KVCache
-from shared.models.layers.attention import AttentionMetadata
-from shared.models.layers.moe import SOFTMAX
+from shared.models.layer_attention import AttentionMask
+from shared.models.layers.attention import StepMetadata
+from shared.models.layers.moe import SIGMOID, SOFTMAX
+from shared.models.layers.rotary import InterleavedRotaryEmbedding, RotaryEmbedding
 
 
 def _experts_fit(experts) -> bool:
     """Whether decode_layer.c runs these FusedMoE experts: on the C linear, on one rank (no
-    all-reduce, no expert parallelism), softmax routing with each output weighted."""
+    all-reduce, no expert parallelism), softmax routing with each output weighted, or sigmoid
+    top-1 with the weight on the input (Llama 4)."""
+    softmax = experts.scoring == SOFTMAX and not experts.apply_weights_on_input
+    sigmoid = experts.scoring == SIGMOID and experts.apply_weights_on_input
     return (
         experts.c_linear
         and experts.ep is None
         and experts.tp.size == 1
-        and experts.scoring == SOFTMAX
-        and not experts.apply_weights_on_input
+        and (softmax or sigmoid)
         and experts.w13.is_contiguous()
         and experts.w2.is_contiguous()
     )
 
 
+def _rope_kind(rotary) -> int | None:
+    """decode_layer.c's ROPE_* for a layer's rotary embedding (None: one it lacks)."""
+    if rotary is None:
+        return c.ROPE_NONE
+    if isinstance(rotary, RotaryEmbedding):
+        return c.ROPE_TABLES
+    if isinstance(rotary, InterleavedRotaryEmbedding) and rotary.interleaved:
+        return c.ROPE_PAIRS
+    return None
+
+
+@dataclass
+class LayerPart:
+    """One layer's part of a FusedDecoder: its spec, the tensors the spec points into, and
+    what the step must give it: its rotary embedding (tables to check, or pairs' cos/sin to
+    compute), its query temperature (positions (T,) -> (T, 1, 1) float32) or None."""
+
+    spec: DecodeLayerSpec
+    tensors: list[torch.Tensor]
+    rotary: RotaryEmbedding | InterleavedRotaryEmbedding | None
+    temperature: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 def layer_spec(
     *, input_norm, qkv, q_norm, k_norm, rotary, attn, o, post_norm,
-    gate_up=None, down=None, router=None, experts=None,
-) -> tuple[DecodeLayerSpec, list[torch.Tensor]] | None:  # fmt: skip
-    """One decoder layer's spec and the tensors it points into, or None where the fused call
-    cannot run it (a linear not on the C linear, more than one tensor-parallel rank, an
-    unsupported head shape or routing). Its MLP: gate_up and down (dense), or router (H -> E)
-    and experts (a FusedMoE)."""
+    gate_up=None, down=None, router=None, experts=None, shared=None,
+    norm_after_rope=False, temperature=None,
+) -> LayerPart | None:  # fmt: skip
+    """One decoder layer's part, or None where the fused call cannot run it (a linear not on
+    the C linear, more than one tensor-parallel rank, an unsupported head shape, rotation or
+    routing). rotary: tables, interleaved pairs or None (NoPE); q_norm and k_norm (modules
+    with weight and eps) before the rotation, or after with norm_after_rope (Llama 4's L2
+    norms, weights of ones); temperature: NoPE layers' factor on q. Its MLP: gate_up and down
+    (dense), or router (H -> E) and experts (a FusedMoE), beside `shared` (a dense MLP with
+    gate_up_proj and down_proj) or not."""
     moe = experts is not None
     linears = (qkv, o, router) if moe else (qkv, o, gate_up, down)
-    if moe and not _experts_fit(experts):
+    if shared is not None:
+        linears += (shared.gate_up_proj, shared.down_proj)
+    rope = _rope_kind(rotary)
+    if (moe and not _experts_fit(experts)) or rope is None:
+        return None
+    if temperature is not None and rope != c.ROPE_NONE:  # decode_layer.c: NoPE layers only
         return None
     if not (
         all(getattr(m, "c_linear", False) for m in linears)
+        and all(getattr(m, "bias", None) is None for m in linears if m is not qkv)
         and all(getattr(m, "tp", None) is None or m.tp.size == 1 for m in linears)
         and attn.kernel_ok
         and input_norm.weight.dtype == torch.bfloat16
     ):
         return None
+    tables = rope == c.ROPE_TABLES
     tensors = [
         input_norm.weight, qkv.weight, qkv.bias, None if q_norm is None else q_norm.weight,
         None if k_norm is None else k_norm.weight, o.weight, post_norm.weight,
-        None if moe else gate_up.weight, None if moe else down.weight, rotary.cos, rotary.sin,
+        None if moe else gate_up.weight, None if moe else down.weight,
+        rotary.cos if tables else None, rotary.sin if tables else None,
         router.weight if moe else None, experts.w13 if moe else None,
-        experts.w2 if moe else None,
+        experts.w2 if moe else None, None if shared is None else shared.gate_up_proj.weight,
+        None if shared is None else shared.down_proj.weight,
     ]  # fmt: skip
     if any(t is not None and not t.is_contiguous() for t in tensors):
         return None
-    routing = (experts.num_experts, experts.top_k, int(experts.renormalize)) if moe else (0,) * 3
+    routing = (0,) * 4
+    if moe:
+        scoring = c.ROUTE_SIGMOID if experts.scoring == SIGMOID else c.ROUTE_SOFTMAX
+        routing = (experts.num_experts, experts.top_k, scoring, int(experts.renormalize))
     spec = DecodeLayerSpec(
         *(None if t is None else t.data_ptr() for t in tensors),
         input_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-        experts.w2.shape[2] if moe else down.weight.shape[1], *routing,
+        experts.w2.shape[2] if moe else down.weight.shape[1],
+        0 if shared is None else shared.down_proj.weight.shape[1], *routing,
+        0, rope, int(norm_after_rope), int(temperature is not None),
         input_norm.eps, input_norm.eps if q_norm is None else q_norm.eps, attn.scale,
     )  # fmt: skip
-    return spec, [t for t in tensors if t is not None]
+    tensors = [t for t in tensors if t is not None]
+    return LayerPart(spec, tensors, rotary, temperature)
 
 
 class FusedDecoder:
-    """A stage's decoder layers, for decode steps: their specs, in order, and the tensors the
-    specs point into (kept alive with them)."""
+    """A stage's decoder layers, for decode steps: their specs, in order, the masks they attend
+    with (spec.mask indexes `masks`), and the tensors the specs point into (kept alive)."""
 
-    def __init__(self, specs: list[tuple[DecodeLayerSpec, list[torch.Tensor]]], rotary):
-        self.specs = (DecodeLayerSpec * len(specs))(*(spec for spec, _ in specs))
-        self._tensors = [t for _, tensors in specs for t in tensors]
-        self.rotary = rotary
+    def __init__(self, parts: list[LayerPart], masks: list[AttentionMask]):
+        self.specs = (DecodeLayerSpec * len(parts))(*(part.spec for part in parts))
+        self.masks = list(dict.fromkeys(masks))  # distinct, in layer order
+        if len(self.masks) > MAX_MASKS:
+            raise ValueError(f"fused decoder: {len(self.masks)} masks (at most {MAX_MASKS})")
+        for spec, mask in zip(self.specs, masks):
+            spec.mask = self.masks.index(mask)
+        self._tensors = [t for part in parts for t in part.tensors]
+        rotaries = {id(p.rotary): p.rotary for p in parts if p.rotary is not None}.values()
+        self.tables = [r for r in rotaries if isinstance(r, RotaryEmbedding)]
+        pairs = [r for r in rotaries if isinstance(r, InterleavedRotaryEmbedding)]
+        if len(pairs) > 1:  # one cos/sin a step
+            raise ValueError("fused decoder: layers of several interleaved rotary embeddings")
+        self.pairs = pairs[0] if pairs else None
+        self.temperature = next((p.temperature for p in parts if p.temperature), None)
+        self._pools: tuple = ()  # (the KV cache, its layers' K and V pool addresses)
 
     @staticmethod
     def max_rows() -> int:
         """The most rows a fused step takes (the C linear's, which beats F.linear up to there)."""
         return linear_max_rows()
 
-    @staticmethod
-    def takes(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def takes(self, x: torch.Tensor, meta: StepMetadata) -> bool:
         """Whether this step can run fused: every row decodes (a prompt's tokens too, as
-        shared/engine/batch.py's prefills_as_rows makes them), in order, few enough rows."""
-        d = meta.decode
-        return (
-            d is not None
-            and d.rows is None
-            and not meta.prefills
-            and x.shape[0] <= FusedDecoder.max_rows()
-            and x.dtype == torch.bfloat16
-        )
+        shared/engine/batch.py's prefills_as_rows makes them), in order, with each mask's keys
+        from a page's start, few enough rows."""
+        if x.shape[0] > self.max_rows() or x.dtype != torch.bfloat16:
+            return False
+        for mask in self.masks:
+            m = meta.of(mask)
+            d = m.decode
+            if d is None or d.rows is not None or m.prefills or d.first_key is not None:
+                return False
+        return True
 
     def __call__(
         self, positions, x: torch.Tensor, residual: torch.Tensor | None, kv: KVCache, meta
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the layers op by op: x (T, H), residual (T, H) or None (first layer) ->
         (last layer's output, residual), residual updated in place (x itself when None)."""
-        self.rotary.check(positions)
-        d = meta.decode
+        for rotary in self.tables:
+            rotary.check(positions)
+        metas = [meta.of(mask) for mask in self.masks]
+        masks = [
+            step_mask(m.slot_mapping, m.decode.block_table, m.decode.context_lens, m.decode.window)
+            for m in metas
+        ]
+        cs = None if self.pairs is None else self.pairs.cos_sin_rows(positions)
+        temperature = None if self.temperature is None else self.temperature(positions).flatten()
         first = residual is None
         if first:
             residual = x
         out = decode_layers(
-            self.specs, x, residual, first, positions, meta.slot_mapping, kv.data,
-            d.block_table, d.context_lens, d.page_size, d.window,
+            self.specs, x, residual, first, positions, self._pools_of(kv), masks,
+            metas[0].decode.page_size, cs, temperature,
         )  # fmt: skip
         return out, residual
+
+    def _pools_of(self, kv) -> tuple[ctypes.Array, ctypes.Array]:
+        """Each layer's K and V pool addresses in kv (a KVCache or SplitKVCache), kept per pool."""
+        if not self._pools or self._pools[0] is not kv:
+            layers = [kv.layer(i) for i in range(len(self.specs))]  # (2, P, S, nkv, hd) each
+            addresses = tuple(
+                (ctypes.c_void_p * len(layers))(*(layer[j].data_ptr() for layer in layers))
+                for j in (0, 1)
+            )
+            self._pools = (kv, addresses)
+        return self._pools[1]

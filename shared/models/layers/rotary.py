@@ -151,15 +151,25 @@ class InterleavedRotaryEmbedding(nn.Module):
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if positions is not self._positions:  # every layer of a step shares one computation
+    def _cos_sin_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, hd/2 or hd) cos and sin; every layer of a step shares one computation."""
+        if positions is not self._positions:
             freqs = positions.float()[:, None] * self.inv_freq  # (T, hd/2)
             self._positions = positions
             cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
             if not self.interleaved:
                 cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # (T, hd)
-            self._cos_sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2 or hd)
-        cos, sin = self._cos_sin
+            self._cos_sin = cos[:, None, :], sin[:, None, :]
+        return self._cos_sin
+
+    def cos_sin_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T, hd) float32: each position's hd/2 cosines, then its hd/2 sines (interleaved), as
+        the fused decoder (decode_layer.c's ROPE_PAIRS) takes them."""
+        cos, sin = self._cos_sin_of(positions)
+        return torch.cat([cos[:, 0], sin[:, 0]], -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self._cos_sin_of(positions)
         if not self.interleaved:
             q_out, k_out = _rotate(q.float(), cos, sin), _rotate(k.float(), cos, sin)
             return q_out.to(q.dtype), k_out.to(k.dtype)
