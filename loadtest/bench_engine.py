@@ -30,7 +30,7 @@ import torch
 from kernels.build import build_library
 from kernels.cpu import isa, library
 from loadtest.decode_steps import prefill
-from loadtest.random_model import llama_fields, mixtral_fields, save_random_llama
+from loadtest.random_model import llama4_fields, llama_fields, mixtral_fields, save_random_llama
 from loadtest.roofline import LlamaShape, mean_step_bytes
 from shared.cpu_report import report as env_report
 from shared.engine.config import EngineConfig
@@ -44,6 +44,11 @@ MODELS = {  # ~150M parameters each
     # 8 experts, top 2: ~140M parameters, ~48M read by a batch-1 decode step
     "moe": mixtral_fields(
         8, 2, vocab=32000, hidden=512, intermediate=1024, layers=8, heads=8, kv_heads=4
+    ),
+    # Scout's layout: 16 experts (top 1) and a shared one of 512 each, chunks of 64 tokens (a
+    # decode crosses one); ~180M parameters, ~37M read by a batch-1 decode step
+    "llama4": llama4_fields(
+        16, 64, vocab=32000, hidden=512, intermediate=512, layers=8, heads=8, kv_heads=4
     ),
 }
 VOCAB = 32000  # both models'

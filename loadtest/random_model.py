@@ -1,5 +1,6 @@
 """Random-weight Llama-shaped model folders for benchmarks (fixed seed, safetensors): dense
-Llama, or a Mixtral-style mixture of experts (`model_type` "mixtral" in the fields)."""
+Llama, a Mixtral-style mixture of experts (`model_type` "mixtral" in the fields) or a
+Scout-shaped Llama 4 ("llama4_text")."""
 
 from pathlib import Path
 
@@ -35,6 +36,19 @@ def mixtral_fields(experts: int, top_k: int, **llama) -> dict:
     return dict(
         llama_fields(**llama), model_type="mixtral", num_local_experts=experts,
         num_experts_per_tok=top_k,
+    )  # fmt: skip
+
+
+def llama4_fields(experts: int, chunk: int, **llama) -> dict:
+    """Llama4TextConfig fields of a Scout-shaped model: every layer routes to `experts` (top
+    1, sigmoid, the weight on the input) beside a shared expert, both of `intermediate` size;
+    3 layers in 4 chunked (`chunk` tokens) with RoPE and L2-normed q and k, every 4th global
+    NoPE with the query temperature (transformers' defaults, as Scout's config has them)."""
+    fields = llama_fields(**llama)
+    return dict(
+        fields, model_type="llama4_text", num_local_experts=experts, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, intermediate_size_mlp=2 * fields["intermediate_size"],
+        attention_chunk_size=chunk, head_dim=fields["hidden_size"] // fields["num_attention_heads"],
     )  # fmt: skip
 
 

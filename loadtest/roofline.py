@@ -6,7 +6,9 @@ so counting it, as a plain parameter count does, inflates the share.
 
 A mixture of experts reads only its active experts: at batch 1 the top-k of each layer; at
 batch B the experts any of the B tokens chose, E * (1 - (1 - k/E)^B) of them in expectation
-under uniform routing (the active-bytes roofline), and the router's weights."""
+under uniform routing (the active-bytes roofline), the router's weights and a shared expert
+where there is one (Llama 4). Llama 4's chunked layers read at most their chunk of KV; this
+counts every key (an overcount of ~1% at the benchmark's contexts)."""
 
 from dataclasses import dataclass
 
@@ -26,11 +28,15 @@ class LlamaShape:
     experts: int = 0  # routed experts per layer (Mixtral's num_local_experts); 0: dense
     top_k: int = 0  # experts per token
     expert_intermediate: int = 0  # each expert's intermediate size (Mixtral: intermediate_size)
+    shared_intermediate: int = 0  # a shared expert's beside them (Llama 4); 0: none
 
     @classmethod
     def from_fields(cls, f: dict) -> "LlamaShape":
         heads = f["num_attention_heads"]
         experts = f.get("num_local_experts") or f.get("num_experts") or 0
+        llama4 = f.get("model_type", "").startswith("llama4")
+        if llama4 and f.get("interleave_moe_layer_step", 1) != 1:
+            raise ValueError("roofline: Llama 4 with dense layers between the MoE ones")
         return cls(
             vocab=f["vocab_size"], hidden=f["hidden_size"], intermediate=f["intermediate_size"],
             layers=f["num_hidden_layers"], heads=heads,
@@ -41,6 +47,7 @@ class LlamaShape:
             expert_intermediate=(
                 f.get("moe_intermediate_size") or f["intermediate_size"] if experts else 0
             ),
+            shared_intermediate=f["intermediate_size"] if llama4 else 0,
         )  # fmt: skip
 
     def active_experts(self, batch: int) -> float:
@@ -57,7 +64,8 @@ class LlamaShape:
         if not self.experts:
             return attention + 3 * h * self.intermediate
         expert = 3 * h * self.expert_intermediate
-        return attention + h * self.experts + self.active_experts(batch) * expert  # + router
+        shared = 3 * h * self.shared_intermediate
+        return attention + h * self.experts + self.active_experts(batch) * expert + shared
 
 
 def decode_step_bytes(shape: LlamaShape, contexts: list[int], weight_bytes: int = 2) -> float:

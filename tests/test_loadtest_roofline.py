@@ -5,7 +5,7 @@ and the KV each sequence's context adds."""
 import pytest
 import transformers
 
-from loadtest.random_model import llama_fields
+from loadtest.random_model import llama4_fields, llama_fields
 from loadtest.roofline import LlamaShape, decode_step_bytes, mean_step_bytes
 
 
@@ -44,3 +44,18 @@ def test_a_mixture_of_experts_reads_its_active_experts_only():
     # a large batch reads every expert; two tokens, 1 - (3/4)^2 of them in expectation
     assert moe.active_experts(1000) == pytest.approx(8)
     assert moe.active_experts(2) == pytest.approx(8 * (1 - 0.75**2))
+
+
+def test_llama4_reads_one_expert_and_the_shared_one():
+    """The bench's Scout-shaped model, built by transformers: a batch-1 step reads the
+    attention, norms, router, one routed expert and the shared expert of every layer."""
+    fields = llama4_fields(4, 8, vocab=1000, hidden=64, intermediate=96, layers=2, heads=4,
+                           kv_heads=2)  # fmt: skip
+    config = transformers.AutoConfig.for_model(**fields)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    params = {n: p.numel() for n, p in model.named_parameters()}
+    experts = sum(v for n, v in params.items() if ".experts." in n)  # all 4 of each layer
+    read = sum(params.values()) - params["model.embed_tokens.weight"] - experts * 3 // 4
+    shape = LlamaShape.from_fields(fields)
+    kv_one = 2 * 2 * 2 * 16  # layers x (K, V) x kv heads x head_dim, one key
+    assert decode_step_bytes(shape, [1]) == (read + 64 + kv_one) * 2 + 1000 * 4
