@@ -176,6 +176,28 @@ def test_mixed_and_oversized_steps_go_op_by_op():
     assert not fused.takes(big, step(decode, decode))
 
 
+def test_layers_one_call_cannot_take_stay_op_by_op():
+    """FusedDecoder.build: no fused decoder where a layer cannot run fused, the layers attend
+    with more masks than the call takes, or rotate by two interleaved embeddings (a step gives
+    one cos/sin); a table RoPE and a NoPE layer beside one interleaved embedding do fit."""
+    from kernels.cpu.decode_layer import MAX_MASKS, DecodeLayerSpec
+    from shared.models.layer_attention import GLOBAL_MASK, SLIDING, AttentionMask
+    from shared.models.layers.decode_layer import LayerPart
+    from shared.models.layers.rotary import InterleavedRotaryEmbedding
+
+    def part(rotary=None):
+        return LayerPart(DecodeLayerSpec(), [], rotary)
+
+    pairs = [InterleavedRotaryEmbedding(16, 10000.0, None) for _ in range(2)]
+    assert FusedDecoder.build([part(), part(pairs[0])], [GLOBAL_MASK] * 2) is not None
+    assert FusedDecoder.build([part(), None], [GLOBAL_MASK] * 2) is None
+    assert FusedDecoder.build([], []) is None
+    assert FusedDecoder.build([part(p) for p in pairs], [GLOBAL_MASK] * 2) is None
+    windows = [AttentionMask(SLIDING, w + 1) for w in range(MAX_MASKS + 1)]
+    assert FusedDecoder.build([part()] * MAX_MASKS, windows[:MAX_MASKS]) is not None
+    assert FusedDecoder.build([part()] * (MAX_MASKS + 1), windows) is None
+
+
 def test_a_step_of_short_prompts_runs_fused_and_writes_their_kv(tiny_model_factory, monkeypatch):
     """A step whose tokens the fused call takes runs there prompts included, each prompt token a
     decode row over its context so far (batch.prefills_as_rows): the first step of four prompts

@@ -13,7 +13,7 @@ from shared.models.layer_attention import CHUNKED, GLOBAL, SLIDING, LayerAttenti
 from shared.models.layers.activation import SiluAndMul
 from shared.models.layers.attention import AttentionMetadata, PagedAttention
 from shared.models.layers.attention_backend import AttentionBackend, select_backend
-from shared.models.layers.decode_layer import MAX_MASKS, FusedDecoder, layer_spec
+from shared.models.layers.decode_layer import FusedDecoder, layer_spec
 from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shared.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -169,16 +169,13 @@ class LlamaModel(nn.Module):
     def prepare_fused_decode(self) -> None:
         """Once the weights are final: decode steps run all layers in one C call, where each
         layer can run there, attending globally, in a sliding window or in chunks (the call
-        takes each distinct mask's tables, up to MAX_MASKS)."""
+        takes each distinct mask's tables: FusedDecoder.build)."""
         masks = self.masks[self.start : self.end]
-        if len(set(masks)) > MAX_MASKS or any(
-            m.kind not in (GLOBAL, SLIDING, CHUNKED) for m in masks
-        ):
+        if any(m.kind not in (GLOBAL, SLIDING, CHUNKED) for m in masks):
             return
         parts = [self.layers[i].decode_spec() for i in range(self.start, self.end)]
-        if parts and all(part is not None for part in parts):
-            self.fused = FusedDecoder(parts, masks)
-            self.fused_rows = self.fused.max_rows()
+        self.fused = FusedDecoder.build(parts, masks)
+        self.fused_rows = 0 if self.fused is None else self.fused.max_rows()
 
     def forward(
         self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None

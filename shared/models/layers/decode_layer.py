@@ -124,21 +124,28 @@ class FusedDecoder:
     with (spec.mask indexes `masks`), and the tensors the specs point into (kept alive)."""
 
     def __init__(self, parts: list[LayerPart], masks: list[AttentionMask]):
+        """parts: each layer's (as `build` checks they fit one call), masks: each layer's."""
         self.specs = (DecodeLayerSpec * len(parts))(*(part.spec for part in parts))
         self.masks = list(dict.fromkeys(masks))  # distinct, in layer order
-        if len(self.masks) > MAX_MASKS:
-            raise ValueError(f"fused decoder: {len(self.masks)} masks (at most {MAX_MASKS})")
         for spec, mask in zip(self.specs, masks):
             spec.mask = self.masks.index(mask)
         self._tensors = [t for part in parts for t in part.tensors]
         rotaries = {id(p.rotary): p.rotary for p in parts if p.rotary is not None}.values()
         self.tables = [r for r in rotaries if isinstance(r, RotaryEmbedding)]
-        pairs = [r for r in rotaries if isinstance(r, InterleavedRotaryEmbedding)]
-        if len(pairs) > 1:  # one cos/sin a step
-            raise ValueError("fused decoder: layers of several interleaved rotary embeddings")
-        self.pairs = pairs[0] if pairs else None
+        self.pairs = next((r for r in rotaries if isinstance(r, InterleavedRotaryEmbedding)), None)
+        # the NoPE layers' factor: one function of the position for all (one model config)
         self.temperature = next((p.temperature for p in parts if p.temperature), None)
         self._pools: tuple = ()  # (the KV cache, its layers' K and V pool addresses)
+
+    @classmethod
+    def build(cls, parts: list, masks: list[AttentionMask]) -> "FusedDecoder | None":
+        """A FusedDecoder of these layers (each layer's part, or None, and mask), or None where
+        one call cannot take them: a layer that cannot run fused, more than MAX_MASKS masks,
+        or interleaved RoPE of more than one embedding (the step gives one cos/sin)."""
+        if not parts or any(part is None for part in parts) or len(set(masks)) > MAX_MASKS:
+            return None
+        pairs = {id(p.rotary) for p in parts if isinstance(p.rotary, InterleavedRotaryEmbedding)}
+        return cls(parts, masks) if len(pairs) <= 1 else None
 
     @staticmethod
     def max_rows() -> int:
