@@ -21,8 +21,10 @@ PHASES = [
     ("nats-server", re.compile(r"tison\.up: nats-server started in (?P<took>[\d.]+) s")),
     ("imports done", re.compile(r"process started (?P<took>[\d.]+) s ago")),
     ("kernels built", re.compile(r"kernels\.build: built \S+ in (?P<took>[\d.]+) s")),
-    ("model loaded", re.compile(r"rank 0: model loaded in (?P<took>[\d.]+) s")),
-    ("KV pool", re.compile(r"rank 0: KV pool of \d+ pages \(\d+ MiB\) in (?P<took>[\d.]+) s")),
+    # shard.py's: "model loaded from disk in 1.00 s (...)", or "from weights peer ..."
+    ("model loaded", re.compile(r"rank 0: model loaded (?:from .+? )?in (?P<took>[\d.]+) s")),
+    # "KV pool of 64 pages (16 MiB) in 0.10 s", capped: "64 pages, chunked layers capped: ..."
+    ("KV pool", re.compile(r"rank 0: KV pool of \d+ pages[^(]*\(\d+ MiB\) in (?P<took>[\d.]+) s")),
     ("serving", re.compile(r"(worker \S+ serving|gateway \S+ serving|scheduler up on)")),
     ("saw prefill", re.compile(r"prefill worker \S+ joined")),
     ("saw decode", re.compile(r"decode worker \S+ joined")),

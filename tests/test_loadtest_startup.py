@@ -19,9 +19,9 @@ def test_phases_are_read_per_child_with_the_durations_lines_report():
         (1.5, f"[prefill-0] {_stamp(launched + 1.5)} INFO services.runtime: "
               "process started 1.30 s ago (interpreter and imports)"),
         (1.7, f"[prefill-0] {_stamp(launched + 1.6)} INFO shared.engine.shard: "
-              "rank 0: model loaded in 0.10 s"),
+              "rank 0: model loaded from disk in 0.10 s (attention: cpu; decode steps op by op)"),
         (1.7, f"[prefill-0] {_stamp(launched + 1.6)} INFO shared.engine.shard: "
-              "rank 1: model loaded in 0.30 s"),
+              "rank 1: model loaded from disk in 0.30 s"),
         (1.8, f"[gateway] {_stamp(launched + 1.8)} INFO services.gateway.control: "
               "prefill worker prefill-h-12-ab joined"),
         (1.9, "[gateway] no timestamp here"),
@@ -53,9 +53,9 @@ def test_up_summarizes_where_each_childs_start_up_went():
         f"[decode-0] {_stamp(launched + 2.0)} INFO kernels.build: "
         "built tison_codec in 0.10 s (cached in /tmp)",
         f"[decode-0] {_stamp(launched + 2.5)} INFO shared.engine.shard: "
-        "rank 0: model loaded in 1.00 s (attention: cpu)",
+        "rank 0: model loaded from weights peer 10.0.0.2:5000 in 1.00 s (attention: cpu)",
         f"[decode-0] {_stamp(launched + 2.6)} INFO shared.engine.shard: "
-        "rank 0: KV pool of 64 pages (16 MiB) in 0.10 s",
+        "rank 0: KV pool of 64 pages, chunked layers capped: 8 pages (16 MiB) in 0.10 s",
         f"[decode-0] {_stamp(launched + 3.0)} INFO services.worker.worker: "
         "worker decode-h-12-ab serving decode",
         f"[gateway] {_stamp(launched + 0.9)} INFO services.runtime: "

@@ -34,6 +34,7 @@ from services_harness import (
     assert_completions_equal,
     free_port,
     start_prefill_tp2_decode_pp2,
+    start_workers,
 )
 from tiny_models import load_hf
 
@@ -194,6 +195,32 @@ async def test_llama4_decode_worker_caps_chunked_kv(tiny_model_factory, tmp_path
         assert decode_log.count("chunked layers capped") == 2, decode_log  # both ranks
         assert "out of the garbage collector's view" in decode_log  # gc.freeze: no full sweeps
         assert "chunked layers capped" not in (tmp_path / "prefill.log").read_text()
+        await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
+async def test_llama4_bf16_decode_worker_decodes_in_one_call(tiny_model_factory, tmp_path):
+    """bf16, pages of 4 (each chunk of 8 starts a page): the decode worker caps its chunked
+    layers and runs its decode steps in the fused decoder's one call, each layer on its mask's
+    pool; the prefill worker computes the prompts as rows in it. Both are (1, 1), so every
+    number is computed as in the offline engine with the same settings, whose completions
+    the gateway's equal."""
+    model_dir = tiny_model_factory("llama4_moe")
+    prompts = [
+        "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+        "The quick brown fox jumps over the lazy dog. " * 3,
+    ]
+    with LLM(model_dir, dtype="bfloat16", page_size=4) as llm:
+        assert llm.engine.model.model.fused is not None
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    with Services(tmp_path, model_dir) as s:
+        s.scheduler()
+        start_workers(s, model_dir, "shm", "--dtype", "bfloat16", "--page-size", "4")
+        s.gateway()
+        s.wait_healthy(120)
+        decode_log = (tmp_path / "decode.log").read_text()
+        assert "chunked layers capped" in decode_log, decode_log
+        assert "decode steps in one call, 2 mask(s)" in decode_log, decode_log
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
 
 

@@ -108,9 +108,11 @@ def build_shard(
     )
     loaded = time.perf_counter()
     source = f"from {weights.source}" if weights is not None else "from disk"
+    fused = getattr(getattr(model, "model", None), "fused", None)  # decode_layer.py's
     log.info(
-        "rank %d: model loaded %s in %.2f s (attention: %s)",
+        "rank %d: model loaded %s in %.2f s (attention: %s; decode steps %s)",
         rank, source, loaded - start, attention.name,
+        "op by op" if fused is None else f"in one call, {len(fused.masks)} mask(s)",
     )  # fmt: skip
     spec = rank_kv_spec(model_kv_spec(cfg, config.page_size, dtype), config.parallel, rank)
     if num_chunk_pages is None:  # with decode graphs, the padded rows' scratch page too
