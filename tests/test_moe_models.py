@@ -202,17 +202,20 @@ async def test_llama4_decode_worker_caps_chunked_kv(tiny_model_factory, tmp_path
 async def test_llama4_bf16_decode_worker_decodes_in_one_call(tiny_model_factory, tmp_path):
     """bf16, pages of 4 (each chunk of 8 starts a page): the decode worker caps its chunked
     layers and runs its decode steps in the fused decoder's one call, each layer on its mask's
-    pool; the prefill worker computes the prompts as rows in it. Both are (1, 1), so every
-    number is computed as in the offline engine with the same settings, whose completions
-    the gateway's equal."""
+    pool; the prefill worker computes the prompts as rows in it. Both are (1, 1) on the
+    test's threads, and the gateway gets one request at a time, so every number is computed
+    as in the offline engine with the same settings generating one prompt at a time (decode
+    attention cuts a row in spans by how many rows a step has), whose completions the
+    gateway's equal."""
     model_dir = tiny_model_factory("llama4_moe")
     prompts = [
         "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
         "The quick brown fox jumps over the lazy dog. " * 3,
     ]
+    greedy = SamplingParams(temperature=0, max_tokens=16)
     with LLM(model_dir, dtype="bfloat16", page_size=4) as llm:
         assert llm.engine.model.model.fused is not None
-        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        expected = [llm.generate([prompt], greedy)[0] for prompt in prompts]
     with Services(tmp_path, model_dir) as s:
         s.scheduler()
         start_workers(s, model_dir, "shm", "--dtype", "bfloat16", "--page-size", "4")
