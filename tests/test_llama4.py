@@ -231,27 +231,30 @@ def test_parallel_greedy_matches_transformers(moe, tp, pp, ep):
 
 def test_bfloat16_logprobs_close_to_transformers(moe):
     """bf16: the engine's logprobs (top 5 at each of 8 steps) within 0.25 nats of transformers'
-    bf16 log_softmax on the same tokens (0.15 measured, as Llama's 0.12-0.16 in
-    test_engine_parity: logits reach ~|16|, one bf16 step is 0.06-0.125), and on average as
-    close to the float32 one as transformers' bf16 is, +0.01 nats (measured: 0.053 against
-    0.056; the largest single gap is the noisier measure: 0.21). Pages of 4, so that each chunk
-    of 8 starts a page as Scout's 8,192-token chunks do at any page size: every decode step
-    runs in the fused decoder's one call (with pages of 16 the rows whose chunk starts inside
-    a page decode op by op; across make_prompts()'s prompts either way lands within 0.01 of
-    transformers' own gap, on both sides)."""
+    bf16 log_softmax on the same tokens for the 30-token prompt (0.19-0.21 measured at each
+    tier, as Llama's 0.12-0.16 in test_engine_parity: logits reach ~|16|, one bf16 step is
+    0.06-0.125), and on average over five prompts as close to the float32 one as transformers'
+    bf16 is, +0.01 nats (measured at portable / avx2 / avx512_bf16: 0.057 / 0.059 / 0.057
+    against 0.061 / 0.064 / 0.061). One prompt's mean moves by ~0.01 either way with any
+    rounding (the L2 norm's summation order against torch's mean, a span cut of decode
+    attention), so it is the five prompts' mean that is held: the 16-token one is left out,
+    where transformers' own bf16 picks another token (a 3.6-nat gap). Pages of 4, so that each
+    chunk of 8 starts a page as Scout's 8,192-token chunks do at any page size: every decode
+    step runs in the fused decoder's one call."""
     model_dir, prompts, _ = moe
-    prompt = prompts[5]  # 30 tokens: four chunks and the NoPE layer's temperature
     engine = new_engine(model_dir, dtype="bfloat16", page_size=4)
     assert engine.model.model.fused is not None
-    ours, ref = bf16_logprobs_and_hf(engine, model_dir, prompt)
-    seen = ~ours.isnan()
-
-    def gaps(a, b):
-        return (a - b)[seen].abs()
-
-    assert gaps(ours, ref[torch.bfloat16]).max() < 0.25
-    hf_mean = gaps(ref[torch.bfloat16], ref[torch.float32]).mean()
-    assert gaps(ours, ref[torch.float32]).mean() <= hf_mean + 0.01, "less exact than HF bf16"
+    ours_gaps, hf_gaps = [], []
+    for i in (2, 4, 5, 6, 7):  # 7 to 60 tokens: up to eight chunks, the NoPE temperature
+        ours, ref = bf16_logprobs_and_hf(engine, model_dir, prompts[i])
+        seen = ~ours.isnan()
+        bf16, f32 = ref[torch.bfloat16][seen], ref[torch.float32][seen]
+        if i == 5:  # 30 tokens
+            assert (ours[seen] - bf16).abs().max() < 0.25
+        ours_gaps.append((ours[seen] - f32).abs())
+        hf_gaps.append((bf16 - f32).abs())
+    hf_mean = torch.cat(hf_gaps).mean()
+    assert torch.cat(ours_gaps).mean() <= hf_mean + 0.01, "less exact than HF bf16"
 
 
 # --- a Llama4ForConditionalGeneration checkpoint, served text-only ---------------------------
