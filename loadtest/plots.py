@@ -26,14 +26,18 @@ def _latencies_ms(run: RunRecord, key: str) -> np.ndarray:
 
 
 def plot_cdfs(runs: list[tuple[str, RunRecord]], path: Path, title: str) -> Path:
-    """One panel per latency, one line per labelled run; log-scale milliseconds."""
+    """One panel per latency, one line per labelled run; log-scale milliseconds (linear for a
+    panel with no value above 0)."""
     fig, axes = plt.subplots(1, len(CDF_PANELS), figsize=(15, 4.2), constrained_layout=True)
     for ax, (name, key) in zip(axes, CDF_PANELS, strict=True):
+        positive = False  # a log axis needs a value above 0 (one-token runs have no gaps)
         for label, run in runs:
             ms = _latencies_ms(run, key)
             if len(ms):
                 ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=label)
-        ax.set_xscale("log")
+                positive = positive or bool((ms > 0).any())
+        if positive:
+            ax.set_xscale("log")
         ax.set(title=name, xlabel="ms", ylabel="fraction of samples", ylim=(0, 1.02))
         ax.axhline(0.99, color="grey", lw=0.6, ls=":")
         ax.grid(alpha=0.3, which="both")
