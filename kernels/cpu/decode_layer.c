@@ -167,14 +167,14 @@ static void *moe_alloc(const decode_layer *layers, int64_t count, int64_t n, moe
     *failed = 0;
     if (E == 0) return NULL;
     size_t bf16s = (size_t)(n * E + n * k * 2 * H + n * 3 * kI);
-    size_t ints = (size_t)(3 * n * k + 2 * E + 1), bytes = bf16s * 2 + ints * 8 + n * k * 4;
+    size_t ints = (size_t)(2 * n * k + 2 * E + 1), bytes = bf16s * 2 + ints * 8 + n * k * 4;
     char *block = malloc(bytes);
     if (block == NULL) {
         *failed = 1;
         return NULL;
     }
-    M->ids = (int64_t *)block, M->pos = M->ids + n * k, M->token = M->pos + n * k;
-    M->start = M->token + n * k, M->fill = M->start + E + 1;
+    M->ids = (int64_t *)block, M->pos = M->ids + n * k;
+    M->start = M->pos + n * k, M->fill = M->start + E + 1;
     M->weights = (float *)(M->fill + E);
     M->logits = (bf16 *)(M->weights + n * k), M->rows = M->logits + n * E;
     M->h = M->rows + n * k * H, M->gate_up = M->h + n * k * H, M->act = M->gate_up + 2 * n * kI;

@@ -103,10 +103,10 @@ void decode_attention_team_bf16(const bf16 *q, int64_t q_stride, const int64_t *
                                 bf16 *out, int64_t span, float *scratch);
 /* moe.c: a decode step's routed experts. Its scratch, for n rows, E experts, top k, hidden H,
  * expert intermediate I: logits (n, E); ids, weights, pos (n * k); start (E + 1), fill (E);
- * token (n * k); rows, h (n * k, H); gate_up (n * k, 2I); act (n * k, I). */
+ * rows, h (n * k, H); gate_up (n * k, 2I); act (n * k, I). */
 typedef struct {
     bf16 *logits, *rows, *gate_up, *act, *h;
-    int64_t *ids, *pos, *start, *fill, *token;
+    int64_t *ids, *pos, *start, *fill;
     float *weights;
 } moe_scratch;
 #define ROUTE_SOFTMAX 0 /* softmax top-k, each expert's output weighted (renormalised or not) */

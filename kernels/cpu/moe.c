@@ -41,8 +41,8 @@ static void route_row(const bf16 *logits, int64_t E, int64_t k, int scoring, int
 }
 
 /* Every row's experts, and the (row, slot) pairs grouped by expert: pair p = t * k + j sits at
- * pos[p] of the grouped order, whose rows are token[] (ascending within an expert); expert e's
- * pairs are [start[e], start[e + 1]). */
+ * pos[p] of the grouped order (rows ascending within an expert); expert e's pairs are
+ * [start[e], start[e + 1]). */
 static void group_pairs(const bf16 *logits, int64_t n, int64_t E, int64_t k, int scoring,
                         int renormalize, const moe_scratch *M) {
     for (int64_t e = 0; e <= E; e++) M->start[e] = 0;
@@ -53,10 +53,7 @@ static void group_pairs(const bf16 *logits, int64_t n, int64_t E, int64_t k, int
     }
     for (int64_t e = 0; e < E; e++) M->start[e + 1] += M->start[e];
     for (int64_t e = 0; e < E; e++) M->fill[e] = M->start[e];
-    for (int64_t p = 0; p < n * k; p++) {
-        int64_t at = M->fill[M->ids[p]]++;
-        M->pos[p] = at, M->token[at] = p / k;
-    }
+    for (int64_t p = 0; p < n * k; p++) M->pos[p] = M->fill[M->ids[p]]++;
 }
 
 /* x (n, H) -> out (n, H): the experts w13 (E, 2I, H) (gate rows, then up rows) and w2 (E, H, I)
@@ -69,16 +66,14 @@ void moe_team_bf16(const bf16 *x, const bf16 *router, const bf16 *w13, const bf1
     linear_team(x, H, router, NULL, n, E, H, M->logits, xp);
 #pragma omp single
     group_pairs(M->logits, n, E, k, scoring, renormalize, M);
-#pragma omp for
-    for (int64_t pos = 0; pos < n * k; pos++) {
-        const bf16 *from = x + M->token[pos] * H;
-        bf16 *row = M->rows + pos * H;
+#pragma omp for /* pair p (token p / k) into its row of the grouped order */
+    for (int64_t p = 0; p < n * k; p++) {
+        const bf16 *from = x + p / k * H;
+        bf16 *row = M->rows + M->pos[p] * H;
         if (!on_input) {
             memcpy(row, from, H * 2);
             continue;
         }
-        int64_t p = M->token[pos] * k; /* the pair at pos: its token's slot of that expert */
-        while (M->pos[p] != pos) p++;
         const float w = bf16_to_f32(f32_to_bf16(M->weights[p]));
         for (int64_t c = 0; c < H; c++) row[c] = f32_to_bf16(bf16_to_f32(from[c]) * w);
     }
