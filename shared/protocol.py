@@ -136,10 +136,10 @@ class KVRankPool:
     units: tuple[int, ...]  # [first, end) units of the layout it holds (MHA: KV heads)
     shm: str  # its pool file (same host); "" when it has none
     cuda_ipc: bytes = b""  # a GPU pool's CUDA IPC handle (transfer/cuda_ipc.py); b"" on CPU
-    # capped chunked layers (shared/kv/chunk_cache.py): those of its layers (global indices)
-    # whose KV is in a pool of their own, and that pool's file; () and "" when none is capped
-    chunked_layers: tuple[int, ...] = ()
-    chunk_shm: str = ""
+    # capped chunked layers (shared/kv/chunk_cache.py): each of its layers' page group, in
+    # layer order (0: the request's page_ids; k >= 1: its chunk_page_ids[k - 1]); its pool
+    # then holds unit pages, a layer at its index among its group's; () when none is capped
+    kv_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,9 +224,10 @@ class DecodeAssignReplyMsg:
     reason: str = ""  # decode sets when refusing; scheduler logs it
     cached_tokens: int = 0  # decode sets: prompt tokens whose KV the pages hold already (its
     # prefix cache, whole pages); prefill writes only the tokens after them
-    # decode sets where it caps chunked layers (KVRankPool.chunked_layers): their reserved
-    # pages, which hold logical pages chunk_first_page on (the prompt's last chunk)
-    chunk_page_ids: tuple[int, ...] = ()
+    # decode sets where it caps chunked layers (KVRankPool.kv_groups): their reserved pages,
+    # one list a page group, which hold logical pages chunk_first_page on (the prompt's last
+    # chunk)
+    chunk_page_ids: tuple[tuple[int, ...], ...] = ()
     chunk_first_page: int = 0
 
 
@@ -243,7 +244,7 @@ class PrefillAssignMsg:
     decode_kv: KVPool | None  # scheduler copies from DecodeAssignReplyMsg.kv
     page_ids: tuple[int, ...]  # scheduler copies from DecodeAssignReplyMsg.page_ids
     decode_cached_tokens: int = 0  # scheduler copies from DecodeAssignReplyMsg.cached_tokens
-    decode_chunk_page_ids: tuple[int, ...] = ()  # scheduler copies from DecodeAssignReplyMsg
+    decode_chunk_page_ids: tuple[tuple[int, ...], ...] = ()  # scheduler copies from the reply
     decode_chunk_first_page: int = 0  # ... chunk_page_ids and chunk_first_page
     background: bool = False  # scheduler sets: a BATCH request (the engine's Request.background)
 

@@ -215,3 +215,33 @@ def test_background_requests_wait_behind_the_others_and_prefill_in_small_steps()
     out, _ = run_step(s)  # decode rows of background requests are not capped
     rows = {x.request.request_id: x.num_tokens for x in out.scheduled}
     assert rows == {"i0": 1, "b0": 1, "i1": 1, "b1": 6}
+
+
+def test_capped_chunked_layers_take_their_window_from_the_one_pool():
+    """Chunks of 8 in 2 page groups (shared/kv/chunk_cache.py): a request holds a page per
+    logical page of its tokens and, for its chunked layers, 2 per logical page of its window
+    only, all from one allocator; as it moves into a new chunk its window's old pages go back
+    to the pool, for any request's pages of either kind. Everything returns at the end."""
+    pool = PageAllocator(20)
+    s = Scheduler(pool, PAGE, 64, 8, chunk_groups=2, chunk=8)
+    a = request("a", 10, 0, max_tokens=20)
+    s.add(a)
+    run_step(s)  # 10 prompt tokens and the sampled 11th: pages 0-2, window pages 0-2
+    assert len(a.page_ids) == 3 and [len(g) for g in a.chunk_page_ids] == [3, 3]
+    assert pool.num_used == 3 + 2 * 3
+    while a.num_computed_tokens < 17:
+        run_step(s)  # decoding token 17 (position 16): its chunk starts at page 4
+    assert a.chunk_first_page == 4 and [len(g) for g in a.chunk_page_ids] == [1, 1]
+    assert pool.num_used == len(a.page_ids) + 2  # the window's older pages are free again
+    b = request("b", 20, 1)  # one step: 6 pages of tokens and 2 x 5 of window, not beside a
+    s.add(b)
+    out, _ = run_step(s)
+    assert [x.request for x in out.scheduled] == [a]
+    while not a.finished:
+        run_step(s)
+    assert pool.num_used == 0
+    out, _ = run_step(s)  # now b fits
+    assert [x.request for x in out.scheduled] == [b]
+    while not b.finished:
+        run_step(s)
+    assert pool.num_used == 0 and b.chunk_page_ids == []

@@ -15,9 +15,15 @@ import torch
 from shared.checkpoint import Checkpoint
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.shard import model_kv_spec, rank_kv_spec
+from shared.engine.shard import model_kv_groups, model_kv_spec, rank_kv_spec
 from shared.errors import InvalidRequestError
-from shared.kv.chunk_cache import chunk_pages_per_seq, pool_sizes
+from shared.kv.chunk_cache import (
+    chunk_groups,
+    chunk_pages_per_seq,
+    group_slots,
+    layer_groups,
+    unit_slots,
+)
 from shared.kv.pages import pages_for
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, AttentionMask
@@ -106,10 +112,12 @@ def test_capped_chunked_kv_matches_transformers(moe, backend):
         for s in engine.step():
             outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
         for req in engine.scheduler.running:
-            assert len(req.chunk_page_ids) <= 2 + 6 + 2
+            groups = req.chunk_page_ids  # 3 groups (1 global, 3 chunked layers), as long
+            assert len(groups) == 3 and len({len(g) for g in groups}) == 1
+            assert len(groups[0]) <= 2 + 6 + 2
             most_full = max(most_full, len(req.page_ids))
             if req.num_computed_tokens > req.num_prompt_tokens:  # decoded a token at least
-                most_chunked_decoding = max(most_chunked_decoding, len(req.chunk_page_ids))
+                most_chunked_decoding = max(most_chunked_decoding, len(groups[0]))
 
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY_32)
@@ -119,31 +127,37 @@ def test_capped_chunked_kv_matches_transformers(moe, backend):
         step()
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
     assert most_chunked_decoding <= 3 < most_full
-    assert engine.num_pages_used == 0 == engine.num_chunk_pages_used
+    assert engine.num_pages_used == 0
 
 
 def test_capped_chunked_kv_survives_preemption(moe):
-    """A pool of 128 token slots for prompts of up to 60 tokens and 32 more: the newest
-    requests are preempted, both page lists freed, and recomputed to the same tokens."""
+    """56 pages of 4 for prompts of up to 60 tokens and 32 more: one sequence's chunked
+    layers take up to 3 x 8 of them, so the pool holds 128 tokens of one; the newest requests
+    are preempted, all their pages freed, and recomputed to the same tokens."""
     model_dir, prompts, refs = moe
-    engine = _capped_engine(model_dir, num_pages=32, max_num_batched_tokens=16)
+    engine = _capped_engine(model_dir, num_pages=56, max_num_batched_tokens=16)
+    assert engine.pool_tokens == (56 - 3 * chunk_pages_per_seq(8, 4, 16)) * 4 == 128
     reqs = [engine.add_request(str(i), p, GREEDY_32) for i, p in enumerate(prompts)]
     outputs = run_all(engine)
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
     assert any(r.num_preemptions for r in reqs)
-    assert engine.num_pages_used == 0 == engine.num_chunk_pages_used
+    assert engine.num_pages_used == 0
 
 
-def test_capped_pools_share_the_kv_budget(moe):
-    """The chunked pool takes every sequence's window (max_num_seqs of them) from the budget,
-    the main pool the rest; a capped layout refuses the handoffs it does not serve."""
+def test_capped_layers_share_one_page_budget(moe):
+    """One pool of unit pages: a page holds one layer's page of tokens (1 global layer, 3
+    chunked ones in 3 groups), as many as the budget holds; whichever kind the requests need
+    takes the free pages. A capped layout refuses the handoffs it does not serve."""
     model_dir, _, _ = moe
     engine = _capped_engine(
         model_dir, num_pages=None, kv_cache_bytes=4 << 20, max_num_batched_tokens=24
     )
-    kv, per_seq = engine.kv, chunk_pages_per_seq(8, 4, 24)
-    assert kv.num_chunk_pages == 8 * per_seq == engine.chunk_allocator.num_pages
-    assert kv.nbytes <= 4 << 20 < kv.nbytes + kv.full.nbytes // kv.num_pages
+    kv, unit = engine.kv, engine.kv_spec.page_size_bytes // engine.kv_spec.num_layers
+    assert engine.kv_groups == (1, 2, 0, 3) and kv.spec.num_layers == 1
+    assert kv.num_pages == engine.allocator.num_pages and kv.nbytes == kv.num_pages * unit
+    assert kv.nbytes <= 4 << 20 < kv.nbytes + unit
+    with pytest.raises(InvalidRequestError, match="hold no sequence"):
+        _capped_engine(model_dir, num_pages=3)  # a page of tokens takes 4
     with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):
         EngineConfig(model_dir=model_dir, cap_chunked_kv=True, kv_push=True)
     assert EngineConfig(model_dir=model_dir, kv_shm_path="/dev/shm/x").caps_chunked_kv
@@ -160,7 +174,7 @@ def test_a_capped_reservation_holds_the_window_then_computes_here(moe):
     got = engine.reserve("r", prompts[i], GREEDY_32)
     first = length // 8 * 8 // 4
     assert got.chunk_first_page == first and length > 16
-    assert len(got.chunk_page_ids) == pages_for(length + 1, 4) - first
+    assert [len(g) for g in got.chunk_page_ids] == [pages_for(length + 1, 4) - first] * 3
     assert len(got.page_ids) == pages_for(length + 1, 4)
     assert engine.handoff_bytes("r") == sum(
         (length - first * 4 if kind == CHUNKED else length) * engine.kv_spec.layer_token_bytes(n)
@@ -168,15 +182,18 @@ def test_a_capped_reservation_holds_the_window_then_computes_here(moe):
     )
     assert engine.start_local("r")
     assert run_all(engine)["r"] == refs[i]
-    assert engine.num_pages_used == 0 == engine.num_chunk_pages_used
+    assert engine.num_pages_used == 0
 
 
-def test_pool_sizes_hold_every_stage():
-    """Page counts fit every pipeline stage's budget: here stage 0 holds chunked layers only
-    (200 B a page), stage 1 one layer of each kind (100 B each)."""
-    stages = [(0, 200), (100, 100)]
-    assert pool_sizes(stages, 10_000, per_seq=4, max_num_seqs=2) == (92, 8)  # windows fit
-    assert pool_sizes(stages, 1_000, per_seq=4, max_num_seqs=2) == (5, 5)  # even split
+def test_chunk_groups_fit_every_stage():
+    """R is the same on every rank (page ids are): the fewest groups that make the largest
+    unit page smallest. Here stage 0 holds 2 chunked layers, stage 1 a global and a chunked
+    one: 2 groups give units of one layer on both (3 would too, at a dearer window)."""
+    stages = [(True, True), (False, True)]
+    assert chunk_groups(stages) == 2 and unit_slots(stages[0], 2) == unit_slots(stages[1], 2) == 1
+    assert [layer_groups(c, 2) for c in stages] == [(1, 2), (0, 1)]
+    assert group_slots((1, 2, 0, 1)) == (2, [0, 0, 0, 1])
+    assert chunk_groups([(True, True, True, False)]) == 3  # the tiny model, one stage
 
 
 def _half_split(x, cos, sin):  # Llama's RoPE layout, on Llama 4's per-pair cos/sin
@@ -223,10 +240,10 @@ def test_parallel_greedy_matches_transformers(moe, tp, pp, ep):
         model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, allow_oversubscribe=True, num_pages=256,
         page_size=4, max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
-        assert llm.engine.chunk_allocator is not None  # capped
+        assert llm.engine.chunk_groups == (2 if pp == 2 else 3)  # capped
         outs = llm.generate(prompts[1::2], GREEDY_32)
         assert [o.token_ids for o in outs] == refs[1::2]
-        assert llm.engine.num_chunk_pages_used == 0 == llm.engine.num_pages_used
+        assert llm.engine.num_pages_used == 0
 
 
 def test_bfloat16_logprobs_close_to_transformers(moe):
@@ -388,7 +405,8 @@ def test_scout_kv_bytes_per_token():
     every layer keeping every token. Chunked layers (36 of 48) need only their chunk (8192):
     capped, a 131,072-token sequence would hold 12 x 131,072 + 36 x 8,192 layer-tokens of
     4,096 bytes, 7.125 GiB, not 24 GiB: with cap_chunked_kv (shared/kv/chunk_cache.py) the
-    chunked layers' pool holds a sequence's window only, 49,152 bytes a token at that length."""
+    chunked layers hold a sequence's window only, 49,152 bytes a token at that length, in one
+    pool of pages of 12 layers (shared/kv/chunk_cache.py)."""
     cfg = scout_config()
     spec = model_kv_spec(cfg, page_size=16, dtype=torch.bfloat16)
     assert spec.page_size_bytes // 16 == 196_608 == cfg.num_layers * 2 * 8 * 128 * 2
@@ -403,6 +421,14 @@ def test_scout_kv_bytes_per_token():
     assert growth == 49_152 == spec.page_size_bytes // 16 // 4
     held = ((cfg.num_layers - chunked) * 131_072 + chunked * window) * per_layer
     assert held // 131_072 == 60_708  # 131,072 tokens of context, at most one step's more
+    # capped, one pool: unit pages of 12 layers, the global ones and 3 groups of chunked ones
+    groups, kv_groups = model_kv_groups(cfg, ParallelConfig())
+    assert groups == 3 and kv_groups[:8] == (1, 1, 1, 0, 1, 1, 1, 0) and kv_groups[-1] == 0
+    assert group_slots(kv_groups)[0] * per_layer == growth  # a token's bytes past the window
+    assert model_kv_groups(cfg, ParallelConfig(pp=2))[0] == 3  # 6 layers a page on each stage
+    # pp=8: 6 layers a stage, 1 or 2 of them global: 3 groups of up to 2 (pages of 2 layers)
+    groups, kv_groups = model_kv_groups(cfg, ParallelConfig(pp=8))
+    assert groups == 3 and max(group_slots(kv_groups[s : s + 6])[0] for s in range(0, 48, 6)) == 2
     # at TP=2 (capped too, any T x P shape) each rank holds 4 of the 8 KV heads: half of each
     rank = rank_kv_spec(spec, ParallelConfig(tp=2), 1)
     assert rank.page_size_bytes // 16 == 98_304 and rank.layer_token_bytes(0) == per_layer // 2

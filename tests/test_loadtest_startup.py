@@ -55,7 +55,8 @@ def test_up_summarizes_where_each_childs_start_up_went():
         f"[decode-0] {_stamp(launched + 2.5)} INFO shared.engine.shard: "
         "rank 0: model loaded from weights peer 10.0.0.2:5000 in 1.00 s (attention: cpu)",
         f"[decode-0] {_stamp(launched + 2.6)} INFO shared.engine.shard: "
-        "rank 0: KV pool of 64 pages, chunked layers capped: 8 pages (16 MiB) in 0.10 s",
+        "rank 0: KV pool of 64 pages, chunked layers capped: pages of 12 layers, 3 chunked "
+        "groups (16 MiB) in 0.10 s",
         f"[decode-0] {_stamp(launched + 3.0)} INFO services.worker.worker: "
         "worker decode-h-12-ab serving decode",
         f"[gateway] {_stamp(launched + 0.9)} INFO services.runtime: "

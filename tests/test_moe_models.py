@@ -176,8 +176,9 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
 async def test_llama4_decode_worker_caps_chunked_kv(tiny_model_factory, tmp_path, kv_transport,
                                                    monkeypatch):  # fmt: skip
     """A Llama 4 decode worker of (1, 2) keeps its chunked layers' KV capped to their chunk, in
-    pool files of their own; a prefill worker of (2, 1) writes into the pages it reserved for
-    them the prompt's last chunk of those layers (chunks of 8: these prompts cross several),
+    page groups of its pool (2: a chunked layer in each on stage 0); a prefill worker of (2, 1)
+    writes into the pages it reserved for them the prompt's last chunk of those layers (chunks
+    of 8: these prompts cross several),
     over shm and over TCP, and the completions equal the offline engine's (itself equal to
     transformers, tests/test_llama4.py)."""
     monkeypatch.setenv("TISON_KV_SECRET", "test-secret")  # the workers inherit it: TCP is on
@@ -201,12 +202,12 @@ async def test_llama4_decode_worker_caps_chunked_kv(tiny_model_factory, tmp_path
 @pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
 async def test_llama4_bf16_decode_worker_decodes_in_one_call(tiny_model_factory, tmp_path):
     """bf16, pages of 4 (each chunk of 8 starts a page): the decode worker caps its chunked
-    layers and runs its decode steps in the fused decoder's one call, each layer on its mask's
-    pool; the prefill worker computes the prompts as rows in it. Both are (1, 1) on the
-    test's threads, and the gateway gets one request at a time, so every number is computed
-    as in the offline engine with the same settings generating one prompt at a time (decode
-    attention cuts a row in spans by how many rows a step has), whose completions the
-    gateway's equal."""
+    layers and runs its decode steps in the fused decoder's one call, each layer on its page
+    group's pages (4 masks: the global layer's, each chunked layer in a group of its own); the
+    prefill worker computes the prompts as rows in it. Both are (1, 1) on the test's threads,
+    and the gateway gets one request at a time, so every number is computed as in the offline
+    engine with the same settings generating one prompt at a time (decode attention cuts a
+    row in spans by how many rows a step has), whose completions the gateway's equal."""
     model_dir = tiny_model_factory("llama4_moe")
     prompts = [
         "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
@@ -223,7 +224,7 @@ async def test_llama4_bf16_decode_worker_decodes_in_one_call(tiny_model_factory,
         s.wait_healthy(120)
         decode_log = (tmp_path / "decode.log").read_text()
         assert "chunked layers capped" in decode_log, decode_log
-        assert "decode steps in one call, 2 mask(s)" in decode_log, decode_log
+        assert "decode steps in one call, 4 mask(s)" in decode_log, decode_log
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
 
 

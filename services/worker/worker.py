@@ -90,8 +90,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
             announcer = await WeightsAnnouncer.start(nc, config, weights.model_dir)
         if "decode" in ids:  # a CPU pool in shared memory, or GPU pools' CUDA IPC handles
             handles = engine.executor.pool_handles() if shm_path is None else ()
-            shape, capped = engine.config.parallel, engine.capped_layers
-            ranks = rank_pools(engine.kv_spec, shape, shm_path, handles, capped)
+            shape, groups = engine.config.parallel, engine.kv_groups
+            ranks = rank_pools(engine.kv_spec, shape, shm_path, handles, groups)
             if secret:
                 kv_servers = _kv_servers(engine, ranks, secret)
             at = {
@@ -148,11 +148,11 @@ def _kv_servers(engine: LLMEngine, ranks, secret: bytes) -> dict:
 
 def _reserved_check(engine: LLMEngine):
     """Whether slots of a KV frame of a layer lie in pages reserved for its request (KV
-    servers): the capped chunked layers' pages for theirs."""
-    page_size, capped = engine.kv_spec.page_size, engine.capped_layers
+    servers): a capped chunked layer's in its page group's."""
+    page_size = engine.kv_spec.page_size
 
     def allowed(request_id: str, layer: int, dst: torch.Tensor) -> bool:
-        pages = engine.reserved_pages(request_id, chunked=layer in capped)
+        pages = engine.reserved_pages(request_id, layer)
         if pages is None or len(dst) == 0:
             return False
         return bool(torch.isin(dst // page_size, torch.as_tensor(pages)).all())

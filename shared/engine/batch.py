@@ -57,11 +57,10 @@ def build_batch(
     page_size: int,
     masks: Sequence[AttentionMask] = (GLOBAL_MASK,),
     device: torch.device = CPU,
-    capped: bool = False,
     max_rows: int = 0,
 ) -> ForwardBatch:
-    """masks: the distinct masks of the layers that run the step, one metadata each.
-    capped: chunked layers keep their pages in a pool of their own (shared/kv/chunk_cache.py).
+    """masks: the distinct masks of the layers that run the step, one metadata each (a capped
+    chunked layer's with its page group: shared/kv/chunk_cache.py).
     max_rows: the fused decoder's (0: none), for prefills_as_rows."""
     ids: list[int] = []
     positions: list[int] = []
@@ -79,9 +78,7 @@ def build_batch(
         ids += s.request.token_ids(s.start, end)
         positions += range(s.start, end)
     as_rows = prefills_as_rows(out, max_rows)
-    by_mask = {
-        mask: _mask_metadata(out, page_size, mask, capped, device, as_rows) for mask in masks
-    }
+    by_mask = {mask: _mask_metadata(out, page_size, mask, device, as_rows) for mask in masks}
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -92,12 +89,8 @@ def build_batch(
     )
 
 
-def _in_chunk_pool(mask: AttentionMask, capped: bool) -> bool:
-    return capped and mask.kind == CHUNKED
-
-
-def _mask_metadata(out, page_size, mask, capped, device, as_rows) -> AttentionMetadata:
-    """One mask's metadata; its slots and tables index its layers' pool (the chunked pool,
+def _mask_metadata(out, page_size, mask, device, as_rows) -> AttentionMetadata:
+    """One mask's metadata; its slots and tables index its layers' pages (those of its group,
     logical pages req.chunk_first_page on, for capped chunked layers). as_rows: prompt
     tokens are decode rows too, each over its context so far."""
     slots: list[int] = []
@@ -107,8 +100,8 @@ def _mask_metadata(out, page_size, mask, capped, device, as_rows) -> AttentionMe
     for s in out.scheduled:
         req = s.request
         pages, offset = req.page_ids, 0
-        if _in_chunk_pool(mask, capped):
-            pages, offset = req.chunk_page_ids, req.chunk_first_page
+        if mask.group:
+            pages, offset = req.chunk_page_ids[mask.group - 1], req.chunk_first_page
         end = s.start + s.num_tokens
         slots += [
             pages[p // page_size - offset] * page_size + p % page_size for p in range(s.start, end)
@@ -133,7 +126,7 @@ def _decode_rows(
     device: torch.device,
 ) -> DecodeRows:
     long, i32 = torch.long, torch.int32
-    rows, contexts, tables, _ = zip(*decode)  # offsets are 0 but in the chunked pool
+    rows, contexts, tables, _ = zip(*decode)  # offsets are 0 but in a chunked group
     first_key = None
     if mask.kind == CHUNKED:  # each row's table starts at its chunk's page
         rows, contexts, tables, first_key = _chunk_pages(decode, page_size, mask)

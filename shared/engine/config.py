@@ -64,7 +64,7 @@ class EngineConfig:
     # on (also on the CPU, through the same static buffers: how the tests check them), off
     decode_graphs: str = "auto"
     attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | cuda | torch
-    # chunked layers (Llama 4) keep only their chunk's KV, in a pool of their own
+    # chunked layers (Llama 4) keep only their chunk's KV, in page groups of the one pool
     # (shared/kv/chunk_cache.py): engines of any T x P shape that push no KV (decode workers
     # and engines without a handoff). None: wherever that holds; True: required; False: never
     cap_chunked_kv: bool | None = None
@@ -126,7 +126,7 @@ class EngineConfig:
         if self.cap_chunked_kv and not self._can_cap_chunked_kv:
             raise InvalidRequestError(
                 "cap_chunked_kv",
-                "a capped chunked-layer pool is built for engines that push no KV only "
+                "capped chunked layers are for engines that push no KV only "
                 "(not with kv_push: a prefill worker writes whole page lists)",
             )
         if self.resident_codec:
@@ -163,7 +163,7 @@ class EngineConfig:
 
     @property
     def caps_chunked_kv(self) -> bool:
-        """Whether chunked layers get a capped pool of their own (if the model has them)."""
+        """Whether chunked layers keep only their window's KV (if the model has them)."""
         return self.cap_chunked_kv is not False and self._can_cap_chunked_kv
 
     def rank_device(self, rank: int = 0) -> torch.device:

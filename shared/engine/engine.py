@@ -17,10 +17,10 @@ from shared.engine.micro_batch import schedule_micro_batch, split_launched
 from shared.engine.prompt_logprobs import merge
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.engine.scheduler import Scheduler
-from shared.engine.shard import model_kv_spec, rank_kv_spec, rank_layers
+from shared.engine.shard import model_kv_groups, model_kv_spec, rank_kv_spec, rank_layers
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
-from shared.kv.chunk_cache import chunk_pages_per_seq, pool_sizes
+from shared.kv.chunk_cache import chunk_pages_per_seq, group_slots
 from shared.kv.prefix_cache import PrefixCache, PrefixStats
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.models.layer_attention import CHUNKED
@@ -53,11 +53,12 @@ class Reservation:
     """The pages a decode engine holds for a prompt that a prefill worker computes (`reserve`):
     the prefill worker writes the prompt's KV there, but for the first `cached_tokens` tokens
     (the decode engine's cached prefix). With capped chunked layers, theirs go to
-    chunk_page_ids, which hold logical pages chunk_first_page on: the prompt's last chunk."""
+    chunk_page_ids (one list a page group), which hold logical pages chunk_first_page on: the
+    prompt's last chunk."""
 
     page_ids: tuple[int, ...]
     cached_tokens: int
-    chunk_page_ids: tuple[int, ...] = ()
+    chunk_page_ids: tuple[tuple[int, ...], ...] = ()
     chunk_first_page: int = 0
 
 
@@ -72,11 +73,15 @@ class LLMEngine:
         # rank 0's pool sizes every rank's: page ids are the same everywhere
         rank0 = rank_kv_spec(self.kv_spec, shape, 0)
         self.chunk = _capped_chunk(config, cfg)
-        num_pages, num_chunk_pages = _pool_sizes(config, cfg, rank0, self.chunk)
+        # capped chunked layers: R page groups, each layer's group (shared/kv/chunk_cache.py)
+        self.chunk_groups, self.kv_groups = 0, ()
+        if self.chunk is not None:
+            self.chunk_groups, self.kv_groups = model_kv_groups(cfg, shape)
+        num_pages = _pool_pages(config, cfg, rank0, self.kv_groups)
         # Held by `step` except while the model computes (`_computing`): a command that only
         # adds (a reservation) may take it then, see EngineLoop.call_now.
         self.lock = threading.Lock()
-        self.executor = start_executor(config, cfg, self.kv_spec, num_pages, num_chunk_pages)
+        self.executor = start_executor(config, cfg, self.kv_spec, num_pages, self.kv_groups)
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
         self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
@@ -84,13 +89,12 @@ class LLMEngine:
         caching = config.enable_prefix_caching and self.chunk is None
         self.prefix_cache = PrefixCache(pages, config.page_size) if caching else None
         self.allocator = self.prefix_cache or pages  # the cache hands out the pages itself
-        self.chunk_allocator = None if num_chunk_pages is None else PageAllocator(num_chunk_pages)
         self.scheduler = Scheduler(
             self.allocator,
             config.page_size,
             config.max_num_batched_tokens,
             config.max_num_seqs,
-            self.chunk_allocator,
+            self.chunk_groups,
             self.chunk,
             config.max_background_tokens,
         )
@@ -98,7 +102,12 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
-        self.pool_tokens = num_pages * config.page_size
+        # the longest sequence the pool holds (capped: beside its chunked layers' pages)
+        self.pool_tokens = _sequence_pages(config, num_pages, self.chunk_groups, self.chunk) * (
+            config.page_size
+        )
+        if not self.pool_tokens:
+            raise InvalidRequestError("num_pages", f"{num_pages} KV pages hold no sequence")
         self.eos_token_ids = generation_eos_ids(config.model_dir) | extra_eos_ids
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(config.model_dir, cfg.vocab_size, self.eos_token_ids)
@@ -148,22 +157,19 @@ class LLMEngine:
         req = self.scheduler.reserved.get(request_id)
         return None if req is None else _reservation(req)
 
-    def reserved_pages(self, request_id: str, chunked: bool = False) -> list[int] | None:
-        """Pages a prefill worker may write for a reserved request whose KV has not arrived
-        yet (not those of its cached prefix: other requests read them), those of the capped
-        chunked layers if `chunked`; None otherwise."""
+    def reserved_pages(self, request_id: str, layer: int) -> list[int] | None:
+        """Pages a prefill worker may write for global layer `layer` of a reserved request
+        whose KV has not arrived yet (not those of its cached prefix: other requests read
+        them; a capped chunked layer's: its group's); None otherwise."""
         req = self.scheduler.reserved.get(request_id)
         if req is None:
             return None
-        return list(req.chunk_page_ids) if chunked else req.page_ids[req.num_cached_pages :]
-
-    @property
-    def capped_layers(self) -> tuple[int, ...]:
-        """The chunked layers whose KV is capped to their chunk (shared/kv/chunk_cache.py)."""
-        if self.chunk is None:
-            return ()
-        kinds = enumerate(a.mask.kind for a in self.model_config.layer_attention)
-        return tuple(i for i, kind in kinds if kind == CHUNKED)
+        if self.kv_groups and not 0 <= layer < len(self.kv_groups):
+            return None
+        group = self.kv_groups[layer] if self.kv_groups else 0
+        if group:
+            return list(req.chunk_page_ids[group - 1]) if req.chunk_page_ids else []
+        return req.page_ids[req.num_cached_pages :]
 
     def handoff_bytes(self, request_id: str) -> int:
         """KV bytes a prefill worker writes for a reserved request: every layer's of the tokens
@@ -173,9 +179,9 @@ class LLMEngine:
             return 0
         spec, new = self.kv_spec, req.num_prompt_tokens - req.num_computed_tokens
         window = max(0, req.num_prompt_tokens - req.chunk_first_page * spec.page_size)
-        capped = self.capped_layers
+        groups = self.kv_groups or (0,) * spec.num_layers
         return sum(
-            (window if i in capped else new) * spec.layer_token_bytes(i)
+            (window if groups[i] else new) * spec.layer_token_bytes(i)
             for i in range(spec.num_layers)
         )
 
@@ -272,11 +278,6 @@ class LLMEngine:
     @property
     def num_pages_used(self) -> int:
         return self.allocator.num_used
-
-    @property
-    def num_chunk_pages_used(self) -> int:
-        """Pages of the capped chunked layers' pool in use (0 when nothing is capped)."""
-        return 0 if self.chunk_allocator is None else self.chunk_allocator.num_used
 
     def load(self) -> dict[str, int]:
         """What a worker's heartbeat reports (HeartbeatMsg's fields of the same names)."""
@@ -407,25 +408,35 @@ def _capped_chunk(config: EngineConfig, cfg: ModelConfig) -> int | None:
     return chunks.pop()
 
 
-def _pool_sizes(config: EngineConfig, cfg: ModelConfig, spec, chunk: int | None):
-    """(pages of the main pool, of the capped chunked pool or None) from config's budget:
-    num_pages, else what memory_bytes leaves each rank (footprint.py), else kv_cache_bytes."""
-    num_pages = config.num_pages or _pages_for_memory(config, cfg, spec.dtype)
+def _pool_pages(config: EngineConfig, cfg: ModelConfig, spec, kv_groups: tuple[int, ...]):
+    """Pages of the pool from config's budget: num_pages, else what memory_bytes leaves each
+    rank (footprint.py), else kv_cache_bytes. Unit pages where chunked layers are capped
+    (`kv_groups`: each global layer's page group), whose bytes differ by stage."""
+    page_bytes = None  # each stage's page bytes on a rank: its unit page's layers
+    if kv_groups:
+        shape, layer_page = config.parallel, spec.page_size_bytes // spec.num_layers  # alike
+        page_bytes = []
+        for stage in range(shape.pp):
+            first, end = rank_layers(shape, stage * shape.tp, cfg.num_layers)
+            page_bytes.append(group_slots(kv_groups[first:end])[0] * layer_page)
+    pages = config.num_pages or _pages_for_memory(config, cfg, spec.dtype, page_bytes)
+    if not pages:
+        pages = config.kv_cache_bytes // max(page_bytes or [spec.page_size_bytes])
+    return pages
+
+
+def _sequence_pages(config: EngineConfig, num_pages: int, groups: int, chunk: int | None) -> int:
+    """Pages of the longest sequence's own in a pool of num_pages: with capped chunked layers,
+    each of its first pages costs 1 + groups pages, up to the most a chunked layer holds."""
     if chunk is None:
-        return num_pages or spec.pages_for_budget(config.kv_cache_bytes), None
-    per_seq = chunk_pages_per_seq(chunk, config.page_size, config.max_num_batched_tokens)
-    if num_pages:
-        return num_pages, min(per_seq * config.max_num_seqs, num_pages)
-    shape, layer_page = config.parallel, spec.page_size_bytes // spec.num_layers  # layers alike
-    stages = []  # each stage's (main, chunked) page bytes on a rank: its layers of each kind
-    for stage in range(shape.pp):
-        first, end = rank_layers(shape, stage * shape.tp, cfg.num_layers)
-        chunked = sum(a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end])
-        stages.append(((end - first - chunked) * layer_page, chunked * layer_page))
-    return pool_sizes(stages, config.kv_cache_bytes, per_seq, config.max_num_seqs)
+        return num_pages
+    most = chunk_pages_per_seq(chunk, config.page_size, config.max_num_batched_tokens)
+    return max(num_pages - groups * most, num_pages // (1 + groups))
 
 
-def _pages_for_memory(config: EngineConfig, cfg: ModelConfig, dtype) -> int | None:
+def _pages_for_memory(
+    config: EngineConfig, cfg: ModelConfig, dtype, page_bytes: list[int] | None
+) -> int | None:
     """The pool's pages when config.memory_bytes bounds each rank (None: unbounded), as
     `tison plan` computes them; InvalidRequestError when the weights leave no page."""
     memory, field = config.memory_bytes, "memory_bytes"
@@ -438,7 +449,7 @@ def _pages_for_memory(config: EngineConfig, cfg: ModelConfig, dtype) -> int | No
         return None
     footprints = stage_footprints(cfg, config.parallel, dtype, config.page_size)
     reserve = config.memory_reserve_bytes
-    pages = pages_for_memory(footprints, memory, reserve, config.page_size)
+    pages = pages_for_memory(footprints, memory, reserve, config.page_size, page_bytes)
     heaviest = max(fp.weight_bytes for fp in footprints)
     if pages < 1:
         raise InvalidRequestError(
@@ -479,6 +490,6 @@ def _reservation(req: Request) -> Reservation:
     return Reservation(
         tuple(req.page_ids),
         req.num_computed_tokens,
-        tuple(req.chunk_page_ids),
+        tuple(map(tuple, req.chunk_page_ids)),
         req.chunk_first_page,
     )

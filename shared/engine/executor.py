@@ -21,7 +21,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import SchedulerOutput
 from shared.engine.shard import build_shard
 from shared.kv.cache import KVCache
-from shared.kv.chunk_cache import SplitKVCache
+from shared.kv.chunk_cache import GroupedKVCache
 from shared.kv.spec import KVSpec
 from shared.models.config import ModelConfig
 from shared.parallel.comm import PLAN, RESULT, RankComm
@@ -142,10 +142,10 @@ def _run(runner: ModelRunner, out: SchedulerOutput, masks: Masks = None) -> Step
         return StepResult(out, [], None, error=e)
 
 
-def pool_handle(kv: KVCache | SplitKVCache) -> bytes:
+def pool_handle(kv: KVCache) -> bytes:
     """A GPU pool's CUDA IPC handle (transfer/ipc_handles.py); b"" for a CPU pool, and for a
-    split one (capped chunked layers: no handoff writes into it)."""
-    if isinstance(kv, SplitKVCache) or kv.data.device.type != "cuda":
+    grouped one (capped chunked layers: its engine takes no CUDA IPC handoff)."""
+    if isinstance(kv, GroupedKVCache) or kv.data.device.type != "cuda":
         return b""
     return ipc_handles.export_pool(kv.data)
 
@@ -172,7 +172,7 @@ def stage_runner(
     """A rank's runner, with decode graphs where config asks for them and they apply."""
     runner = ModelRunner(model, kv, cfg.vocab_size, tp, stage, comm, hook)
     masks = runner.masks  # the stage's distinct masks
-    if not config.uses_graphs or hook is not None or isinstance(kv, SplitKVCache):
+    if not config.uses_graphs or hook is not None or isinstance(kv, GroupedKVCache):
         return runner
     why = DecodeGraphs.unsupported(model, masks, capture=kv.device.type == "cuda")
     if why is not None:
@@ -198,26 +198,27 @@ def start_executor(
     cfg: ModelConfig,
     spec: KVSpec,
     num_pages: int,
-    num_chunk_pages: int | None = None,
+    kv_groups: tuple[int, ...] = (),
 ):
     """The executor for config's shape; with T x P > 1 this starts the other ranks.
-    spec: the whole model's KV layout; num_chunk_pages: capped chunked layers' pool."""
+    spec: the whole model's KV layout; kv_groups: capped chunked layers' page groups (each
+    global layer's, shared/kv/chunk_cache.py)."""
     shape = config.parallel
     if config.cpus:
         pin(rank_cores(config.cpus, shape.world_size, 0))
     devices.use(config.rank_device(0))
     if shape.world_size == 1:
-        model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages, 0, num_chunk_pages)
+        model, kv = build_shard(config, cfg, SINGLE, WHOLE_MODEL, num_pages, 0, kv_groups)
         handoff = rank_handoff(config, spec, kv, 0)
         hook = None if handoff is None else handoff.on_layer
         runner = stage_runner(config, cfg, model, kv, num_pages, hook=hook)
         return LocalExecutor(runner, handoff)
-    ranks = RankProcesses(config, num_pages, torch.get_num_threads(), num_chunk_pages)
+    ranks = RankProcesses(config, num_pages, torch.get_num_threads(), kv_groups)
     comm = None
     try:
         comm = ranks.join()
         stage = shape.stage_of(0, cfg.num_layers)
-        model, kv = build_shard(config, cfg, comm.tp, stage, num_pages, 0, num_chunk_pages)
+        model, kv = build_shard(config, cfg, comm.tp, stage, num_pages, 0, kv_groups)
         ranks.wait_ready()
     except BaseException:
         ranks.stop(comm, encode_stop())

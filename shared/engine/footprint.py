@@ -176,14 +176,20 @@ def stage_footprints(
 
 
 def pages_for_memory(
-    footprints: list[RankFootprint], memory: int, reserve: int, page_size: int
+    footprints: list[RankFootprint],
+    memory: int,
+    reserve: int,
+    page_size: int,
+    page_bytes: list[int] | None = None,
 ) -> int:
     """KV pages a worker's pool takes when each rank may hold `memory` bytes: its weights, the
-    `reserve` (activations, workspaces) and its part of the pool (every layer's KV in it).
-    Page ids are the same on every rank, so the rank with the least room decides."""
-
-    def pages(fp: RankFootprint) -> int:
-        page_bytes = page_size * (fp.kv.growing + fp.kv.windowed)
-        return max(0, memory - fp.weight_bytes - reserve) // page_bytes
-
-    return min(map(pages, footprints))
+    `reserve` (activations, workspaces) and its part of the pool. A page holds every layer's
+    KV of page_size tokens, or `page_bytes` (each stage's, in stage order: unit pages of
+    capped chunked layers, shared/kv/chunk_cache.py). Page ids are the same on every rank, so
+    the rank with the least room decides."""
+    if page_bytes is None:
+        page_bytes = [page_size * (fp.kv.growing + fp.kv.windowed) for fp in footprints]
+    return min(
+        max(0, memory - fp.weight_bytes - reserve) // each
+        for fp, each in zip(footprints, page_bytes, strict=True)
+    )

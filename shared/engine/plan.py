@@ -21,7 +21,7 @@ from shared.sampling.sampler import SamplerOutput
 from shared.sampling.token_mask import TokenMasks
 from shared.wire import from_plain, to_plain
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 
 
 @dataclass
@@ -34,8 +34,9 @@ class PlannedSeq:
     page_ids: list[int]
     samples: bool  # this step computes the request's last pending token
     prompt: PromptTargets | None = None  # the prompt tokens this chunk scores (prompt logprobs)
-    chunk_page_ids: list[int] = field(default_factory=list)  # capped chunked layers' pages
-    chunk_first_page: int = 0  # the logical page of chunk_page_ids[0] (as Request's)
+    chunk_page_ids: list[list[int]] = field(default_factory=list)  # capped chunked layers'
+    # pages, one list a page group (as Request's)
+    chunk_first_page: int = 0  # the logical page of each list's first (as Request's)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         return self.chunk[start - self.start : end - self.start]

@@ -41,7 +41,7 @@ def build_runner(rank: int, port: int, spec: dict):
         cfg = ModelConfig.from_dir(config.model_dir)
         stage = shape.stage_of(rank, cfg.num_layers)
         model, kv = build_shard(
-            config, cfg, comm.tp, stage, spec["num_pages"], rank, spec["num_chunk_pages"]
+            config, cfg, comm.tp, stage, spec["num_pages"], rank, tuple(spec["kv_groups"])
         )
         kv_spec = model_kv_spec(cfg, config.page_size, kv.spec.dtype)
         handoff = rank_handoff(config, kv_spec, kv, rank)

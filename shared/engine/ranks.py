@@ -22,7 +22,7 @@ class RankProcesses:
     """Starts the other ranks; `join` connects rank 0 to them; `stop` ends them."""
 
     def __init__(
-        self, config: EngineConfig, num_pages: int, threads: int, num_chunk_pages: int | None
+        self, config: EngineConfig, num_pages: int, threads: int, kv_groups: tuple[int, ...]
     ):
         self.shape = config.parallel
         self.device = config.rank_device(0)
@@ -32,7 +32,7 @@ class RankProcesses:
             {
                 "engine": config.to_json_dict(),
                 "num_pages": num_pages,
-                "num_chunk_pages": num_chunk_pages,  # None: no capped chunked-layer pool
+                "kv_groups": kv_groups,  # capped chunked layers' page groups; () none
             }
         )
         root = str(Path(shared.__file__).resolve().parents[1])

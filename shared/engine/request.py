@@ -41,9 +41,10 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the pages
     page_ids: list[int] = field(default_factory=list)
-    # capped chunked layers (shared/kv/chunk_cache.py): their pages, logical pages
-    # chunk_first_page on (those before the window of the newest step are freed)
-    chunk_page_ids: list[int] = field(default_factory=list)
+    # capped chunked layers (shared/kv/chunk_cache.py): their pages, one list a page group
+    # (all as long, [] when none is held), logical pages chunk_first_page on (those before
+    # the window of the newest step are freed)
+    chunk_page_ids: list[list[int]] = field(default_factory=list)
     chunk_first_page: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

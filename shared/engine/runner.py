@@ -13,7 +13,6 @@ from shared.engine.graphs import DecodeGraphs
 from shared.engine.prompt_logprobs import PromptLogprobChunk, score_prompts
 from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
-from shared.kv.chunk_cache import SplitKVCache
 from shared.models.layer_attention import distinct_masks
 from shared.parallel.comm import HIDDEN, RankComm
 from shared.parallel.group import SINGLE, TPGroup
@@ -74,9 +73,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None, masks):
-        capped = isinstance(self.kv, SplitKVCache)
         max_rows = getattr(getattr(self.model, "model", None), "fused_rows", 0)
-        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device, capped, max_rows)
+        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device, max_rows)
         hook = self.on_layer_done
         after_layer = None if hook is None else (lambda layer: hook(layer, out))
         hidden = residual = None

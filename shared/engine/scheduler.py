@@ -59,13 +59,13 @@ class Scheduler:
         page_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        chunk_allocator: PageAllocator | None = None,  # capped chunked layers' pool
+        chunk_groups: int = 0,  # capped chunked layers' page groups (0: none capped)
         chunk: int | None = None,  # ... and their chunk size
         max_background_tokens: int | None = None,  # background prompt tokens a step; None: all
     ):
         self.allocator = allocator
         self.cache = allocator if isinstance(allocator, PrefixCache) else None
-        self.chunk_allocator, self.chunk = chunk_allocator, chunk
+        self.chunk_groups, self.chunk = chunk_groups, chunk
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -89,7 +89,7 @@ class Scheduler:
         taken = self.cache.num_free_among(cached) if cached else 0
         waiting = sum(map(self._admission_pages, self.waiting))
         window = self._decode_window(req)
-        if not self._can_allocate(own + taken + waiting, window[1] - window[0]):
+        if not self.allocator.can_allocate(own + taken + waiting + self._units(*window)):
             return False
         self._start_on(req, cached)
         req.page_ids += self.allocator.allocate(own)
@@ -101,7 +101,7 @@ class Scheduler:
     def _decode_window(self, req: Request) -> tuple[int, int]:
         """[first, end) logical pages a capped chunked layer holds for req's first decode
         step (its prompt's chunk and the token sampled from it); (0, 0) when none is capped."""
-        if self.chunk_allocator is None:
+        if self.chunk is None:
             return 0, 0
         return chunk_window(req.num_tokens, req.num_tokens + 1, self.chunk, self.page_size)
 
@@ -191,7 +191,7 @@ class Scheduler:
             extra = max(0, self._admission_pages(req) - len(cached))
             extra_chunk = self._chunk_grow(req, n)
             taken = self.cache.num_free_among(cached) if cached else 0
-            if not self._can_allocate(extra + taken, extra_chunk):
+            if not self.allocator.can_allocate(extra + taken + self._units(0, extra_chunk)):
                 break
             self.waiting.popleft()
             if not req.page_ids:  # not a reserved request computing its prompt here
@@ -248,7 +248,7 @@ class Scheduler:
         flight) if needed. False when req itself was preempted or nothing could be."""
         extra = pages_to_grow(len(req.page_ids), req.num_computed_tokens + n, self.page_size)
         extra_chunk = self._chunk_grow(req, n)
-        while not self._can_allocate(extra, extra_chunk):
+        while not self.allocator.can_allocate(extra + self._units(0, extra_chunk)):
             victims = [r for r in self.running if r not in exclude]
             if not victims:
                 return False
@@ -263,34 +263,39 @@ class Scheduler:
     def _chunk_grow(self, req: Request, n: int) -> int:
         """Frees req's chunked pages before the window of its next n tokens (no later step
         reads them; a pipeline's earlier micro-batches are covered by the quarantine) and
-        returns how many it needs beyond those it holds."""
-        if self.chunk_allocator is None:
+        returns how many logical pages it needs beyond those it holds (in each group)."""
+        if self.chunk is None:
             return 0
         start = req.num_computed_tokens
         first, end = chunk_window(start, start + n, self.chunk, self.page_size)
-        drop = max(0, min(first - req.chunk_first_page, len(req.chunk_page_ids)))
+        held = len(req.chunk_page_ids[0]) if req.chunk_page_ids else 0
+        drop = max(0, min(first - req.chunk_first_page, held))
         if drop:
-            self.chunk_allocator.free(req.chunk_page_ids[:drop])
-            del req.chunk_page_ids[:drop]
-        if not req.chunk_page_ids:
+            for pages in req.chunk_page_ids:
+                self.allocator.free(pages[:drop])
+                del pages[:drop]
+        if drop == held:
             req.chunk_first_page = first
         else:
             req.chunk_first_page += drop
-        return max(0, end - req.chunk_first_page - len(req.chunk_page_ids))
+        return max(0, end - req.chunk_first_page - (held - drop))
 
-    def _can_allocate(self, extra: int, extra_chunk: int) -> bool:
-        chunk = self.chunk_allocator
-        return self.allocator.can_allocate(extra) and (
-            chunk is None or chunk.can_allocate(extra_chunk)
-        )
+    def _units(self, first: int, end: int) -> int:
+        """Pages of logical chunked pages [first, end): one in each group."""
+        return (end - first) * self.chunk_groups
 
     def _allocate_chunk(self, req: Request, n: int) -> None:
-        if n:
-            req.chunk_page_ids += self.chunk_allocator.allocate(n)
+        """n more logical chunked pages for req: a page in each group for each."""
+        if not n:
+            return
+        if not req.chunk_page_ids:
+            req.chunk_page_ids = [[] for _ in range(self.chunk_groups)]
+        for pages in req.chunk_page_ids:
+            pages += self.allocator.allocate(n)
 
     def _free_chunk(self, req: Request) -> None:
-        if req.chunk_page_ids:
-            self.chunk_allocator.free(req.chunk_page_ids)
+        for pages in req.chunk_page_ids:
+            self.allocator.free(pages)
         req.chunk_page_ids, req.chunk_first_page = [], 0
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

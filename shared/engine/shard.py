@@ -3,6 +3,7 @@ and a KV pool for exactly those layers and heads. Page ids are the same on every
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.graphs import scratch_pages
 from shared.kv.cache import KVCache
-from shared.kv.chunk_cache import SplitKVCache, chunk_shm_path
+from shared.kv.chunk_cache import GroupedKVCache, chunk_groups, layer_groups
 from shared.kv.spec import KVSpec, MHAKVSpec, MLAKVSpec
 from shared.models.config import ModelConfig
 from shared.models.layer_attention import CHUNKED
@@ -40,6 +41,25 @@ def rank_layers(shape: ParallelConfig, rank: int, num_layers: int) -> tuple[int,
     return stage.start_layer, num_layers if stage.end_layer is None else stage.end_layer
 
 
+def model_kv_groups(cfg: ModelConfig, shape: ParallelConfig) -> tuple[int, tuple[int, ...]]:
+    """Where chunked layers are capped (shared/kv/chunk_cache.py): R, the chunked page groups,
+    and each global layer's page group, every stage's layers laid out on their own."""
+    stages = []
+    for stage in range(shape.pp):
+        first, end = rank_layers(shape, stage * shape.tp, cfg.num_layers)
+        stages.append([a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end]])
+    groups = chunk_groups(stages)
+    return groups, tuple(g for chunked in stages for g in layer_groups(chunked, groups))
+
+
+def grouped_config(cfg: ModelConfig, kv_groups: tuple[int, ...]) -> ModelConfig:
+    """cfg with each layer's mask keyed by its page group (a metadata of its own each)."""
+    layers = tuple(
+        replace(a, mask=replace(a.mask, group=g)) for a, g in zip(cfg.layer_attention, kv_groups)
+    )
+    return replace(cfg, layer_attention=layers)
+
+
 def rank_kv_spec(spec: KVSpec, shape: ParallelConfig, rank: int) -> KVSpec:
     """What a rank's pool holds: its stage's layers, its TP rank's units (heads)."""
     units = spec.rank_units(rank % shape.tp, shape.tp)
@@ -51,24 +71,22 @@ def rank_pools(
     shape: ParallelConfig,
     shm_path: Path | None,
     handles: tuple[bytes, ...] = (),
-    capped: tuple[int, ...] = (),
+    kv_groups: tuple[int, ...] = (),
 ) -> tuple[KVRankPool, ...]:
     """Each rank's layers, units and pool: its file (CPU pools in shared memory), or its CUDA
-    IPC handle (GPU pools, `handles` in rank order): a decode worker's KVPool.ranks. `capped`:
-    the global layers whose KV is capped to their chunk, in a pool (file) of their own."""
+    IPC handle (GPU pools, `handles` in rank order): a decode worker's KVPool.ranks.
+    `kv_groups`: each global layer's page group where chunked layers are capped."""
     pools = []
     for rank in range(shape.world_size):
         first, end = rank_layers(shape, rank, spec.num_layers)
         path = rank_shm_path(shm_path, rank)
-        chunked = tuple(layer for layer in capped if first <= layer < end)
         pools.append(
             KVRankPool(
                 (first, end),
                 spec.rank_units(rank % shape.tp, shape.tp),
                 "" if path is None else str(path),
                 handles[rank] if handles else b"",
-                chunked,
-                str(chunk_shm_path(path)) if chunked and path is not None else "",
+                kv_groups[first:end],
             )
         )
     return tuple(pools)
@@ -88,10 +106,12 @@ def build_shard(
     stage: PPStage,
     num_pages: int,
     rank: int = 0,
-    num_chunk_pages: int | None = None,  # capped chunked layers' pool
-) -> tuple[torch.nn.Module, KVCache | SplitKVCache]:
+    kv_groups: tuple[int, ...] = (),  # capped chunked layers: each global layer's page group
+) -> tuple[torch.nn.Module, KVCache]:
     """The model's part and the KV pool of rank `rank` (TP rank tp.rank of stage `stage`)."""
     dtype, device = config.torch_dtype(cfg.torch_dtype), config.rank_device(rank)
+    if kv_groups:
+        cfg = grouped_config(cfg, kv_groups)
     attention = select_backend(device, dtype, config.attention_backend)  # once, for all layers
     start = time.perf_counter()
     weights = None
@@ -115,15 +135,18 @@ def build_shard(
         "op by op" if fused is None else f"in one call, {len(fused.masks)} mask(s)",
     )  # fmt: skip
     spec = rank_kv_spec(model_kv_spec(cfg, config.page_size, dtype), config.parallel, rank)
-    if num_chunk_pages is None:  # with decode graphs, the padded rows' scratch page too
-        pages = num_pages + scratch_pages(config.uses_graphs)
-        kv = KVCache(spec, pages, rank_shm_path(config.kv_shm_path, rank), device)
+    shm = rank_shm_path(config.kv_shm_path, rank)
+    capped = ""
+    if not kv_groups:  # with decode graphs, the padded rows' scratch page too
+        kv = KVCache(spec, num_pages + scratch_pages(config.uses_graphs), shm, device)
     else:
         first, end = rank_layers(config.parallel, rank, cfg.num_layers)  # the stage's layers
-        chunked = tuple(a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end])
-        shm = rank_shm_path(config.kv_shm_path, rank)
-        kv = SplitKVCache(spec, chunked, num_pages, num_chunk_pages, device, shm)
-    capped = "" if num_chunk_pages is None else f", chunked layers capped: {num_chunk_pages} pages"
+        kv = GroupedKVCache(spec, kv_groups[first:end], num_pages, device, shm)
+        slots = kv.spec.num_layers
+        capped = (
+            f", chunked layers capped: pages of {slots} layer{'s' * (slots != 1)}, "
+            f"{max(kv_groups)} chunked groups"
+        )
     log.info(
         "rank %d: KV pool of %d pages%s (%.0f MiB) in %.2f s",
         rank,

@@ -25,6 +25,10 @@ class AttentionMask:
 
     kind: str = GLOBAL
     window: int | None = None  # sliding: keys per query; chunked: the chunk size; global: None
+    # which of a request's page lists holds the KV of the layers with this mask: 0 its main
+    # one; k >= 1 the k-th group of a capped chunked layer's (shared/kv/chunk_cache.py), whose
+    # layers then get a metadata of their own
+    group: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in (GLOBAL, SLIDING, CHUNKED):

@@ -30,15 +30,22 @@ class KVTarget:
     page_ids: tuple[int, ...]  # decode pages, in token order
     pool: KVPool  # the decode worker's pool (DecodeAssignReplyMsg.kv)
     transport: str  # the sender that reaches it (shm | tcp | dist | cuda_ipc)
-    # the decode worker's capped chunked layers (KVRankPool.chunked_layers): their pages,
-    # logical pages chunk_first_page on; only the tokens from that page on go there
-    chunk_page_ids: tuple[int, ...] = ()
+    # the decode worker's capped chunked layers (KVRankPool.kv_groups): their pages, one
+    # list a page group, logical pages chunk_first_page on; only the tokens from that page on
+    # go there
+    chunk_page_ids: tuple[tuple[int, ...], ...] = ()
     chunk_first_page: int = 0
 
     @cached_property
-    def capped(self) -> frozenset[int]:
-        """The global layers whose KV goes to chunk_page_ids."""
-        return frozenset(layer for rank in self.pool.ranks for layer in rank.chunked_layers)
+    def groups(self) -> dict[int, int]:
+        """Global layer -> its page group where the decode worker caps it (k >= 1: its KV goes
+        to chunk_page_ids[k - 1]); layers absent go to page_ids."""
+        groups = {}
+        for rank in self.pool.ranks:
+            for i, group in enumerate(rank.kv_groups):
+                if group:
+                    groups[rank.layers[0] + i] = group
+        return groups
 
 
 @dataclass(frozen=True)

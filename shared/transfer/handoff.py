@@ -86,10 +86,7 @@ class KVHandoff:
         if pool.layout != self.spec.layout:
             raise ValueError(f"KV layout {pool.layout} != this worker's {self.spec.layout}")
         same_host = pool.host == self.host and all(
-            rank.shm
-            and Path(rank.shm).exists()
-            and (not rank.chunk_shm or Path(rank.chunk_shm).exists())
-            for rank in pool.ranks
+            rank.shm and Path(rank.shm).exists() for rank in pool.ranks
         )
         if same_host and self.transport in ("auto", shm.NAME):
             return shm.NAME
@@ -131,13 +128,14 @@ class KVHandoff:
             raise ValueError("the decode worker sent no KV pool")
         target = KVTarget(
             request_id, tuple(page_ids), pool, self.transport_to(pool),
-            tuple(chunk_page_ids), chunk_first_page,
+            tuple(map(tuple, chunk_page_ids)), chunk_first_page,
         )  # fmt: skip
         self.targets[request_id] = target
         self._sent[request_id] = (held, held)
         if self.announces:
             self._new[request_id] = [
-                list(page_ids), to_plain(pool), held, list(chunk_page_ids), chunk_first_page,
+                list(page_ids), to_plain(pool), held, to_plain(target.chunk_page_ids),
+                chunk_first_page,
             ]  # fmt: skip
 
     def plan_extras(self, out) -> dict:
@@ -157,7 +155,12 @@ class KVHandoff:
             try:
                 transport = self.transport_to(pool)
                 self.targets[rid] = KVTarget(
-                    rid, tuple(pages), pool, transport, tuple(chunk_pages), chunk_first
+                    rid,
+                    tuple(pages),
+                    pool,
+                    transport,
+                    tuple(map(tuple, chunk_pages)),
+                    chunk_first,
                 )
             except ValueError as e:  # rank 0 reached it: the decode worker's byte count tells
                 log.warning("request %s: %s", rid, e)
@@ -172,7 +175,8 @@ class KVHandoff:
         if self.writes:
             for rid, (target, full, chunked, _) in self._step.items():
                 if rid not in self.errors:
-                    src, dst = chunked if layer in target.capped else full
+                    group = target.groups.get(layer, 0)
+                    src, dst = (chunked[0], chunked[1][group - 1]) if group else full
                     if len(dst):
                         self._send(target, layer, src, dst)
         if layer == self.layers[1] - 1:
@@ -212,7 +216,7 @@ class KVHandoff:
         (computed by earlier requests, already in this rank's pages); never those the decode
         worker's pages hold already (its own cached prefix, shared with other requests).
         Separately those of the decode worker's capped chunked layers: the same tokens from
-        its first chunked page on, into those pages."""
+        its first chunked page on, into each page group's pages."""
         step = {}
         for s in out.scheduled:
             target = self.targets.get(s.request.request_id)
@@ -236,9 +240,12 @@ class KVHandoff:
         return step
 
     def _chunk_slots(self, pages, target: KVTarget, start: int, end: int):
-        """(source, destination) slots of tokens [start, end) of a capped chunked layer."""
+        """(source slots, each page group's destination slots) of tokens [start, end) of the
+        capped chunked layers."""
         shift = target.chunk_first_page * self.spec.page_size  # dst: counted from its first page
-        dst = self.spec.slots(target.chunk_page_ids, start - shift, end - shift)
+        dst = [
+            self.spec.slots(group, start - shift, end - shift) for group in target.chunk_page_ids
+        ]
         return self.spec.slots(pages, start, end), dst
 
     def finish(self, request_id: str) -> str | None:

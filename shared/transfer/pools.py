@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from shared.kv.cache import KVCache, map_pool
-from shared.kv.chunk_cache import SplitKVCache, split_places
+from shared.kv.chunk_cache import group_slots
 from shared.kv.spec import KVSpec
 from shared.protocol import KVRankPool
 from shared.transfer.base import LayerKV
@@ -16,69 +16,54 @@ from shared.transfer.ipc_handles import open_pool
 
 @dataclass
 class MappedPool:
-    desc: KVRankPool  # global layers and units it holds (and which of them are capped)
+    desc: KVRankPool  # global layers and units it holds (and their page groups, if capped)
     spec: KVSpec  # the model's spec sharded to its layers and units
-    data: torch.Tensor  # its pool tensor; split: its full layers' (spec.pool_shape of them)
-    chunked: torch.Tensor | None = None  # split: its capped chunked layers' pool tensor
+    data: torch.Tensor | None = None  # its pool tensor, pool_spec's
 
     def __post_init__(self) -> None:
-        (first, end), capped = self.desc.layers, self.desc.chunked_layers
-        parts = {False: (self.data, self.spec)}  # a split pool: each part with its own spec
-        if capped:
-            parts[False] = (self.data, _part(self.spec, self.spec.num_layers - len(capped)))
-            parts[True] = (self.chunked, _part(self.spec, len(capped)))
-        places = split_places(layer in capped for layer in range(first, end))
-        self._where = [(*parts[chunked], index) for chunked, index in places]
+        self.pool_spec, self._slot = self.spec, list(range(self.spec.num_layers))
+        if self.desc.kv_groups:  # unit pages: a layer at its slot (shared/kv/chunk_cache.py)
+            slots, self._slot = group_slots(self.desc.kv_groups)
+            self.pool_spec = replace(self.spec, num_layers=slots)  # MHA's (capped: Llama 4)
 
-    def where(self, layer: int) -> tuple[torch.Tensor, KVSpec, int]:
-        """Global layer `layer`'s pool tensor, that tensor's spec and the layer's index in it."""
-        return self._where[layer - self.desc.layers[0]]
-
-
-def _part(spec: KVSpec, num_layers: int) -> KVSpec:
-    """The spec of a split pool's part (its layers are alike: MHA, chunked_cache.py)."""
-    return replace(spec, num_layers=num_layers)
+    def where(self, layer: int) -> int:
+        """Global layer `layer`'s index in the pool tensor (its slot, where capped)."""
+        return self._slot[layer - self.desc.layers[0]]
 
 
 def map_pools(
     spec: KVSpec,
     ranks: tuple[KVRankPool, ...],
-    own: dict[int, KVCache | SplitKVCache] | None = None,
+    own: dict[int, KVCache] | None = None,
 ) -> list[MappedPool]:
-    """Maps each rank's pool: its file (a split pool: its two files), or its GPU pool's CUDA
-    IPC handle; `own`: rank -> the pool of a rank of this process (a process cannot open its
-    own IPC handle). `spec` is the whole model's."""
+    """Maps each rank's pool: its file, or its GPU pool's CUDA IPC handle; `own`: rank -> the
+    pool of a rank of this process (a process cannot open its own IPC handle). `spec` is the
+    whole model's."""
     pools = []
     for rank, desc in enumerate(ranks):
-        local = spec.shard(tuple(desc.layers), tuple(desc.units))
-        capped = len(desc.chunked_layers)
+        pool = MappedPool(desc, spec.shard(tuple(desc.layers), tuple(desc.units)))
         if own and rank in own:
-            kv = own[rank]
-            split = isinstance(kv, SplitKVCache)
-            data, chunked = (kv.full.data, kv.chunked.data) if split else (kv.data, None)
+            pool.data = own[rank].data
         elif desc.cuda_ipc:
-            data, chunked = open_pool(desc.cuda_ipc), None
-        elif capped:
-            data = map_pool(desc.shm, _part(local, local.num_layers - capped))
-            chunked = map_pool(desc.chunk_shm, _part(local, capped))
+            pool.data = open_pool(desc.cuda_ipc)
         else:
-            data, chunked = map_pool(desc.shm, local), None
-        pools.append(MappedPool(desc, local, data, chunked))
+            pool.data = map_pool(desc.shm, pool.pool_spec)
+        pools.append(pool)
     return pools
 
 
 def write_layer(spec: KVSpec, pools: list[MappedPool], kv: LayerKV) -> int:
-    """Writes each pool's part of kv into it (a capped chunked layer into the pool's chunked
-    part: kv.slots are then slots of its chunked pages); returns how many pools took a part."""
+    """Writes each pool's part of kv into it (a capped chunked layer at its slot: kv.slots are
+    then slots of its page group's pages); returns how many pools took a part."""
     written = 0
     for pool in pools:
         (l0, l1), (d0, d1) = pool.desc.layers, pool.desc.units
         h0, h1 = max(kv.units[0], d0), min(kv.units[1], d1)
         if not l0 <= kv.layer < l1 or h0 >= h1:
             continue
-        data, local, index = pool.where(kv.layer)
+        data = pool.data
         part = spec.narrow(kv.payload, kv.layer, kv.units, (h0, h1)).to(data.device)
         slots = kv.slots.to(data.device)  # another GPU's pool: a peer copy
-        local.write(data, index, slots, (h0 - d0, h1 - d0), part)
+        pool.pool_spec.write(data, pool.where(kv.layer), slots, (h0 - d0, h1 - d0), part)
         written += 1
     return written

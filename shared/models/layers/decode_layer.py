@@ -189,7 +189,7 @@ class FusedDecoder:
         return out, residual
 
     def _pools_of(self, kv) -> tuple[ctypes.Array, ctypes.Array]:
-        """Each layer's K and V pool addresses in kv (a KVCache or SplitKVCache), kept per pool."""
+        """Each layer's K and V pool addresses in kv (its layer(i) views), kept per pool."""
         if not self._pools or self._pools[0] is not kv:
             layers = [kv.layer(i) for i in range(len(self.specs))]  # (2, P, S, nkv, hd) each
             addresses = tuple(
