@@ -57,9 +57,6 @@ def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) 
         allow_oversubscribe=config.allow_oversubscribe,
         cpus=config.cpus,
         kv_push=config.role != "decode",
-        # a CPU decode worker caps (shared/kv/chunk_cache.py); a GPU one takes the handoff
-        # by CUDA IPC, which a split pool does not export
-        cap_chunked_kv=None if shm_path is not None else False,
         kv_transport=config.kv_transport,
         kv_secret=config.kv_secret,
         weights_peer=weights.peer,

@@ -143,9 +143,9 @@ def _run(runner: ModelRunner, out: SchedulerOutput, masks: Masks = None) -> Step
 
 
 def pool_handle(kv: KVCache) -> bytes:
-    """A GPU pool's CUDA IPC handle (transfer/ipc_handles.py); b"" for a CPU pool, and for a
-    grouped one (capped chunked layers: its engine takes no CUDA IPC handoff)."""
-    if isinstance(kv, GroupedKVCache) or kv.data.device.type != "cuda":
+    """A GPU pool's CUDA IPC handle (transfer/ipc_handles.py), capped chunked layers' unit
+    pages too (one tensor); b"" for a CPU pool."""
+    if kv.data.device.type != "cuda":
         return b""
     return ipc_handles.export_pool(kv.data)
 

@@ -84,6 +84,7 @@ class Cluster:
         from shared.nats_server import NatsServer
 
         self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         self.nats = NatsServer(workdir / "nats")
         self.procs: dict[str, subprocess.Popen] = {}
         self.port = free_port()

@@ -5,7 +5,8 @@ serve: `tison up --device cuda` (dry run: cpu) on a tiny model; the official `op
 handoff: a prefill and a decode worker (two processes, one GPU) whose KV moves over cuda_ipc
 (dry run: shm); greedy completions through the gateway equal the offline engine's, the
 transport's byte-exact test runs (tests/test_kv_handoff.py -k <transport>), and a long prompt's
-KV rate is read from the prefill worker's own count (/metrics)."""
+KV rate is read from the prefill worker's own count (/metrics); then the same greedy check on
+a tiny Llama 4, whose decode worker caps its chunked layers."""
 
 import signal
 import subprocess
@@ -134,25 +135,37 @@ def handoff(ctx: Context) -> Iterator[dict]:
     from tiny_models import build_model
 
     model_dir = build_model(ctx.workdir / "tiny-handoff", "llama", **(WIDE if ctx.gpu else {}))
-    expected = offline(ctx, model_dir)
-    with Cluster(ctx.workdir) as cluster:
-        start_workers(ctx, cluster, model_dir, transport)
-        ready_s = cluster.wait_serving(model_dir.name, ctx.deadline - 30)
-        got = [complete(cluster.base_url, model_dir.name, p, MAX_TOKENS) for p in PROMPTS]
-        equal = sum(
-            g["text"] == e["text"] and g["tokens"] == e["tokens"] for g, e in zip(got, expected)
-        )
-        yield {
-            "measure": "greedy",
-            "transport": transport,
-            "ready_s": round(ready_s, 1),
-            "equal": equal,
-            "requests": len(PROMPTS),
-            "ok": equal == len(PROMPTS),
-            "summary": f"{transport} {equal}/{len(PROMPTS)} = offline",
-            **({} if equal == len(PROMPTS) else {"got": got, "expected": expected}),
-        }
+    with Cluster(ctx.workdir / "llama") as cluster:
+        yield greedy(ctx, cluster, model_dir, transport, "greedy")
         yield kv_rate(ctx, cluster, model_dir, transport)
+    # Llama 4: the decode worker caps its chunked layers (page groups of one pool, exported
+    # whole); the prefill worker writes each chunked layer's last chunk into its group's pages
+    model_dir = build_model(ctx.workdir / "tiny-llama4", "llama4_moe")
+    with Cluster(ctx.workdir / "llama4") as cluster:
+        record = greedy(ctx, cluster, model_dir, transport, "greedy_llama4_capped")
+        capped = "chunked layers capped" in (cluster.workdir / "decode.log").read_text()
+        yield {**record, "capped": capped, "ok": record["ok"] and capped}
+
+
+def greedy(ctx: Context, cluster: Cluster, model_dir, transport: str, measure: str) -> dict:
+    """The workers' greedy completions through the gateway against the offline engine's."""
+    expected = offline(ctx, model_dir)
+    start_workers(ctx, cluster, model_dir, transport)
+    ready_s = cluster.wait_serving(model_dir.name, ctx.deadline - 30)
+    got = [complete(cluster.base_url, model_dir.name, p, MAX_TOKENS) for p in PROMPTS]
+    equal = sum(
+        g["text"] == e["text"] and g["tokens"] == e["tokens"] for g, e in zip(got, expected)
+    )
+    return {
+        "measure": measure,
+        "transport": transport,
+        "ready_s": round(ready_s, 1),
+        "equal": equal,
+        "requests": len(PROMPTS),
+        "ok": equal == len(PROMPTS),
+        "summary": f"{measure}: {transport} {equal}/{len(PROMPTS)} = offline",
+        **({} if equal == len(PROMPTS) else {"got": got, "expected": expected}),
+    }
 
 
 def byte_exact(ctx: Context, transport: str) -> dict:

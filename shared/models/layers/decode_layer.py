@@ -1,11 +1,11 @@
 """A stage's decoder layers, for decode steps, in one C call (kernels/cpu/decode_layer.py), on
 every CPU tier. It takes steps whose rows all decode, bfloat16, one tensor-parallel rank (no
 all-reduce inside) and linears on the C linear (kernels/cpu/linear.py); layers may attend with
-different masks (global, sliding, chunked: up to MAX_MASKS) and pools (capped chunked layers);
-RoPE by tables, on interleaved pairs (Llama 4) or none (NoPE, with or without Llama 4's query
-temperature); an MLP is dense or routed experts with softmax top-k (Mixtral, Qwen3-MoE) or
-Llama 4's sigmoid top-1 beside a shared expert (not expert parallelism); everything else stays
-op by op."""
+different masks (global, sliding, chunked; each page group of capped chunked layers counts as
+one: up to MAX_MASKS), each layer on its own view of the pool; RoPE by tables, on interleaved
+pairs (Llama 4) or none (NoPE, with or without Llama 4's query temperature); an MLP is dense or
+routed experts with softmax top-k (Mixtral, Qwen3-MoE) or Llama 4's sigmoid top-1 beside a
+shared expert (not expert parallelism); everything else stays op by op."""
 
 import ctypes
 from collections.abc import Callable
