@@ -245,3 +245,18 @@ def test_capped_chunked_layers_take_their_window_from_the_one_pool():
     while not b.finished:
         run_step(s)
     assert pool.num_used == 0 and b.chunk_page_ids == []
+
+
+def test_a_capped_reservation_holds_its_window_and_an_abort_returns_everything():
+    """A decode engine's reservation: the prompt's pages and, in each of 2 groups, the pages of
+    the first decoded token's window (chunks of 8: a 13-token prompt's last chunk, positions
+    8-13, pages 2-3); aborted before its KV came, every page is free again."""
+    pool = PageAllocator(16)
+    s = Scheduler(pool, PAGE, 64, 8, chunk_groups=2, chunk=8)
+    req = request("r", 13, 0)
+    assert s.reserve(req)
+    assert len(req.page_ids) == 4 and req.chunk_first_page == 2
+    assert [len(g) for g in req.chunk_page_ids] == [2, 2] and pool.num_used == 4 + 2 * 2
+    held = set(req.page_ids) | {p for g in req.chunk_page_ids for p in g}
+    assert len(held) == pool.num_used  # no page in two lists
+    assert s.abort("r") is req and pool.num_used == 0 and req.chunk_page_ids == []

@@ -35,6 +35,7 @@ from services_harness import (
     free_port,
     start_prefill_tp2_decode_pp2,
     start_workers,
+    wait_pages_free,
 )
 from tiny_models import load_hf
 
@@ -197,6 +198,22 @@ async def test_llama4_decode_worker_caps_chunked_kv(tiny_model_factory, tmp_path
         assert "out of the garbage collector's view" in decode_log  # gc.freeze: no full sweeps
         assert "chunked layers capped" not in (tmp_path / "prefill.log").read_text()
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
+        await _cancel_a_stream(s, model_dir.name, prompts[1])
+        await wait_pages_free(s)  # both kinds of pages, after finishes and a cancel
+
+
+async def _cancel_a_stream(s, model: str, prompt: str) -> None:
+    """A streamed completion that the client drops after its first tokens."""
+    async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
+        stream = await c.completions.create(
+            model=model, prompt=prompt, max_tokens=64, temperature=0, stream=True
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()
 
 
 @pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
