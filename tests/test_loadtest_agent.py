@@ -200,3 +200,22 @@ def test_bench_cli_agent_workload(fake, tmp_path, capsys):
     ]
     md = (tmp_path / "agent.md").read_text()
     assert "| turn | TTFT mean |" in md and "\n| 2 |" in md
+
+
+def test_a_run_keeps_the_earlier_objects_out_of_the_collectors_view(fake, tokenizer):
+    """No full collection over what the process held before the run stalls its arrival loop:
+    those objects are frozen while it runs, and given back after."""
+    import gc
+
+    class Frozen:
+        counts: list[int] = []
+
+        def update(self, result) -> None:
+            self.counts.append(gc.get_freeze_count())
+
+    gc.unfreeze()
+    seen = Frozen()
+    work = workload(tokenizer, sessions=2, turns=1)
+    run_sync(run_sessions(Target(fake.url, "fake"), work, Load(), 60, progress=seen))
+    assert len(seen.counts) == 2 and min(seen.counts) > 1000
+    assert gc.get_freeze_count() == 0
