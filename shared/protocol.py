@@ -192,6 +192,10 @@ class HeartbeatMsg:
     free_pages: int = 0  # worker sets: KV pages free (decode); scheduler checks fit
     total_pages: int = 0  # worker sets: KV pool size; gateway /metrics
     page_size: int = 16  # worker sets: tokens per KV page; scheduler sizes requests
+    # decode worker sets where it caps chunked layers (shared/kv/chunk_cache.py): their chunk
+    # and page groups, whose window pages a reservation takes too (pages.pages_to_reserve)
+    chunk_tokens: int = 0
+    chunk_groups: int = 0
     kv_transfer_bytes: int = 0  # worker sets: cumulative KV bytes sent/received; /metrics
     kv_transfer_seconds: float = 0.0  # worker sets: cumulative transfer time; /metrics
     prefix: PrefixStats = PrefixStats()  # worker sets from its engine; gateway /metrics

@@ -12,7 +12,7 @@ from services.scheduler.policy import Router
 from shared.engine.request import Request
 from shared.engine.scheduler import Scheduler
 from shared.kv.allocator import PageAllocator
-from shared.kv.pages import fits, pages_for, pages_to_admit, pages_to_grow
+from shared.kv.pages import fits, pages_for, pages_to_admit, pages_to_grow, pages_to_reserve
 from shared.protocol import DecodeAssignMsg, HeartbeatMsg, SubmitMsg
 from shared.sampling.params import SamplingParams
 
@@ -40,7 +40,7 @@ def test_the_module_is_pure():
     assert done.stdout.strip() == "False"
 
 
-def engine_accepts(free: int, prompt_len: int, max_tokens: int) -> bool:
+def engine_accepts(free: int, prompt_len: int, max_tokens: int, chunk=None, groups=0) -> bool:
     allocator = PageAllocator(free)
     req = Request(
         request_id="r",
@@ -51,7 +51,7 @@ def engine_accepts(free: int, prompt_len: int, max_tokens: int) -> bool:
         max_total_tokens=10_000,
         arrival=0,
     )
-    return Scheduler(allocator, PAGE, 64, 8).reserve(req)
+    return Scheduler(allocator, PAGE, 64, 8, groups, chunk).reserve(req)
 
 
 def fake_accepts(free: int, prompt_len: int, max_tokens: int) -> bool:
@@ -61,12 +61,13 @@ def fake_accepts(free: int, prompt_len: int, max_tokens: int) -> bool:
     return batch.reserve(DecodeAssignMsg("r", "gw", "p", (1,) * prompt_len, sampling)) is not None
 
 
-def router_sends(free: int, prompt_len: int, max_tokens: int) -> bool:
+def router_sends(free: int, prompt_len: int, max_tokens: int, chunk=0, groups=0) -> bool:
     router = Router()
     for role in ("decode", "prefill"):
         beat = HeartbeatMsg(
-            role, role, "m", 256, 0.5, free_pages=free, total_pages=64, page_size=PAGE
-        )
+            role, role, "m", 256, 0.5, free_pages=free, total_pages=64, page_size=PAGE,
+            chunk_tokens=chunk, chunk_groups=groups,
+        )  # fmt: skip
         router.observe(beat, 0.0)
     sampling = SamplingParams(max_tokens=max_tokens)
     return router.choose(SubmitMsg("r", "gw", (1,) * prompt_len, sampling, 9.0), 0.0) is not None
@@ -80,3 +81,16 @@ def test_router_engine_and_fake_worker_agree(free, prompt_len, max_tokens):
     assert engine_accepts(free, prompt_len, max_tokens) == expected
     assert fake_accepts(free, prompt_len, max_tokens) == expected
     assert router_sends(free, prompt_len, max_tokens) == expected
+
+
+@pytest.mark.parametrize("free", [2, 5, 6, 7, 8])
+@pytest.mark.parametrize("prompt_len", [3, 7, 8, 11, 15])
+def test_router_and_engine_agree_on_a_capped_decode_worker(free, prompt_len):
+    """Chunked layers capped (chunks of 8 in 2 page groups): a reservation also takes each
+    group's pages of the first decoded token's window (the prompt's last chunk and that token),
+    and the router counts them as the decode engine does."""
+    expected = fits(free, prompt_len, PAGE, chunk=8, groups=2)
+    assert engine_accepts(free, prompt_len, 1, chunk=8, groups=2) == expected
+    assert router_sends(free, prompt_len, 1, chunk=8, groups=2) == expected
+    window = 2 * (pages_for(prompt_len + 1, PAGE) - prompt_len // 8 * 8 // PAGE)
+    assert pages_to_reserve(prompt_len, PAGE, 8, 2) == pages_to_admit(prompt_len, PAGE) + window

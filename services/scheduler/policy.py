@@ -35,7 +35,7 @@ from services.scheduler.affinity import Pin, SessionTable
 from services.scheduler.kv_index import KVIndex
 from services.scheduler.routing import PromptPages, RoutingConfig
 from shared import protocol
-from shared.kv.pages import fits, pages_for, pages_to_admit
+from shared.kv.pages import fits, pages_for, pages_to_reserve
 from shared.protocol import HeartbeatMsg, KVEventsMsg, SubmitMsg
 from shared.registry import WorkerRegistry
 
@@ -193,7 +193,7 @@ class Router:
         session there; move the round-robin cursors."""
         decode = self._since.setdefault(choice.decode.worker_id, _SinceBeat())
         decode.seqs += 1
-        decode.pages += pages_to_admit(len(submit.prompt_token_ids), choice.decode.page_size)
+        decode.pages += _reserves(choice.decode, len(submit.prompt_token_ids))
         computes = self._since.setdefault(choice.prefill_worker, _SinceBeat())
         computes.tokens += choice.compute_tokens
         self._last["decode"] = choice.decode.worker_id
@@ -209,13 +209,14 @@ class Router:
 
     def _fits(self, beat: HeartbeatMsg, num_prompt_tokens: int) -> bool:
         since = self._since.get(beat.worker_id, _SinceBeat())
-        return not since.refused and fits(self._free(beat), num_prompt_tokens, beat.page_size)
+        free, chunk, groups = self._free(beat), beat.chunk_tokens, beat.chunk_groups
+        return not since.refused and fits(free, num_prompt_tokens, beat.page_size, chunk, groups)
 
     def _within_share(self, beat: HeartbeatMsg, num_prompt_tokens: int) -> bool:
         """A batch request may take pages here: the pages in use once it is placed are at most
         batch_max_share of the pool, or the worker holds none now."""
         in_use = beat.total_pages - self._free(beat)
-        after = in_use + pages_to_admit(num_prompt_tokens, beat.page_size)
+        after = in_use + _reserves(beat, num_prompt_tokens)
         return in_use <= 0 or after <= self.config.batch_max_share * beat.total_pages
 
     def _decode_load(self, beat: HeartbeatMsg) -> tuple:
@@ -238,3 +239,8 @@ class Router:
 
     def _tokens(self, beat: HeartbeatMsg) -> int:
         return beat.queued_tokens + self._since.get(beat.worker_id, _SinceBeat()).tokens
+
+
+def _reserves(beat: HeartbeatMsg, num_prompt_tokens: int) -> int:
+    """Pages the decode worker of `beat` reserves for a prompt (its capped window's too)."""
+    return pages_to_reserve(num_prompt_tokens, beat.page_size, beat.chunk_tokens, beat.chunk_groups)

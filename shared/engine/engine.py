@@ -292,6 +292,8 @@ class LLMEngine:
             decoding_seqs=len(sched.running),
             free_pages=self.allocator.num_free,
             total_pages=self.allocator.num_pages,
+            chunk_tokens=self.chunk or 0,
+            chunk_groups=self.chunk_groups,
         )
 
     def kv_events(self) -> tuple[list[int], list[int]]:

@@ -13,7 +13,9 @@ rest of the context), so holding pages for it would make a worker refuse request
 
 The router predicts with the same function what a decode worker accepts now: it picks a worker
 whose free pages (its heartbeat's, less what the router assigned since) hold
-`pages_to_admit(prompt)` and counts them against it until the next heartbeat. It does not use
+`pages_to_reserve(prompt)` (`pages_to_admit`, and where the worker caps chunked layers, their
+page groups' pages of the first decoded token's window, as its heartbeat says) and counts them
+against it until the next heartbeat. It does not use
 max_tokens as a soft signal for spreading load either: as an estimate of a request's length it
 is mostly far off, and a heartbeat says nothing of how long the running requests will grow;
 ranking by running sequences, then free pages, spreads the streams that will grow, and
@@ -34,9 +36,20 @@ def pages_to_admit(num_tokens: int, page_size: int) -> int:
     return pages_for(num_tokens + 1, page_size)
 
 
-def fits(free_pages: int, num_tokens: int, page_size: int) -> bool:
+def pages_to_reserve(num_tokens: int, page_size: int, chunk: int = 0, groups: int = 0) -> int:
+    """Pages a request with `num_tokens` tokens so far takes to start: pages_to_admit, and
+    where chunked layers are capped (chunks of `chunk` tokens, their pages in `groups` page
+    groups: shared/kv/chunk_cache.py) each group's pages of the next token's window."""
+    pages = pages_to_admit(num_tokens, page_size)
+    if groups:
+        first, end = chunk_window(num_tokens, num_tokens + 1, chunk, page_size)
+        pages += groups * (end - first)
+    return pages
+
+
+def fits(free_pages: int, num_tokens: int, page_size: int, chunk: int = 0, groups: int = 0) -> bool:
     """Whether a request with `num_tokens` tokens so far is admitted with `free_pages` free."""
-    return free_pages >= pages_to_admit(num_tokens, page_size)
+    return free_pages >= pages_to_reserve(num_tokens, page_size, chunk, groups)
 
 
 def pages_to_grow(num_held: int, num_tokens: int, page_size: int) -> int:
