@@ -17,13 +17,18 @@ from shared.engine.micro_batch import schedule_micro_batch, split_launched
 from shared.engine.prompt_logprobs import merge
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.engine.scheduler import Scheduler
-from shared.engine.shard import model_kv_groups, model_kv_spec, rank_kv_spec, rank_layers
+from shared.engine.shard import (
+    capped_chunk,
+    capped_page_bytes,
+    model_kv_groups,
+    model_kv_spec,
+    rank_kv_spec,
+)
 from shared.errors import InvalidRequestError, PromptTooLongError
 from shared.kv.allocator import PageAllocator
-from shared.kv.chunk_cache import chunk_pages_per_seq, group_slots
+from shared.kv.chunk_cache import chunk_pages_per_seq
 from shared.kv.prefix_cache import PrefixCache, PrefixStats
 from shared.models.config import ModelConfig, generation_eos_ids
-from shared.models.layer_attention import CHUNKED
 from shared.sampling.batch import request_stop_token_ids
 from shared.sampling.logprobs import TokenLogprob
 from shared.sampling.params import SamplingParams
@@ -77,7 +82,7 @@ class LLMEngine:
         self.chunk_groups, self.kv_groups = 0, ()
         if self.chunk is not None:
             self.chunk_groups, self.kv_groups = model_kv_groups(cfg, shape)
-        num_pages = _pool_pages(config, cfg, rank0, self.kv_groups)
+        num_pages = _pool_pages(config, cfg, rank0, self.chunk is not None)
         # Held by `step` except while the model computes (`_computing`): a command that only
         # adds (a reservation) may take it then, see EngineLoop.call_now.
         self.lock = threading.Lock()
@@ -404,23 +409,18 @@ class LLMEngine:
 
 def _capped_chunk(config: EngineConfig, cfg: ModelConfig) -> int | None:
     """The chunk size of the chunked layers whose KV is capped (None: nothing capped)."""
-    chunks = {a.mask.window for a in cfg.layer_attention if a.mask.kind == CHUNKED}
-    if not config.caps_chunked_kv or len(chunks) != 1:
-        return None
-    return chunks.pop()
+    return capped_chunk(cfg) if config.caps_chunked_kv else None
 
 
-def _pool_pages(config: EngineConfig, cfg: ModelConfig, spec, kv_groups: tuple[int, ...]):
+def _pool_pages(config: EngineConfig, cfg: ModelConfig, spec, capped: bool):
     """Pages of the pool from config's budget: num_pages, else what memory_bytes leaves each
-    rank (footprint.py), else kv_cache_bytes. Unit pages where chunked layers are capped
-    (`kv_groups`: each global layer's page group), whose bytes differ by stage."""
+    rank (footprint.py), else kv_cache_bytes. Unit pages where chunked layers are `capped`,
+    whose bytes differ by stage."""
     page_bytes = None  # each stage's page bytes on a rank: its unit page's layers
-    if kv_groups:
-        shape, layer_page = config.parallel, spec.page_size_bytes // spec.num_layers  # alike
-        page_bytes = []
-        for stage in range(shape.pp):
-            first, end = rank_layers(shape, stage * shape.tp, cfg.num_layers)
-            page_bytes.append(group_slots(kv_groups[first:end])[0] * layer_page)
+    if capped:  # MHA layers alike: a layer's page is the rank's page over its layers
+        page_bytes = capped_page_bytes(
+            cfg, config.parallel, spec.page_size_bytes // spec.num_layers
+        )
     pages = config.num_pages or _pages_for_memory(config, cfg, spec.dtype, page_bytes)
     if not pages:
         pages = config.kv_cache_bytes // max(page_bytes or [spec.page_size_bytes])

@@ -11,7 +11,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.graphs import scratch_pages
 from shared.kv.cache import KVCache
-from shared.kv.chunk_cache import GroupedKVCache, chunk_groups, layer_groups
+from shared.kv.chunk_cache import GroupedKVCache, chunk_groups, group_slots, layer_groups
 from shared.kv.spec import KVSpec, MHAKVSpec, MLAKVSpec
 from shared.models.config import ModelConfig
 from shared.models.layer_attention import CHUNKED
@@ -50,6 +50,21 @@ def model_kv_groups(cfg: ModelConfig, shape: ParallelConfig) -> tuple[int, tuple
         stages.append([a.mask.kind == CHUNKED for a in cfg.layer_attention[first:end]])
     groups = chunk_groups(stages)
     return groups, tuple(g for chunked in stages for g in layer_groups(chunked, groups))
+
+
+def capped_chunk(cfg: ModelConfig) -> int | None:
+    """The chunk of the model's chunked layers, which engines that push no KV cap (one chunk
+    size among them; None: no chunked layers)."""
+    chunks = {a.mask.window for a in cfg.layer_attention if a.mask.kind == CHUNKED}
+    return chunks.pop() if len(chunks) == 1 else None
+
+
+def capped_page_bytes(cfg: ModelConfig, shape: ParallelConfig, layer_page: int) -> list[int]:
+    """Each stage's page bytes on a rank where chunked layers are capped: a unit page of its
+    layers' layout (model_kv_groups), `layer_page` bytes a layer (the rank's heads)."""
+    _, kv_groups = model_kv_groups(cfg, shape)
+    bounds = [rank_layers(shape, stage * shape.tp, cfg.num_layers) for stage in range(shape.pp)]
+    return [group_slots(kv_groups[first:end])[0] * layer_page for first, end in bounds]
 
 
 def grouped_config(cfg: ModelConfig, kv_groups: tuple[int, ...]) -> ModelConfig:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.footprint import RankFootprint, pages_for_memory, stage_footprints
+from shared.engine.shard import capped_chunk, capped_page_bytes, model_kv_spec, rank_kv_spec
 from shared.models.config import ModelConfig
 from shared.parallel.shape import ParallelConfig
 
@@ -24,7 +25,9 @@ class ShapePlan:
     kv_tokens: int  # tokens that fit (a token takes a slot on every stage and TP rank)
     kv_token_bytes: int  # bytes a token takes over all devices (MLA's latent: on each TP rank)
     max_concurrency: int  # sequences of `context` tokens that fit at once
-    engine_pages: int  # the pool the engine allocates (every layer's KV in it, no window cap)
+    # the pool an engine with this budget allocates: pages of every layer's KV, or where it
+    # caps chunked layers (LLM, decode workers) unit pages (shared/kv/chunk_cache.py)
+    engine_pages: int
     stages: list[RankFootprint] = field(repr=False, default_factory=list)
 
     @property
@@ -85,9 +88,18 @@ def plan_shape(
         kv_tokens=tokens,
         kv_token_bytes=shape.tp * sum(fp.kv.growing for fp in stages),
         max_concurrency=sequences,
-        engine_pages=pages_for_memory(stages, memory, reserve, page_size),
+        engine_pages=_engine_pages(cfg, shape, dtype, page_size, stages, memory, reserve),
         stages=stages,
     )
+
+
+def _engine_pages(cfg, shape, dtype, page_size, stages, memory: int, reserve: int) -> int:
+    """The engine's pool under this budget (engine.py's _pool_pages)."""
+    page_bytes = None
+    if capped_chunk(cfg) is not None:
+        rank0 = rank_kv_spec(model_kv_spec(cfg, page_size, dtype), shape, 0)
+        page_bytes = capped_page_bytes(cfg, shape, rank0.page_size_bytes // rank0.num_layers)
+    return pages_for_memory(stages, memory, reserve, page_size, page_bytes)
 
 
 def plan_devices(
