@@ -260,3 +260,38 @@ def test_a_capped_reservation_holds_its_window_and_an_abort_returns_everything()
     held = set(req.page_ids) | {p for g in req.chunk_page_ids for p in g}
     assert len(held) == pool.num_used  # no page in two lists
     assert s.abort("r") is req and pool.num_used == 0 and req.chunk_page_ids == []
+
+
+def test_a_capped_prefix_ends_where_its_window_is_cached():
+    """With the prefix cache, a request starts on cached pages only as far as each capped
+    group still holds its window's pages there: a's chunk (pages 0-1) left its window as it
+    decoded, and those group pages went to its own later pages; b shares a's first page, whose
+    window (page 0) is gone, so it starts from token 0 though that page is cached. c, b's
+    prompt again, starts on b's first page and each group's page 0 of it."""
+    from shared.kv.block_hash import group_hash, page_hashes
+    from shared.kv.prefix_cache import PrefixCache
+
+    pool = PageAllocator(12)
+    cache = PrefixCache(pool, PAGE)
+    s = Scheduler(cache, PAGE, 64, 8, chunk_groups=2, chunk=8)
+    a = request("a", 14, 0, max_tokens=4)
+    s.add(a)
+    while not a.finished:
+        run_step(s)
+    assert pool.num_used == 0
+    b = request("b", 7, 1)  # a's first 7 tokens
+    first = page_hashes(b.prompt_token_ids, PAGE)[0]
+    assert cache.lookup(first) is not None  # its first page is cached
+    s.add(b)
+    run_step(s)
+    assert b.num_cached_pages == 1 and cache.stats.hit_tokens == 0  # computed from token 0
+    while not b.finished:
+        run_step(s)
+    c = request("c", 7, 2)  # b's prompt: b named its first page and its groups' page 0 too
+    windows = [cache.lookup(group_hash(first, group)) for group in (1, 2)]
+    s.add(c)
+    run_step(s)
+    assert cache.stats.hit_tokens == 4 and c.chunk_first_page == 0
+    assert [g[0] for g in c.chunk_page_ids] == windows and None not in windows
+    stored, evicted = cache.drain_events()  # the router's index hears of prompts' pages only
+    assert first in stored and {group_hash(first, g) for g in (1, 2)}.isdisjoint(stored + evicted)

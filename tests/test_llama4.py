@@ -185,6 +185,29 @@ def test_a_capped_reservation_holds_the_window_then_computes_here(moe):
     assert engine.num_pages_used == 0
 
 
+def test_capped_chunked_kv_with_the_prefix_cache_matches_transformers(moe):
+    """Prompts sharing a prefix with one computed earlier start on its cached pages, and on
+    each page group's pages of the window there: 30 shared tokens end inside a chunk (28
+    cached: pages 0-6, the window's page 6 of each group too), 32 at a chunk's start (no
+    window), the whole prompt again (all but its last page). Tokens are transformers'."""
+    model_dir, prompts, _ = moe
+    base, tail = prompts[-1][:40], prompts[-2][:10]
+    asked = [base, base[:30] + tail, base[:32] + tail, base]
+    refs = hf_greedy(model_dir, asked)
+    engine = _capped_engine(model_dir, max_num_batched_tokens=24)
+    assert engine.prefix_cache is not None
+    cached = []
+    for i, p in enumerate(asked):  # one at a time: each finds the earlier ones' pages
+        req = engine.add_request(str(i), p, GREEDY_32)
+        engine.step()
+        cached.append(req.num_cached_pages if req.num_computed_tokens else 0)
+        assert run_all(engine, {str(i): list(req.output_token_ids)})[str(i)] == refs[i]
+    hits = engine.prefix_stats()["hit_tokens"]
+    assert hits == (7 + 8 + 9) * 4, (cached, hits)
+    assert engine.num_pages_used == 0
+    assert engine.kv_events() == ([], [])  # its reservations would take none: none announced
+
+
 def test_chunk_groups_fit_every_stage():
     """R is the same on every rank (page ids are): the fewest groups that make the largest
     unit page smallest. Here stage 0 holds 2 chunked layers, stage 1 a global and a chunked

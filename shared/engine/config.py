@@ -69,8 +69,8 @@ class EngineConfig:
     # and engines without a handoff). None: wherever that holds; True: required; False: never
     cap_chunked_kv: bool | None = None
     # full pages of computed KV stay cached after their requests (shared/kv/prefix_cache.py):
-    # a request computes only its uncached suffix. Not with capped chunked layers (their
-    # early chunks' KV is gone)
+    # a request computes only its uncached suffix (with capped chunked layers: as far as their
+    # window's pages are cached too; not for a decode worker's reservations)
     enable_prefix_caching: bool = True
     # a compressed folder's (tison compress) decoder-layer linear weights stay encoded on the
     # device and are decoded into shared scratch just before each layer runs

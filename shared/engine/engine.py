@@ -91,7 +91,7 @@ class LLMEngine:
         self.model, self.kv = self.runner.model, self.runner.kv
         self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
         pages = PageAllocator(num_pages)
-        caching = config.enable_prefix_caching and self.chunk is None
+        caching = config.enable_prefix_caching
         self.prefix_cache = PrefixCache(pages, config.page_size) if caching else None
         self.allocator = self.prefix_cache or pages  # the cache hands out the pages itself
         self.scheduler = Scheduler(
@@ -303,10 +303,13 @@ class LLMEngine:
 
     def kv_events(self) -> tuple[list[int], list[int]]:
         """(hashes of the pages cached, of those evicted) since the previous call: what a
-        worker tells the router (shared/kv/block_hash.py names them); empty without a cache."""
+        worker tells the router (shared/kv/block_hash.py names them); empty without a cache,
+        and where chunked layers are capped (a reservation there takes no cached page, so the
+        router must not count on them)."""
         if self.prefix_cache is None:
             return [], []
-        return self.prefix_cache.drain_events()
+        events = self.prefix_cache.drain_events()
+        return ([], []) if self.chunk is not None else events
 
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counters (PrefixStats; all 0 without a cache)."""

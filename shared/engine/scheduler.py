@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.request import FinishReason, Request, check_stop
 from shared.kv.allocator import PageAllocator
-from shared.kv.block_hash import page_hashes
+from shared.kv.block_hash import group_hash, page_hashes
 from shared.kv.pages import chunk_window, pages_for, pages_to_admit, pages_to_grow
 from shared.kv.prefix_cache import PrefixCache
 
@@ -84,14 +84,14 @@ class Scheduler:
         prefix are held as they are, counted computed: only the rest is to be written. With
         capped chunked layers, their pages from the window of the first decoded token on too
         (the prompt's last chunk, which the prefill worker writes there)."""
-        cached = self._cached_prefix(req, computes_prompt=False)
+        cached, _ = self._cached_prefix(req, computes_prompt=False)
         own = max(0, self._admission_pages(req) - len(cached))
         taken = self.cache.num_free_among(cached) if cached else 0
         waiting = sum(map(self._admission_pages, self.waiting))
         window = self._decode_window(req)
         if not self.allocator.can_allocate(own + taken + waiting + self._units(*window)):
             return False
-        self._start_on(req, cached)
+        self._start_on(req, cached, looked=self.chunk is None)
         req.page_ids += self.allocator.allocate(own)
         req.chunk_first_page = window[0]
         self._allocate_chunk(req, window[1] - window[0])
@@ -184,18 +184,20 @@ class Scheduler:
             req = self.waiting[0]
             if req.background and background == 0:
                 break  # the rest wait too: background requests come last
-            cached = self._cached_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.page_size, budget)
+            cached, window = self._cached_prefix(req)
+            start = req.num_computed_tokens + len(cached) * self.page_size
+            n = min(req.num_tokens - start, budget)
             if req.background:
                 n = min(n, background)
             extra = max(0, self._admission_pages(req) - len(cached))
-            extra_chunk = self._chunk_grow(req, n)
-            taken = self.cache.num_free_among(cached) if cached else 0
+            extra_chunk = self._chunk_grow(req, n, start) - len(window[0] if window else ())
+            held = cached + [page for pages in window for page in pages]
+            taken = self.cache.num_free_among(held) if held else 0
             if not self.allocator.can_allocate(extra + taken + self._units(0, extra_chunk)):
                 break
             self.waiting.popleft()
             if not req.page_ids:  # not a reserved request computing its prompt here
-                self._start_on(req, cached)
+                self._start_on(req, cached, window)
             req.page_ids += self.allocator.allocate(extra)
             self._allocate_chunk(req, extra_chunk)
             self.running.append(req)
@@ -204,17 +206,45 @@ class Scheduler:
             background -= n if req.background else 0
         return out
 
-    def _cached_prefix(self, req: Request, computes_prompt: bool = True) -> list[int]:
-        """The cached pages a waiting request without pages (new, or preempted) starts on;
-        none if this engine computes its prompt and it wants prompt logprobs (every position
-        must run; vLLM skips the cache for them too). Its pages are still named as computed."""
+    def _cached_prefix(
+        self, req: Request, computes_prompt: bool = True
+    ) -> tuple[list[int], list[list[int]]]:
+        """The cached pages a waiting request without pages (new, or preempted) starts on,
+        and with capped chunked layers each page group's of the window there (their chunk
+        from its start: shared/kv/chunk_cache.py); none if this engine computes its prompt and
+        it wants prompt logprobs (every position must run; vLLM skips the cache for them too),
+        nor for a capped reservation (its window is the prompt's last chunk, which the prefill
+        worker writes). The prefix ends where every group's window is cached too (at a chunk's
+        start, none is needed). Its pages are still named as computed."""
+        capped = self.chunk is not None
         if self.cache is None or req.page_ids or (computes_prompt and req.needs_prompt_logprobs):
-            return []
-        return self.cache.match(self._hashes(req, req.num_tokens), req.num_tokens)
+            return [], []
+        if capped and not computes_prompt:
+            return [], []
+        pages = self.cache.match(self._hashes(req, req.num_tokens), req.num_tokens)
+        window = self._cached_window(req, len(pages)) if capped else []
+        while window is None:
+            pages.pop()
+            window = self._cached_window(req, len(pages))
+        return pages, window
 
-    def _start_on(self, req: Request, cached: list[int]) -> None:
-        """A request without pages starts on `cached`, its prefix's cached pages (counted)."""
-        if self.cache is None:
+    def _cached_window(self, req: Request, num_pages: int) -> list[list[int]] | None:
+        """Each page group's cached pages of logical pages [the first of the chunk of token
+        num_pages * S, num_pages); None where one is not cached."""
+        first = num_pages * self.page_size // self.chunk * self.chunk // self.page_size
+        window = []
+        for group in range(1, self.chunk_groups + 1):
+            names = (group_hash(req.page_hashes[p], group) for p in range(first, num_pages))
+            pages = [self.cache.lookup(name) for name in names]
+            if None in pages:
+                return None
+            window.append(pages)
+        return window
+
+    def _start_on(self, req: Request, cached: list[int], window=(), looked: bool = True) -> None:
+        """A request without pages starts on `cached`, its prefix's cached pages (counted,
+        where it `looked` the cache up), and `window`, its capped groups' (_cached_prefix)."""
+        if self.cache is None or not looked:
             return
         self.cache.count(req.num_tokens, len(cached))
         if cached:
@@ -222,6 +252,9 @@ class Scheduler:
             req.page_ids = list(cached)
             req.num_cached_pages = len(cached)
             req.num_computed_tokens = len(cached) * self.page_size
+        if window and window[0]:  # chunk_first_page: _chunk_grow's, from that token on
+            self.cache.acquire([page for pages in window for page in pages])
+            req.chunk_page_ids = [list(pages) for pages in window]
 
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
         """req.page_hashes extended to the full pages of its first `num_tokens` tokens."""
@@ -234,13 +267,19 @@ class Scheduler:
         return req.page_hashes
 
     def _name_computed_pages(self, req: Request) -> None:
-        """Names req's pages whose every token's KV is computed (the cache's `register`)."""
+        """Names req's pages whose every token's KV is computed (the cache's `register`), and
+        its capped groups' pages of the same tokens (named per group, not announced)."""
         full = min(req.num_computed_tokens // self.page_size, len(req.page_ids))
         if self.cache is None or full <= req.num_cached_pages:
             return
         hashes = self._hashes(req, full * self.page_size)
         for i in range(req.num_cached_pages, full):
             self.cache.register(req.page_ids[i], hashes[i])
+        first = req.chunk_first_page
+        held = first + (len(req.chunk_page_ids[0]) if req.chunk_page_ids else 0)
+        for p in range(max(req.num_cached_pages, first), min(full, held)):
+            for group, pages in enumerate(req.chunk_page_ids, 1):
+                self.cache.register(pages[p - first], group_hash(hashes[p], group), False)
         req.num_cached_pages = full
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput, exclude) -> bool:
@@ -260,13 +299,14 @@ class Scheduler:
         self._allocate_chunk(req, extra_chunk)
         return True
 
-    def _chunk_grow(self, req: Request, n: int) -> int:
-        """Frees req's chunked pages before the window of its next n tokens (no later step
-        reads them; a pipeline's earlier micro-batches are covered by the quarantine) and
-        returns how many logical pages it needs beyond those it holds (in each group)."""
+    def _chunk_grow(self, req: Request, n: int, start: int | None = None) -> int:
+        """Frees req's chunked pages before the window of its next n tokens, from `start`
+        (num_computed_tokens, or where its cached prefix ends; no later step reads them; a
+        pipeline's earlier micro-batches are covered by the quarantine) and returns how many
+        logical pages it needs beyond those it holds (in each group)."""
         if self.chunk is None:
             return 0
-        start = req.num_computed_tokens
+        start = req.num_computed_tokens if start is None else start
         first, end = chunk_window(start, start + n, self.chunk, self.page_size)
         held = len(req.chunk_page_ids[0]) if req.chunk_page_ids else 0
         drop = max(0, min(first - req.chunk_first_page, held))

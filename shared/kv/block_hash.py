@@ -28,3 +28,11 @@ def page_hashes(
         out.append(int.from_bytes(digest, "little"))
         seed = digest
     return out
+
+
+def group_hash(page_hash: int, group: int) -> int:
+    """The name of page group `group`'s page of the tokens that `page_hash` names (capped
+    chunked layers, shared/kv/chunk_cache.py): a hash of both, no full layers' page name."""
+    data = page_hash.to_bytes(HASH_BYTES, "little") + struct.pack("<I", group)
+    digest = hashlib.blake2b(data, digest_size=HASH_BYTES, person=b"page group").digest()
+    return int.from_bytes(digest, "little")

@@ -45,6 +45,7 @@ class PrefixCache:
         self._holders: dict[int, int] = {}  # page -> requests holding it (absent: free)
         self._stored: list[int] = []  # names since the last drain_events
         self._evicted: list[int] = []
+        self._quiet: set[int] = set()  # names registered with announce=False
         self.stats = PrefixStats()
 
     # --- the allocator's interface, shared pages counted once ---------------------------------
@@ -98,11 +99,18 @@ class PrefixCache:
         leaves at least one of its `num_tokens` tokens to compute. Holds nothing yet."""
         pages = []
         for h in hashes[: (num_tokens - 1) // self.page_size]:
-            page = self._page_of.get(h)
-            if page is None or not (page in self._holders or self.allocator.is_free(page)):
+            page = self.lookup(h)
+            if page is None:
                 break
             pages.append(page)
         return pages
+
+    def lookup(self, page_hash: int) -> int | None:
+        """The page `page_hash` names, held or free (not in quarantine); None if none is."""
+        page = self._page_of.get(page_hash)
+        if page is None or not (page in self._holders or self.allocator.is_free(page)):
+            return None
+        return page
 
     def num_free_among(self, pages: list[int]) -> int:
         """How many of these cached pages are free: acquiring them takes that many free pages."""
@@ -126,14 +134,19 @@ class PrefixCache:
         s.queried_tokens += num_tokens
         s.hit_tokens += hit_pages * self.page_size
 
-    def register(self, page: int, page_hash: int) -> None:
+    def register(self, page: int, page_hash: int, announce: bool = True) -> None:
         """`page` (held) holds the computed KV that `page_hash` names; a name already given to
-        another page keeps that page (this one stays unnamed: its content is a duplicate)."""
+        another page keeps that page (this one stays unnamed: its content is a duplicate).
+        announce=False: not in the events (a capped chunked layer group's page, which the
+        router's index of prompts' page names never asks for)."""
         if page_hash in self._page_of or page in self._hash_of:
             return
         self._page_of[page_hash] = page
         self._hash_of[page] = page_hash
-        self._stored.append(page_hash)
+        if announce:
+            self._stored.append(page_hash)
+        else:
+            self._quiet.add(page_hash)
         self.stats.cached_pages += 1
 
     def drain_events(self) -> tuple[list[int], list[int]]:
@@ -147,6 +160,9 @@ class PrefixCache:
         page_hash = self._hash_of.pop(page, None)
         if page_hash is not None:
             del self._page_of[page_hash]
-            self._evicted.append(page_hash)
+            if page_hash in self._quiet:
+                self._quiet.discard(page_hash)
+            else:
+                self._evicted.append(page_hash)
             self.stats.evicted_pages += 1
             self.stats.cached_pages -= 1
