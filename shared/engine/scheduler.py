@@ -89,7 +89,8 @@ class Scheduler:
         taken = self.cache.num_free_among(cached) if cached else 0
         waiting = sum(map(self._admission_pages, self.waiting))
         window = self._decode_window(req)
-        if not self.allocator.can_allocate(own + taken + waiting + self._units(*window)):
+        chunk_pages = self._units(window[1] - window[0])
+        if not self.allocator.can_allocate(own + taken + waiting + chunk_pages):
             return False
         self._start_on(req, cached, looked=self.chunk is None)
         req.page_ids += self.allocator.allocate(own)
@@ -193,7 +194,7 @@ class Scheduler:
             extra_chunk = self._chunk_grow(req, n, start) - len(window[0] if window else ())
             held = cached + [page for pages in window for page in pages]
             taken = self.cache.num_free_among(held) if held else 0
-            if not self.allocator.can_allocate(extra + taken + self._units(0, extra_chunk)):
+            if not self.allocator.can_allocate(extra + taken + self._units(extra_chunk)):
                 break
             self.waiting.popleft()
             if not req.page_ids:  # not a reserved request computing its prompt here
@@ -287,7 +288,7 @@ class Scheduler:
         flight) if needed. False when req itself was preempted or nothing could be."""
         extra = pages_to_grow(len(req.page_ids), req.num_computed_tokens + n, self.page_size)
         extra_chunk = self._chunk_grow(req, n)
-        while not self.allocator.can_allocate(extra + self._units(0, extra_chunk)):
+        while not self.allocator.can_allocate(extra + self._units(extra_chunk)):
             victims = [r for r in self.running if r not in exclude]
             if not victims:
                 return False
@@ -320,9 +321,9 @@ class Scheduler:
             req.chunk_first_page += drop
         return max(0, end - req.chunk_first_page - (held - drop))
 
-    def _units(self, first: int, end: int) -> int:
-        """Pages of logical chunked pages [first, end): one in each group."""
-        return (end - first) * self.chunk_groups
+    def _units(self, logical: int) -> int:
+        """Pages of `logical` chunked logical pages: one in each group."""
+        return logical * self.chunk_groups
 
     def _allocate_chunk(self, req: Request, n: int) -> None:
         """n more logical chunked pages for req: a page in each group for each."""
