@@ -29,7 +29,7 @@ VARIANTS = {  # family, overrides: each flag of the layer that the C code branch
     # chunks of 8 (most prompts cross several; pages of 4, so that each starts a page) beside a
     # global layer: two masks
     "llama 4": ("llama4", {}, {"page_size": 4}),
-    # ... the chunked layers' KV in a pool of their own, from their window on
+    # ... the chunked layers' KV from their window on, in page groups of the one pool
     "llama 4 capped": ("llama4", {}, {"page_size": 4, "cap_chunked_kv": True, "max_num_seqs": 8}),
 }
 MOE_VARIANTS = {  # moe.c: softmax top-k, renormalised or not, beside dense layers or not
