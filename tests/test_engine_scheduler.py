@@ -295,3 +295,29 @@ def test_a_capped_prefix_ends_where_its_window_is_cached():
     assert [g[0] for g in c.chunk_page_ids] == windows and None not in windows
     stored, evicted = cache.drain_events()  # the router's index hears of prompts' pages only
     assert first in stored and {group_hash(first, g) for g in (1, 2)}.isdisjoint(stored + evicted)
+
+
+def test_a_capped_reservation_starts_on_a_cached_prefix_and_its_window():
+    """A decode engine's reservation of a prompt it has computed before: the cached pages up
+    to its last page, and of each group the cached pages of the prompt's last chunk below
+    them (page 2 of pages 2-3); the prefill worker writes only the rest. Computed here after
+    all (start_local), it lets them go and starts again on the cache, from its own chunk."""
+    from shared.kv.prefix_cache import PrefixCache
+
+    pool = PageAllocator(40)
+    cache = PrefixCache(pool, PAGE)
+    s = Scheduler(cache, PAGE, 64, 8, chunk_groups=2, chunk=8)
+    a = request("a", 14, 0, max_tokens=2)
+    s.add(a)
+    while not a.finished:
+        run_step(s)
+    b = request("b", 14, 1)  # a's prompt
+    assert s.reserve(b)
+    assert b.num_computed_tokens == 12 and b.chunk_first_page == 2
+    assert [len(g) for g in b.chunk_page_ids] == [2, 2]  # page 2 cached, page 3 new
+    assert cache.stats.hit_tokens == 12
+    s.activate(b, computed=False)
+    assert b.page_ids == [] and b.num_computed_tokens == 0  # released: all of it comes again
+    while not b.finished:
+        run_step(s)
+    assert cache.stats.hit_tokens == 24 and pool.num_used == 0

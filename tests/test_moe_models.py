@@ -35,6 +35,7 @@ from services_harness import (
     free_port,
     start_prefill_tp2_decode_pp2,
     start_workers,
+    wait_metric,
     wait_pages_free,
 )
 from tiny_models import load_hf
@@ -198,6 +199,11 @@ async def test_llama4_decode_worker_caps_chunked_kv(tiny_model_factory, tmp_path
         assert "out of the garbage collector's view" in decode_log  # gc.freeze: no full sweeps
         assert "chunked layers capped" not in (tmp_path / "prefill.log").read_text()
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
+        # again: the decode worker reserves its cached prefix and the groups' window pages
+        # under it; the prefill worker writes the rest only
+        await assert_completions_equal(s, model_dir.name, prompts[1:], expected[1:], 16)
+        hits = "tison_prefix_cache_hit_tokens"
+        await wait_metric(s, hits, lambda n: n > 0, "decode prefix hits", "decode")
         await _cancel_a_stream(s, model_dir.name, prompts[1])
         await wait_pages_free(s)  # both kinds of pages, after finishes and a cancel
 

@@ -70,7 +70,7 @@ class EngineConfig:
     cap_chunked_kv: bool | None = None
     # full pages of computed KV stay cached after their requests (shared/kv/prefix_cache.py):
     # a request computes only its uncached suffix (with capped chunked layers: as far as their
-    # window's pages are cached too; not for a decode worker's reservations)
+    # window's pages are cached too)
     enable_prefix_caching: bool = True
     # a compressed folder's (tison compress) decoder-layer linear weights stay encoded on the
     # device and are decoded into shared scratch just before each layer runs

@@ -172,18 +172,20 @@ class LLMEngine:
         if self.kv_groups and not 0 <= layer < len(self.kv_groups):
             return None
         group = self.kv_groups[layer] if self.kv_groups else 0
-        if group:
-            return list(req.chunk_page_ids[group - 1]) if req.chunk_page_ids else []
+        if group:  # from logical page chunk_first_page on
+            cached = max(0, req.num_cached_pages - req.chunk_first_page)
+            return req.chunk_page_ids[group - 1][cached:] if req.chunk_page_ids else []
         return req.page_ids[req.num_cached_pages :]
 
     def handoff_bytes(self, request_id: str) -> int:
         """KV bytes a prefill worker writes for a reserved request: every layer's of the tokens
-        after its cached prefix, the capped chunked layers' from their first page on."""
+        after its cached prefix, the capped chunked layers' from their first page on too."""
         req = self.requests.get(request_id)
         if req is None:
             return 0
         spec, new = self.kv_spec, req.num_prompt_tokens - req.num_computed_tokens
-        window = max(0, req.num_prompt_tokens - req.chunk_first_page * spec.page_size)
+        first = max(req.chunk_first_page * spec.page_size, req.num_computed_tokens)
+        window = max(0, req.num_prompt_tokens - first)
         groups = self.kv_groups or (0,) * spec.num_layers
         return sum(
             (window if groups[i] else new) * spec.layer_token_bytes(i)
@@ -303,13 +305,10 @@ class LLMEngine:
 
     def kv_events(self) -> tuple[list[int], list[int]]:
         """(hashes of the pages cached, of those evicted) since the previous call: what a
-        worker tells the router (shared/kv/block_hash.py names them); empty without a cache,
-        and where chunked layers are capped (a reservation there takes no cached page, so the
-        router must not count on them)."""
+        worker tells the router (shared/kv/block_hash.py names them); empty without a cache."""
         if self.prefix_cache is None:
             return [], []
-        events = self.prefix_cache.drain_events()
-        return ([], []) if self.chunk is not None else events
+        return self.prefix_cache.drain_events()
 
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counters (PrefixStats; all 0 without a cache)."""

@@ -84,18 +84,18 @@ class Scheduler:
         prefix are held as they are, counted computed: only the rest is to be written. With
         capped chunked layers, their pages from the window of the first decoded token on too
         (the prompt's last chunk, which the prefill worker writes there)."""
-        cached, _ = self._cached_prefix(req, computes_prompt=False)
+        cached, held = self._cached_prefix(req, computes_prompt=False)
         own = max(0, self._admission_pages(req) - len(cached))
-        taken = self.cache.num_free_among(cached) if cached else 0
+        taken = self.cache.num_free_among(cached + _flat(held)) if cached else 0
         waiting = sum(map(self._admission_pages, self.waiting))
-        window = self._decode_window(req)
-        chunk_pages = self._units(window[1] - window[0])
-        if not self.allocator.can_allocate(own + taken + waiting + chunk_pages):
+        first, end = self._decode_window(req)
+        new_chunk = end - first - (len(held[0]) if held else 0)  # past the cached ones
+        if not self.allocator.can_allocate(own + taken + waiting + self._units(new_chunk)):
             return False
-        self._start_on(req, cached, looked=self.chunk is None)
+        self._start_on(req, cached, held)
         req.page_ids += self.allocator.allocate(own)
-        req.chunk_first_page = window[0]
-        self._allocate_chunk(req, window[1] - window[0])
+        req.chunk_first_page = first
+        self._allocate_chunk(req, new_chunk)
         self.reserved[req.request_id] = req
         return True
 
@@ -117,7 +117,11 @@ class Scheduler:
         num_computed_tokens was set), else to compute the rest of its prompt here; one that
         wants prompt logprobs then lets its cached prefix go, to compute its whole prompt."""
         del self.reserved[req.request_id]
-        if not computed and req.num_computed_tokens and req.needs_prompt_logprobs:
+        if (
+            not computed
+            and req.num_computed_tokens
+            and (req.needs_prompt_logprobs or self.chunk is not None)
+        ):  # capped: its chunked pages start at the last chunk, the prefix's window is before
             self._release(req)  # admitted again as a new request
         if computed:
             self.running.append(req)
@@ -192,7 +196,7 @@ class Scheduler:
                 n = min(n, background)
             extra = max(0, self._admission_pages(req) - len(cached))
             extra_chunk = self._chunk_grow(req, n, start) - len(window[0] if window else ())
-            held = cached + [page for pages in window for page in pages]
+            held = cached + _flat(window)
             taken = self.cache.num_free_among(held) if held else 0
             if not self.allocator.can_allocate(extra + taken + self._units(extra_chunk)):
                 break
@@ -211,28 +215,32 @@ class Scheduler:
         self, req: Request, computes_prompt: bool = True
     ) -> tuple[list[int], list[list[int]]]:
         """The cached pages a waiting request without pages (new, or preempted) starts on,
-        and with capped chunked layers each page group's of the window there (their chunk
-        from its start: shared/kv/chunk_cache.py); none if this engine computes its prompt and
-        it wants prompt logprobs (every position must run; vLLM skips the cache for them too),
-        nor for a capped reservation (its window is the prompt's last chunk, which the prefill
-        worker writes). The prefix ends where every group's window is cached too (at a chunk's
-        start, none is needed). Its pages are still named as computed."""
-        capped = self.chunk is not None
+        and with capped chunked layers each page group's cached pages of the window it needs
+        from there (shared/kv/chunk_cache.py); none if this engine computes its prompt and it
+        wants prompt logprobs (every position must run; vLLM skips the cache for them too).
+        That window is the chunk of the first token to compute, or for a reservation
+        (computes_prompt=False) the prompt's last chunk, whose other pages the prefill worker
+        writes; the prefix ends where every group holds it cached (at a chunk's start none
+        is needed). Its pages are still named as computed."""
         if self.cache is None or req.page_ids or (computes_prompt and req.needs_prompt_logprobs):
             return [], []
-        if capped and not computes_prompt:
-            return [], []
         pages = self.cache.match(self._hashes(req, req.num_tokens), req.num_tokens)
-        window = self._cached_window(req, len(pages)) if capped else []
+        if self.chunk is None:
+            return pages, []
+        last_chunk = None if computes_prompt else self._decode_window(req)[0]
+        window = self._cached_window(req, len(pages), last_chunk)
         while window is None:
             pages.pop()
-            window = self._cached_window(req, len(pages))
+            window = self._cached_window(req, len(pages), last_chunk)
         return pages, window
 
-    def _cached_window(self, req: Request, num_pages: int) -> list[list[int]] | None:
-        """Each page group's cached pages of logical pages [the first of the chunk of token
-        num_pages * S, num_pages); None where one is not cached."""
-        first = num_pages * self.page_size // self.chunk * self.chunk // self.page_size
+    def _cached_window(
+        self, req: Request, num_pages: int, first: int | None
+    ) -> list[list[int]] | None:
+        """Each page group's cached pages of logical pages [first, num_pages) (first: the
+        first of the chunk of token num_pages * S where None); None where one is not cached."""
+        if first is None:
+            first = num_pages * self.page_size // self.chunk * self.chunk // self.page_size
         window = []
         for group in range(1, self.chunk_groups + 1):
             names = (group_hash(req.page_hashes[p], group) for p in range(first, num_pages))
@@ -242,10 +250,10 @@ class Scheduler:
             window.append(pages)
         return window
 
-    def _start_on(self, req: Request, cached: list[int], window=(), looked: bool = True) -> None:
-        """A request without pages starts on `cached`, its prefix's cached pages (counted,
-        where it `looked` the cache up), and `window`, its capped groups' (_cached_prefix)."""
-        if self.cache is None or not looked:
+    def _start_on(self, req: Request, cached: list[int], window=()) -> None:
+        """A request without pages starts on `cached`, its prefix's cached pages (counted),
+        and `window`, its capped groups' (_cached_prefix)."""
+        if self.cache is None:
             return
         self.cache.count(req.num_tokens, len(cached))
         if cached:
@@ -388,3 +396,7 @@ class Scheduler:
             self.allocator.free(req.page_ids)
             req.page_ids = []
         self._free_chunk(req)
+
+
+def _flat(groups: list[list[int]]) -> list[int]:
+    return [page for pages in groups for page in pages]

@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 class KVInbox:
     """Writes frames into `pools`; `allowed(request_id, layer, slots)` says whether the slots
     belong to pages reserved for the request (for that layer: a capped chunked layer's are
-    its page group's). Thread-safe: frames of different pairs land in different slots or units, and the
-    counters are locked."""
+    its page group's). Thread-safe: frames of different pairs land in different slots or
+    units, and the counters are locked."""
 
     def __init__(
         self,
