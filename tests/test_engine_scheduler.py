@@ -3,6 +3,8 @@
 from shared.engine.request import FinishReason, Request
 from shared.engine.scheduler import Scheduler
 from shared.kv.allocator import PageAllocator
+from shared.kv.block_hash import group_hash, page_hashes
+from shared.kv.prefix_cache import PrefixCache
 from shared.sampling.params import SamplingParams
 
 PAGE = 4
@@ -28,6 +30,18 @@ def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
     sampled = {x.request: token for x in out.scheduled if x.samples}
     return out, s.update(out, sampled)
+
+
+def capped_cache_scheduler(num_pages: int) -> tuple[PageAllocator, PrefixCache, Scheduler]:
+    """A prefix-caching scheduler whose chunked layers (chunks of 8) are capped in 2 groups."""
+    pool = PageAllocator(num_pages)
+    cache = PrefixCache(pool, PAGE)
+    return pool, cache, Scheduler(cache, PAGE, 64, 8, chunk_groups=2, chunk=8)
+
+
+def run_to_end(s: Scheduler, req: Request) -> None:
+    while not req.finished:
+        run_step(s)
 
 
 def test_chunked_prefill_respects_the_token_budget():
@@ -268,16 +282,10 @@ def test_a_capped_prefix_ends_where_its_window_is_cached():
     decoded, and those group pages went to its own later pages; b shares a's first page, whose
     window (page 0) is gone, so it starts from token 0 though that page is cached. c, b's
     prompt again, starts on b's first page and each group's page 0 of it."""
-    from shared.kv.block_hash import group_hash, page_hashes
-    from shared.kv.prefix_cache import PrefixCache
-
-    pool = PageAllocator(12)
-    cache = PrefixCache(pool, PAGE)
-    s = Scheduler(cache, PAGE, 64, 8, chunk_groups=2, chunk=8)
+    pool, cache, s = capped_cache_scheduler(12)
     a = request("a", 14, 0, max_tokens=4)
     s.add(a)
-    while not a.finished:
-        run_step(s)
+    run_to_end(s, a)
     assert pool.num_used == 0
     b = request("b", 7, 1)  # a's first 7 tokens
     first = page_hashes(b.prompt_token_ids, PAGE)[0]
@@ -285,8 +293,7 @@ def test_a_capped_prefix_ends_where_its_window_is_cached():
     s.add(b)
     run_step(s)
     assert b.num_cached_pages == 1 and cache.stats.hit_tokens == 0  # computed from token 0
-    while not b.finished:
-        run_step(s)
+    run_to_end(s, b)
     c = request("c", 7, 2)  # b's prompt: b named its first page and its groups' page 0 too
     windows = [cache.lookup(group_hash(first, group)) for group in (1, 2)]
     s.add(c)
@@ -302,15 +309,10 @@ def test_a_capped_reservation_starts_on_a_cached_prefix_and_its_window():
     to its last page, and of each group the cached pages of the prompt's last chunk below
     them (page 2 of pages 2-3); the prefill worker writes only the rest. Computed here after
     all (start_local), it lets them go and starts again on the cache, from its own chunk."""
-    from shared.kv.prefix_cache import PrefixCache
-
-    pool = PageAllocator(40)
-    cache = PrefixCache(pool, PAGE)
-    s = Scheduler(cache, PAGE, 64, 8, chunk_groups=2, chunk=8)
+    pool, cache, s = capped_cache_scheduler(40)
     a = request("a", 14, 0, max_tokens=2)
     s.add(a)
-    while not a.finished:
-        run_step(s)
+    run_to_end(s, a)
     b = request("b", 14, 1)  # a's prompt
     assert s.reserve(b)
     assert b.num_computed_tokens == 12 and b.chunk_first_page == 2
@@ -318,6 +320,5 @@ def test_a_capped_reservation_starts_on_a_cached_prefix_and_its_window():
     assert cache.stats.hit_tokens == 12
     s.activate(b, computed=False)
     assert b.page_ids == [] and b.num_computed_tokens == 0  # released: all of it comes again
-    while not b.finished:
-        run_step(s)
+    run_to_end(s, b)
     assert cache.stats.hit_tokens == 24 and pool.num_used == 0
