@@ -191,6 +191,9 @@ class HeartbeatMsg:
     local_prefill: bool = False  # decode worker sets: it can compute a prompt itself
     free_pages: int = 0  # worker sets: KV pages free (decode); scheduler checks fit
     total_pages: int = 0  # worker sets: KV pool size; gateway /metrics
+    # worker sets: the tokens one sequence can hold in its pool (fewer than total_pages x
+    # page_size where chunked layers are capped: their pages share the pool); 0: that product
+    max_sequence_tokens: int = 0
     page_size: int = 16  # worker sets: tokens per KV page; scheduler sizes requests
     # decode worker sets where it caps chunked layers (shared/kv/chunk_cache.py): their chunk
     # and page groups, whose window pages a reservation takes too (pages.pages_to_reserve)

@@ -156,6 +156,8 @@ def test_capped_layers_share_one_page_budget(moe):
     assert engine.kv_groups == (1, 2, 0, 3) and kv.spec.num_layers == 1
     assert kv.num_pages == engine.allocator.num_pages and kv.nbytes == kv.num_pages * unit
     assert kv.nbytes <= 4 << 20 < kv.nbytes + unit
+    # the router's TOO_LONG limit (heartbeat): one sequence beside its chunked pages
+    assert engine.load()["max_sequence_tokens"] == engine.pool_tokens < kv.num_pages * 4
     with pytest.raises(InvalidRequestError, match="hold no sequence"):
         _capped_engine(model_dir, num_pages=3)  # a page of tokens takes 4
     with pytest.raises(InvalidRequestError, match="cap_chunked_kv"):

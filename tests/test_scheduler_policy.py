@@ -32,6 +32,11 @@ def test_admission_needs_both_roles_and_a_big_enough_pool():
     assert r.admission_status(submit(prompt_len=6, max_tokens=2), 0.0) == (protocol.ACCEPTED, 8)
     assert r.admission_status(submit(prompt_len=6, max_tokens=3), 0.0) == (protocol.TOO_LONG, 8)
     assert r.admission_status(submit(), 10.0)[0] == protocol.NO_WORKERS  # all expired
+    # a worker whose capped chunked layers share its pool holds fewer tokens of one sequence
+    capped = beat("d", free_pages=20, total_pages=20, max_sequence_tokens=40)
+    r = router(capped, beat("p", role="prefill"))
+    assert r.admission_status(submit(prompt_len=38, max_tokens=2), 0.0) == (protocol.ACCEPTED, 40)
+    assert r.admission_status(submit(prompt_len=39, max_tokens=2), 0.0) == (protocol.TOO_LONG, 40)
 
 
 def test_routes_to_least_loaded_decode_with_room_and_counts_assignments():

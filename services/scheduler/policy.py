@@ -107,7 +107,7 @@ class Router:
         decoders = self.registry.alive("decode", now)
         if not decoders or not self.registry.alive("prefill", now):
             return protocol.NO_WORKERS, 0
-        limit = max(b.total_pages * b.page_size for b in decoders)
+        limit = max(b.max_sequence_tokens or b.total_pages * b.page_size for b in decoders)
         if max_request_tokens(submit) > limit:
             return protocol.TOO_LONG, limit
         return protocol.ACCEPTED, limit

@@ -299,6 +299,7 @@ class LLMEngine:
             decoding_seqs=len(sched.running),
             free_pages=self.allocator.num_free,
             total_pages=self.allocator.num_pages,
+            max_sequence_tokens=self.pool_tokens,
             chunk_tokens=self.chunk or 0,
             chunk_groups=self.chunk_groups,
         )
