@@ -228,26 +228,28 @@ class Scheduler:
         if self.chunk is None:
             return pages, []
         last_chunk = None if computes_prompt else self._decode_window(req)[0]
-        window = self._cached_window(req, len(pages), last_chunk)
-        while window is None:
-            pages.pop()
-            window = self._cached_window(req, len(pages), last_chunk)
-        return pages, window
+        while True:  # cut back to the first window page a group lacks, then check there
+            first = self._window_first(len(pages)) if last_chunk is None else last_chunk
+            window = self._cached_run(req, first, len(pages))
+            if first + len(window[0]) >= len(pages):
+                return pages, window
+            del pages[first + len(window[0]) :]
 
-    def _cached_window(
-        self, req: Request, num_pages: int, first: int | None
-    ) -> list[list[int]] | None:
-        """Each page group's cached pages of logical pages [first, num_pages) (first: the
-        first of the chunk of token num_pages * S where None); None where one is not cached."""
-        if first is None:
-            first = num_pages * self.page_size // self.chunk * self.chunk // self.page_size
-        window = []
-        for group in range(1, self.chunk_groups + 1):
-            names = (group_hash(req.page_hashes[p], group) for p in range(first, num_pages))
-            pages = [self.cache.lookup(name) for name in names]
-            if None in pages:
-                return None
-            window.append(pages)
+    def _window_first(self, num_pages: int) -> int:
+        """The first logical page of the chunk of token num_pages * S."""
+        return num_pages * self.page_size // self.chunk * self.chunk // self.page_size
+
+    def _cached_run(self, req: Request, first: int, end: int) -> list[list[int]]:
+        """Each page group's cached pages of logical pages first, first + 1, ... before `end`,
+        up to the first that a group lacks (all lists as long)."""
+        window: list[list[int]] = [[] for _ in range(self.chunk_groups)]
+        for p in range(first, end):
+            names = (group_hash(req.page_hashes[p], g) for g in range(1, self.chunk_groups + 1))
+            found = [self.cache.lookup(name) for name in names]
+            if None in found:
+                break
+            for pages, page in zip(window, found):
+                pages.append(page)
         return window
 
     def _start_on(self, req: Request, cached: list[int], window=()) -> None:
