@@ -5,6 +5,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.models.layers.decode_layer import FusedDecoder
+from shared.models.layers.moe import FusedMoE
 from shared.sampling.params import SamplingParams
 
 from tiny_models import load_hf
@@ -18,6 +19,11 @@ LOGPROB_TOL = 1e-4
 # Every greedy choice of a reference beats the runner-up logit by this much: two tokens' logprobs
 # each within LOGPROB_TOL cannot swap, so greedy parity does not hinge on float32 rounding.
 MIN_TOP_GAP = 2 * LOGPROB_TOL
+
+
+# (tp, pp, ep, dp) of the MoE families' parallel parity tests: 2 TP ranks, 2 stages, 2 TP ranks
+# holding whole experts, 2 data-parallel ranks (each its own requests; experts whole on them)
+SHAPES = [(2, 1, False, 1), (1, 2, False, 1), (2, 1, True, 1), (1, 1, False, 2)]
 
 
 def make_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 384) -> list[list[int]]:
@@ -178,3 +184,13 @@ def count_fused_calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(FusedDecoder, "__call__", counted)
     return calls
+
+
+def assert_data_parallel(engine: LLMEngine, dp: int) -> None:
+    """Every one of dp ranks admitted requests into its own pool, which holds no page now, and
+    rank 0 holds 1/dp of each MoE layer's experts."""
+    pools = engine.allocator.pools
+    assert len(pools) == dp and all(p.stats.queried_requests for p in pools)
+    assert all(p.num_used == 0 for p in pools)
+    moe = [m for m in engine.model.modules() if isinstance(m, FusedMoE)]
+    assert moe and all(m.w13.shape[0] * dp == m.num_experts for m in moe)

@@ -28,6 +28,8 @@ from shared.sampling.params import SamplingParams
 from shared.tokenizer.tokenizer import Tokenizer
 
 from engine_helpers import (
+    SHAPES,
+    assert_data_parallel,
     assert_logprobs_match,
     bf16_logprob_errors,
     hf_greedy_logits,
@@ -183,18 +185,21 @@ def test_bfloat16_logprobs_close_to_transformers(references):
     assert errors["ours-fp32"] <= errors["bf16-fp32"] + 0.12, errors
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 1, False), (1, 2, False), (2, 1, True)])
-def test_parallel_shapes_equal_transformers(references, tp, pp, ep):
+@pytest.mark.parametrize("tp,pp,ep,dp", SHAPES)
+def test_parallel_shapes_equal_transformers(references, tp, pp, ep, dp):
     """Heads of q, kv_b_proj and o split across 2 TP ranks (the latent cache whole on each),
-    layers across 2 stages (the dense layer and one MoE layer on the first), or whole experts
-    on 2 ranks (--ep); chunked prefill."""
+    layers across 2 stages (the dense layer and one MoE layer on the first), whole experts
+    on 2 ranks (--ep), or 2 data-parallel ranks with a latent cache each (--dp); chunked
+    prefill."""
     model_dir, prompts, refs, _ = references("deepseek_v3")
     with LLM(
-        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, allow_oversubscribe=True,
+        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, dp=dp, allow_oversubscribe=True,
         max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
         assert [o.token_ids for o in outs] == refs
+        if dp > 1:
+            assert_data_parallel(llm.engine, dp)
 
 
 @pytest.mark.parametrize("kv_transport", ["shm", "tcp"])

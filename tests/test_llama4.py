@@ -36,6 +36,8 @@ from shared.parallel.shape import ParallelConfig
 from compilers import needs_compiler
 from engine_helpers import (
     GREEDY_32,
+    SHAPES,
+    assert_data_parallel,
     attention_backends,
     bf16_logprobs_and_hf,
     hf_greedy,
@@ -254,22 +256,25 @@ def test_each_quirk_is_needed(moe, quirk, monkeypatch):
     assert [outputs[str(i)] for i in range(3)] != refs[-3:]
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 1, False), (1, 2, False), (2, 1, True)])
-def test_parallel_greedy_matches_transformers(moe, tp, pp, ep):
+@pytest.mark.parametrize("tp,pp,ep,dp", SHAPES)
+def test_parallel_greedy_matches_transformers(moe, tp, pp, ep, dp):
     """TP splits heads, the dense and shared MLPs and each expert's intermediate dim (or with
     --ep gives each rank 2 whole experts, the weight on their input); PP puts layers 0-1
-    (chunked; dense, MoE) and 2-3 (global NoPE, chunked MoE) on two stages. The chunked layers'
-    KV is capped on every rank (pages of 4 under chunks of 8): the step plans carry each
-    request's chunked pages to the other ranks."""
+    (chunked; dense, MoE) and 2-3 (global NoPE, chunked MoE) on two stages; --dp gives each of
+    2 ranks its own requests and pool, and 2 whole experts. The chunked layers' KV is capped on
+    every rank (pages of 4 under chunks of 8): the step plans carry each request's chunked
+    pages to the other ranks."""
     model_dir, prompts, refs = moe
     with LLM(
-        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, allow_oversubscribe=True, num_pages=256,
-        page_size=4, max_num_batched_tokens=24,
+        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, dp=dp, allow_oversubscribe=True,
+        num_pages=256, page_size=4, max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
         assert llm.engine.chunk_groups == (2 if pp == 2 else 3)  # capped
         outs = llm.generate(prompts[1::2], GREEDY_32)
         assert [o.token_ids for o in outs] == refs[1::2]
         assert llm.engine.num_pages_used == 0
+        if dp > 1:
+            assert_data_parallel(llm.engine, dp)
 
 
 def test_bfloat16_logprobs_close_to_transformers(moe):

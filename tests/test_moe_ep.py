@@ -1,5 +1,7 @@
 """Expert parallelism over two real gloo ranks: tokens go to their experts' ranks and back with
-all-to-all, and every rank ends with what one rank holding every expert computes."""
+all-to-all, and every rank ends with what one rank holding every expert computes; with
+data-parallel attention (own_tokens) each rank its own tokens' rows, a rank without tokens
+still serving its experts."""
 
 from datetime import timedelta
 
@@ -39,18 +41,23 @@ def reference(num_tokens: int, k: int, on_input: bool) -> torch.Tensor:
     return out
 
 
-def _rank(rank: int, port: int, cases, out_dir) -> None:
+def _rank(rank: int, port: int, cases, out_dir, own_tokens: bool = False) -> None:
+    """Each case through the exchange; own_tokens: this rank's rows of it only (the first
+    rank takes the first `split` tokens)."""
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=30))
     tp = TPGroup(rank, 2, process_group(store, rank, 2, "cpu", timedelta(seconds=30)))
-    ep = ExpertParallel(tp, E)
+    ep = ExpertParallel(tp, E, own_tokens)
     mine = expert_weights()[ep.first : ep.first + ep.local]  # whole experts of this rank
 
     def experts(rows, local_ids):
         return torch.tanh(torch.bmm(rows[:, None], mine[local_ids]))[:, 0]
 
     outs = []
-    for num_tokens, k, on_input in cases:
+    for num_tokens, k, on_input, *split in cases:
         x, ids, weights = routed(num_tokens, k)
+        if own_tokens:
+            rows = slice(0, split[0]) if rank == 0 else slice(split[0], num_tokens)
+            x, ids, weights = x[rows], ids[rows], weights[rows]
         outs.append(ep(x, ids, weights, experts, on_input))
     torch.save(outs, out_dir / f"rank{rank}.pt")
 
@@ -63,6 +70,20 @@ def test_two_ranks_compute_what_one_rank_with_every_expert_does(tmp_path):
     for rank in range(2):
         for (num_tokens, k, on_input), out in zip(CASES, torch.load(tmp_path / f"rank{rank}.pt")):
             expected = reference(num_tokens, k, on_input)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# (tokens, k, weights on the input, rank 0's tokens): both ranks with tokens, then one idle
+OWN_CASES = [(7, K, False, 4), (5, K, False, 5), (6, 1, True, 0), (3, K, False, 1)]
+
+
+def test_data_parallel_ranks_get_their_own_tokens_rows(tmp_path):
+    mp.spawn(_rank, args=(free_port(), OWN_CASES, tmp_path, True), nprocs=2)
+    for rank in range(2):
+        outs = torch.load(tmp_path / f"rank{rank}.pt")
+        for (num_tokens, k, on_input, split), out in zip(OWN_CASES, outs):
+            expected = reference(num_tokens, k, on_input)
+            expected = expected[:split] if rank == 0 else expected[split:]
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -21,12 +21,15 @@ from shared.models.loader import load_model
 from shared.sampling.params import SamplingParams
 
 from engine_helpers import (
+    SHAPES,
+    assert_data_parallel,
     assert_logprobs_match,
     bf16_logprob_errors,
     count_fused_calls,
     make_prompts,
     new_engine,
     reference_getter,
+    run_all,
     run_staggered,
 )
 from services_harness import (
@@ -107,19 +110,47 @@ def test_bfloat16_logprobs_close_to_transformers(references, name, monkeypatch):
     assert errors["ours-fp32"] <= errors["bf16-fp32"] + 0.12
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 1, False), (1, 2, False), (2, 1, True)])
+@pytest.mark.parametrize("tp,pp,ep,dp", SHAPES)
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_parallel_shapes_equal_transformers(references, name, tp, pp, ep):
+def test_parallel_shapes_equal_transformers(references, name, tp, pp, ep, dp):
     """Experts split by intermediate dimension across 2 TP ranks, layers across 2 stages
-    (Qwen3-MoE: the MoE layer on one, the dense one on the other), or whole experts on 2 ranks,
-    tokens exchanged all-to-all (--ep); chunked prefill."""
+    (Qwen3-MoE: the MoE layer on one, the dense one on the other), whole experts on 2 ranks,
+    tokens exchanged all-to-all (--ep), or 2 data-parallel ranks, each attending for its own
+    requests, the experts whole on them (--dp); chunked prefill."""
     model_dir, prompts, refs, _ = references(name)
     with LLM(
-        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, allow_oversubscribe=True,
+        model_dir, dtype="float32", tp=tp, pp=pp, ep=ep, dp=dp, allow_oversubscribe=True,
         max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
         assert [o.token_ids for o in outs] == refs
+        if dp > 1:
+            assert_data_parallel(llm.engine, dp)
+
+
+def test_a_data_parallel_rank_without_requests_still_serves_its_experts(references):
+    """--dp 2: a lone request decodes on rank 0 while rank 1, with none of its own, computes
+    the rows sent to its experts; then rank 0 idles while rank 1 decodes; a prompt seen before
+    goes back to the rank that has it cached. Every token is transformers' greedy one."""
+    model_dir, prompts, refs, _ = references("mixtral")
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    engine = new_engine(model_dir, dp=2, allow_oversubscribe=True, max_num_batched_tokens=24)
+    try:
+        lone = engine.add_request("lone", prompts[3], greedy)
+        assert run_all(engine)["lone"] == refs[3] and lone.dp_rank == 0
+        short = engine.add_request("short", prompts[0], SamplingParams(temperature=0, max_tokens=1))
+        long = engine.add_request("long", prompts[4], greedy)
+        outputs = run_all(engine)
+        assert (short.dp_rank, long.dp_rank) == (0, 1)
+        assert outputs == {"short": refs[0][:1], "long": refs[4]}
+        engine.add_request("other", prompts[1], greedy)  # rank 0: both are empty
+        again = engine.add_request("again", prompts[3], greedy)  # rank 0 has it cached
+        assert run_all(engine)["again"] == refs[3] and again.dp_rank == 0
+        pools = engine.allocator.pools
+        assert pools[0].stats.hit_tokens > 0 and pools[1].stats.hit_tokens == 0
+        assert engine.num_pages_used == 0
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])

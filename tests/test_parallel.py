@@ -105,6 +105,9 @@ def test_tp_shards_are_slices_of_the_full_weights(model4):
         (dict(pp=5, allow_oversubscribe=True), "--pp"),  # 4 layers
         (dict(pp=2, pp_layers=(3, 3)), "--pp-layers"),
         (dict(tp=2, pp=64), "--pp"),
+        (dict(dp=0), "--dp"),
+        (dict(dp=2, tp=2, allow_oversubscribe=True), "--dp"),  # data parallel: T = P = 1
+        (dict(dp=2, kv_push=True, allow_oversubscribe=True), "dp"),  # no prefill workers
     ],
 )
 def test_bad_shapes_fail_naming_the_flag(model4, options, flag):
@@ -117,7 +120,7 @@ def test_more_ranks_than_cores_needs_the_override(model4, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     with pytest.raises(InvalidRequestError, match="--allow-oversubscribe") as e:
         new_engine(model4, tp=2, pp=2)
-    assert e.value.field == "--tp/--pp"
+    assert e.value.field == "--tp/--pp/--dp"
 
 
 def test_step_plan_rebuilds_the_same_batch(model4):

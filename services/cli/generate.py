@@ -49,8 +49,8 @@ def device_options(args: argparse.Namespace) -> dict:
 
 
 def add_parallel_options(parser: argparse.ArgumentParser) -> None:
-    """--tp/--pp/--pp-layers/--ep/--allow-oversubscribe, shared by every command that runs a
-    model."""
+    """--tp/--pp/--pp-layers/--ep/--dp/--allow-oversubscribe, shared by every command that runs
+    a model."""
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument(
@@ -60,6 +60,13 @@ def add_parallel_options(parser: argparse.ArgumentParser) -> None:
         "--ep",
         action="store_true",
         help="expert parallelism: MoE layers spread whole experts over the --tp ranks",
+    )
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel attention ranks, each with its own requests and KV pool; MoE "
+        "layers spread whole experts over them (with --tp 1 --pp 1)",
     )
     parser.add_argument(
         "--allow-oversubscribe", action="store_true", help="allow more ranks than CPU cores"
@@ -123,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             pp=args.pp,
             pp_layers=args.pp_layers,
             ep=args.ep,
+            dp=args.dp,
             allow_oversubscribe=args.allow_oversubscribe,
         )
         options = {**parallel, **device_options(args)}

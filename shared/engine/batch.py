@@ -64,29 +64,39 @@ def build_batch(
     max_rows: the fused decoder's (0: none), for prefills_as_rows."""
     ids: list[int] = []
     positions: list[int] = []
-    logits_rows: list[int] = []
-    sample_index: list[int] = []
-    prompt_rows: list[tuple[int, int, PromptTargets]] = []
-    for i, s in enumerate(out.scheduled):
+    for s in out.scheduled:
         end = s.start + s.num_tokens
-        if s.samples:
-            logits_rows.append(len(ids) + s.num_tokens - 1)
-            sample_index.append(i)
-        targets = s.request.prompt_targets(s.start, end)
-        if targets is not None:
-            prompt_rows.append((i, len(ids) + targets.first - s.start, targets))
         ids += s.request.token_ids(s.start, end)
         positions += range(s.start, end)
     as_rows = prefills_as_rows(out, max_rows)
     by_mask = {mask: _mask_metadata(out, page_size, mask, device, as_rows) for mask in masks}
+    logits_rows, sample_index, prompt_rows = output_rows(out, device)
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         meta=StepMetadata(by_mask),
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        logits_rows=logits_rows,
         sample_index=sample_index,
         prompt_rows=prompt_rows,
     )
+
+
+def output_rows(out: SchedulerOutput, device: torch.device = CPU):
+    """ForwardBatch's (logits_rows, sample_index, prompt_rows) of a step whose tokens are
+    out.scheduled's, in order."""
+    logits_rows: list[int] = []
+    sample_index: list[int] = []
+    prompt_rows: list[tuple[int, int, PromptTargets]] = []
+    row = 0
+    for i, s in enumerate(out.scheduled):
+        if s.samples:
+            logits_rows.append(row + s.num_tokens - 1)
+            sample_index.append(i)
+        targets = s.request.prompt_targets(s.start, s.start + s.num_tokens)
+        if targets is not None:
+            prompt_rows.append((i, row + targets.first - s.start, targets))
+        row += s.num_tokens
+    return torch.tensor(logits_rows, dtype=torch.long, device=device), sample_index, prompt_rows
 
 
 def _mask_metadata(out, page_size, mask, device, as_rows) -> AttentionMetadata:

@@ -45,7 +45,10 @@ class EngineConfig:
     pp: int = 1  # pipeline stages
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
     ep: bool = False  # MoE layers: whole experts spread over each stage's TP ranks
-    allow_oversubscribe: bool = False  # allow more ranks (tp * pp) than CPU cores
+    # data-parallel attention ranks (shared/engine/data_parallel.py): each its own requests and
+    # KV pool, the MoE layers' experts spread over them
+    dp: int = 1
+    allow_oversubscribe: bool = False  # allow more ranks (dp * tp * pp) than CPU cores
     kv_push: bool = False  # prefill workers: every rank writes its KV into decode workers' pools
     kv_transport: str = "auto"  # kv_push: auto | shm | tcp | dist | cuda_ipc (transfer/handoff.py)
     kv_secret: str = field(default="", repr=False)  # kv_push over TCP; never in to_json_dict
@@ -131,6 +134,10 @@ class EngineConfig:
             )
         if self.resident_codec:
             self._check_resident_codec()
+        if self.dp > 1 and self.kv_push:
+            raise InvalidRequestError(
+                "dp", "data-parallel attention serves colocated and decode workers only (kv_push)"
+            )
         if self.cpus and len(self.cpus) < self.parallel.world_size and not self.allow_oversubscribe:
             raise InvalidRequestError(
                 "cpus",
@@ -142,7 +149,8 @@ class EngineConfig:
         """InvalidRequestError naming what resident_codec cannot run with."""
         if self.parallel.world_size != 1:
             raise InvalidRequestError(
-                "resident_codec", f"one rank only (tp = pp = 1); got tp={self.tp}, pp={self.pp}"
+                "resident_codec",
+                f"one rank only (tp = pp = dp = 1); got tp={self.tp}, pp={self.pp}, dp={self.dp}",
             )
         if self.decode_graphs == "on":
             raise InvalidRequestError(
@@ -183,7 +191,9 @@ class EngineConfig:
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(self.tp, self.pp, self.pp_layers, self.allow_oversubscribe, self.ep)
+        return ParallelConfig(
+            self.tp, self.pp, self.pp_layers, self.allow_oversubscribe, self.ep, self.dp
+        )
 
     def to_json_dict(self) -> dict:
         """Plain values (paths as strings), for the other ranks' command line."""

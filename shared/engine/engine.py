@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from shared.engine import device as devices
 from shared.engine.config import EngineConfig
+from shared.engine.data_parallel import DataParallelPages, DataParallelScheduler
 from shared.engine.executor import StepResult, start_executor
 from shared.engine.footprint import pages_for_memory, stage_footprints
 from shared.engine.grammars import Grammars
@@ -90,19 +91,7 @@ class LLMEngine:
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
         self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
-        pages = PageAllocator(num_pages)
-        caching = config.enable_prefix_caching
-        self.prefix_cache = PrefixCache(pages, config.page_size) if caching else None
-        self.allocator = self.prefix_cache or pages  # the cache hands out the pages itself
-        self.scheduler = Scheduler(
-            self.allocator,
-            config.page_size,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            self.chunk_groups,
-            self.chunk,
-            config.max_background_tokens,
-        )
+        self.scheduler, self.allocator, self.prefix_cache = self._schedulers(num_pages)
         self._in_flight: set[Request] = set()  # requests whose sampled token is on its way
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -118,6 +107,35 @@ class LLMEngine:
         self.grammars = Grammars(config.model_dir, cfg.vocab_size, self.eos_token_ids)
         self._seeds = random.Random(config.seed)
         self._arrivals = itertools.count()
+
+    def _schedulers(self, num_pages: int):
+        """(scheduler, allocator, prefix cache or None): one Scheduler over one allocator (the
+        prefix cache hands out the pages itself, if on), or with --dp one a rank, as one."""
+        config, schedulers, pools = self.config, [], []
+        for _ in range(config.dp):
+            pages = PageAllocator(num_pages)
+            pool = PrefixCache(pages, config.page_size) if config.enable_prefix_caching else pages
+            pools.append(pool)
+            schedulers.append(
+                Scheduler(
+                    pool,
+                    config.page_size,
+                    config.max_num_batched_tokens,
+                    config.max_num_seqs,
+                    self.chunk_groups,
+                    self.chunk,
+                    config.max_background_tokens,
+                )
+            )
+        if config.dp == 1:
+            cache = pools[0] if config.enable_prefix_caching else None
+            return schedulers[0], pools[0], cache
+        pages = DataParallelPages(pools)
+        return (
+            DataParallelScheduler(schedulers),
+            pages,
+            pages if config.enable_prefix_caching else None,
+        )
 
     def add_request(
         self,

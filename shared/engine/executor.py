@@ -168,11 +168,16 @@ def stage_runner(
     stage=WHOLE_MODEL,
     comm: RankComm | None = None,
     hook=None,
+    dp=SINGLE,
 ) -> ModelRunner:
-    """A rank's runner, with decode graphs where config asks for them and they apply."""
-    runner = ModelRunner(model, kv, cfg.vocab_size, tp, stage, comm, hook)
+    """A rank's runner, with decode graphs where config asks for them and they apply (not with
+    data-parallel ranks: a step's rows differ by rank)."""
+    runner = ModelRunner(model, kv, cfg.vocab_size, tp, stage, comm, hook, dp=dp)
     masks = runner.masks  # the stage's distinct masks
     if not config.uses_graphs or hook is not None or isinstance(kv, GroupedKVCache):
+        return runner
+    if dp.size > 1:
+        log.info("decode graphs: off (data-parallel ranks); decoding eagerly")
         return runner
     why = DecodeGraphs.unsupported(model, masks, capture=kv.device.type == "cuda")
     if why is not None:
@@ -225,5 +230,5 @@ def start_executor(
         raise
     handoff = rank_handoff(config, spec, kv, 0)
     hook = None if handoff is None else handoff.on_layer
-    runner = stage_runner(config, cfg, model, kv, num_pages, comm.tp, stage, comm, hook)
+    runner = stage_runner(config, cfg, model, kv, num_pages, comm.tp, stage, comm, hook, comm.dp)
     return RankExecutor(runner, comm, ranks, handoff)

@@ -87,7 +87,8 @@ def rank_footprint(
     """Rank `rank`'s shard of a worker of `shape`, as the engine builds it (packed: its
     quantized linears as stored, see the module's docstring)."""
     stage = shape.stage_of(rank, cfg.num_layers)
-    tp = TPGroup(rank % shape.tp, shape.tp, expert_parallel=shape.ep)
+    experts = TPGroup(shape.dp_rank(rank), shape.dp) if shape.dp > 1 else None
+    tp = TPGroup(rank % shape.tp, shape.tp, expert_parallel=shape.ep, experts=experts)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, dtype, tp, stage, TorchBackend())
     scheme = read_scheme(cfg.raw) if packed else None

@@ -21,7 +21,7 @@ from shared.sampling.sampler import SamplerOutput
 from shared.sampling.token_mask import TokenMasks
 from shared.wire import from_plain, to_plain
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 
 
 @dataclass
@@ -37,6 +37,7 @@ class PlannedSeq:
     chunk_page_ids: list[list[int]] = field(default_factory=list)  # capped chunked layers'
     # pages, one list a page group (as Request's)
     chunk_first_page: int = 0  # the logical page of each list's first (as Request's)
+    dp_rank: int = 0  # the data-parallel rank that computes it (as Request's)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         return self.chunk[start - self.start : end - self.start]
@@ -74,7 +75,7 @@ def encode_plan(
         tokens = req.token_ids(s.start, end)
         seqs.append(
             [req.request_id, s.start, tokens, req.page_ids, s.samples, prompt, req.chunk_page_ids,
-             req.chunk_first_page]
+             req.chunk_first_page, req.dp_rank]
         )  # fmt: skip
         if s.samples:
             rows.append(_encode_row(req))
@@ -96,10 +97,10 @@ def decode_plan(data: bytes) -> StepPlan:
     if body.get("stop"):
         return StepPlan(-1, [], [], {}, stop=True)
     seqs = []
-    for rid, start, chunk, pages, samples, prompt, chunk_pages, chunk_first in body["seqs"]:
+    for rid, start, chunk, pages, samples, prompt, chunk_pages, chunk_first, dp in body["seqs"]:
         targets = None if prompt is None else PromptTargets(*prompt)
         seqs.append(
-            PlannedSeq(rid, start, chunk, pages, samples, targets, chunk_pages, chunk_first)
+            PlannedSeq(rid, start, chunk, pages, samples, targets, chunk_pages, chunk_first, dp)
         )
     rows = [_decode_row(r) for r in body["rows"]]
     masks = _decode_masks(*body["masks"]) if "masks" in body else None

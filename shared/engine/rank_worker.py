@@ -46,7 +46,9 @@ def build_runner(rank: int, port: int, spec: dict):
         kv_spec = model_kv_spec(cfg, config.page_size, kv.spec.dtype)
         handoff = rank_handoff(config, kv_spec, kv, rank)
         hook = None if handoff is None else handoff.on_layer
-        runner = stage_runner(config, cfg, model, kv, spec["num_pages"], comm.tp, stage, comm, hook)
+        runner = stage_runner(
+            config, cfg, model, kv, spec["num_pages"], comm.tp, stage, comm, hook, comm.dp
+        )
     except Exception as e:
         store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
         raise
@@ -58,7 +60,7 @@ def build_runner(rank: int, port: int, spec: dict):
 def serve(runner: ModelRunner, comm: RankComm, handoff: KVHandoff | None = None) -> None:
     """Runs plans until the stop plan. A prefill worker's handoff learns of new and dropped
     KV targets from each plan before its step."""
-    replies = runner.stage.is_last and runner.tp.rank == 0 and comm.rank != 0
+    replies = runner.samples and comm.rank != 0
     while True:
         plan = decode_plan(comm.recv_bytes(0, PLAN))
         if plan.stop:

@@ -46,6 +46,7 @@ class Request:
     # the window of the newest step are freed)
     chunk_page_ids: list[list[int]] = field(default_factory=list)
     chunk_first_page: int = 0
+    dp_rank: int = 0  # --dp: the data-parallel rank whose pool holds its pages
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0

@@ -1,6 +1,8 @@
 """ModelRunner: one rank's share of a forward pass (its layers and heads) and, on the last
 stage, sampling. With pipeline stages, hidden states arrive from the previous stage's rank of
-the same TP rank and leave for the next one."""
+the same TP rank and leave for the next one. With data-parallel attention (--dp) each rank runs
+the requests of the step that are its own (none, at times: it still joins the MoE layers'
+exchanges), and rank 0 samples from every rank's final hidden states, gathered."""
 
 import time
 from collections.abc import Callable
@@ -8,12 +10,13 @@ from concurrent.futures import Future
 
 import torch
 
-from shared.engine.batch import build_batch
+from shared.engine.batch import build_batch, output_rows
 from shared.engine.graphs import DecodeGraphs
 from shared.engine.prompt_logprobs import PromptLogprobChunk, score_prompts
 from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
 from shared.models.layer_attention import distinct_masks
+from shared.models.layers.moe import FusedMoE
 from shared.parallel.comm import HIDDEN, RankComm
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
@@ -33,6 +36,7 @@ class ModelRunner:
         comm: RankComm | None = None,  # needed when stage.size > 1
         on_layer_done: Callable[[int, SchedulerOutput], None] | None = None,
         graphs: DecodeGraphs | None = None,  # decode-only steps replay these (graphs.py)
+        dp: TPGroup = SINGLE,  # the data-parallel ranks (--dp)
     ):
         self.model = model
         self.kv = kv
@@ -41,13 +45,22 @@ class ModelRunner:
         layers = model.config.layer_attention[stage.start_layer : stage.end_layer]
         self.masks = distinct_masks(layers)
         self.device = kv.device  # the engine's (EngineConfig.device): the pool is there
-        self.tp, self.stage, self.comm = tp, stage, comm
+        self.tp, self.stage, self.comm, self.dp = tp, stage, comm, dp
+        # --dp: the MoE layers' experts, in layer order, which a step without requests of this
+        # rank's only joins (FusedMoE.idle)
+        moe = [m for m in model.modules() if isinstance(m, FusedMoE)] if dp.size > 1 else []
+        self.experts = moe
         self.hidden_size = model.config.hidden_size
         self.dtype = kv.spec.dtype
         # after each layer of a forward pass: (global layer index, the step) -> push its new KV
         self.on_layer_done = on_layer_done
         self.graphs = None if on_layer_done is not None else graphs
         self.busy_s = 0.0  # seconds in execute, less those blocked on the previous stage
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples the steps (and scores the prompts)."""
+        return self.stage.is_last and self.tp.rank == 0 and self.dp.rank == 0
 
     def execute(
         self,
@@ -57,7 +70,7 @@ class ModelRunner:
     ) -> tuple[list[int], SamplerOutput | None, list[PromptLogprobChunk]]:
         """Runs this rank's part of the step; returns (indices into out.scheduled that sampled,
         their samples, the prompt logprobs it computed). Samples and scores prompts only on TP
-        rank 0 of the last stage (None and [] elsewhere).
+        rank 0 of the last stage of data-parallel rank 0 (None and [] elsewhere).
         rows: sampling states when out holds planned (not engine) requests; masks: the grammar
         rows' allowed tokens, awaited just before sampling (filled meanwhile). The time it
         takes, less the time spent waiting for the previous stage's hidden states, adds to
@@ -74,13 +87,18 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None, masks):
         max_rows = getattr(getattr(self.model, "model", None), "fused_rows", 0)
-        batch = build_batch(out, self.kv.spec.page_size, self.masks, self.device, max_rows)
+        own = out if self.dp.size == 1 else self._own(out)
+        batch = build_batch(own, self.kv.spec.page_size, self.masks, self.device, max_rows)
         hook = self.on_layer_done
-        after_layer = None if hook is None else (lambda layer: hook(layer, out))
+        after_layer = None if hook is None else (lambda layer: hook(layer, own))
         hidden = residual = None
         if not self.stage.is_first:
             hidden, residual = self._recv_hidden(len(batch.input_ids))
-        if self.graphs is not None and self.graphs.fits(out):
+        if not own.scheduled:  # --dp: other ranks' requests only
+            for experts in self.experts:
+                experts.idle()
+            hidden = torch.empty((0, self.hidden_size), dtype=self.dtype, device=self.device)
+        elif self.graphs is not None and self.graphs.fits(out):
             hidden, residual = self.graphs.run(batch, hidden, residual)
         else:
             hidden, residual = self.model(
@@ -89,19 +107,42 @@ class ModelRunner:
         if not self.stage.is_last:
             self._send_hidden(hidden, residual)
             return [], None, []
+        logits_rows, sample_index, prompt_rows = (
+            batch.logits_rows,
+            batch.sample_index,
+            batch.prompt_rows,
+        )
+        if self.dp.size > 1:  # rank 0 samples every rank's rows
+            hidden = self._gather(out, hidden)
+            if self.dp.rank:
+                return [], None, []
+            logits_rows, sample_index, prompt_rows = output_rows(out, self.device)
         keep = self.tp.rank == 0
         compute_logits = self.model.compute_logits
-        prompt = score_prompts(hidden, batch.prompt_rows, compute_logits, self.vocab_size, keep)
-        if not batch.sample_index:
+        prompt = score_prompts(hidden, prompt_rows, compute_logits, self.vocab_size, keep)
+        if not sample_index:
             return [], None, prompt
-        logits = compute_logits(hidden[batch.logits_rows])  # (N, vocab)
+        logits = compute_logits(hidden[logits_rows])  # (N, vocab)
         if not keep:
-            return batch.sample_index, None, prompt
+            return sample_index, None, prompt
         if rows is None:
-            rows = [_sampling_row(out.scheduled[i].request) for i in batch.sample_index]
+            rows = [_sampling_row(out.scheduled[i].request) for i in sample_index]
         allowed = None if masks is None else masks.result()
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device, allowed)
-        return batch.sample_index, sample(logits, sampling), prompt
+        return sample_index, sample(logits, sampling), prompt
+
+    def _own(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The requests of the step that this data-parallel rank computes."""
+        return SchedulerOutput([s for s in out.scheduled if s.request.dp_rank == self.dp.rank])
+
+    def _gather(self, out: SchedulerOutput, hidden: torch.Tensor) -> torch.Tensor:
+        """(T, H) the step's final hidden states from every data-parallel rank's (T_d, H), in
+        out.scheduled's order: the scheduler puts each rank's requests after the previous
+        rank's (data_parallel.py)."""
+        sizes = [0] * self.dp.size
+        for s in out.scheduled:
+            sizes[s.request.dp_rank] += s.num_tokens
+        return self.dp.all_gather_rows(hidden, sizes)
 
     def _recv_hidden(self, num_tokens: int):
         src = self.comm.rank - self.comm.shape.tp  # same TP rank, previous stage

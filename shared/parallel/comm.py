@@ -1,5 +1,6 @@
 """The links of one rank of a worker: a world group for point-to-point messages (step plans,
-hidden states, results) and its stage's tensor-parallel group. Groups are ProcessGroup objects
+hidden states, results), its stage's tensor-parallel group and, with --dp, the data-parallel
+group of all ranks. Groups are ProcessGroup objects
 built over a loopback TCPStore, not the process-global default group, so one process may hold
 several engines (tests) one after another. Messages are msgpack bytes or tensors, never pickle.
 The TP group's backend follows the device (group.process_group); the world group carries the
@@ -49,7 +50,13 @@ class RankComm:
         if shape.tp > 1:
             tp_store = dist.PrefixStore(f"tp{stage}", store)
             group = process_group(tp_store, tp_rank, shape.tp, device, IDLE_TIMEOUT)
-        self.tp = TPGroup(tp_rank, shape.tp, group, shape.ep)
+        self.dp = TPGroup()  # data-parallel ranks (T = P = 1: every rank); SINGLE without
+        if shape.dp > 1:
+            dp_store = dist.PrefixStore("dp", store)
+            dp_group = process_group(dp_store, rank, shape.dp, device, IDLE_TIMEOUT)
+            self.dp = TPGroup(rank, shape.dp, dp_group)
+        experts = self.dp if shape.dp > 1 else None
+        self.tp = TPGroup(tp_rank, shape.tp, group, shape.ep, experts)
         self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
         self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
 

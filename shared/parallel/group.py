@@ -19,6 +19,9 @@ class TPGroup:
     size: int = 1
     group: object | None = None  # ProcessGroup when size > 1
     expert_parallel: bool = False  # MoE layers spread whole experts over the group (--ep)
+    # --dp: the data-parallel ranks that MoE layers spread whole experts over, each rank with
+    # tokens of its own (moe_ep.py); None: no data parallelism
+    experts: "TPGroup | None" = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

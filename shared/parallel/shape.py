@@ -1,7 +1,11 @@
-"""A worker's shape `--tp T --pp P [--ep]`: T x P ranks, checked against the model and the
-machine before any process starts. Rank r is TP rank r % T of pipeline stage r // T. With `--ep`
-a stage's T ranks hold whole experts of its MoE layers, E / T each, instead of 1/T of every
-expert (shared/models/layers/moe_ep.py); attention stays tensor-parallel."""
+"""A worker's shape `--tp T --pp P [--ep] [--dp D]`: D x T x P ranks, checked against the model
+and the machine before any process starts. Rank r is TP rank r % T of pipeline stage
+r % (T * P) // T of data-parallel rank r // (T * P). With `--ep` a stage's T ranks hold whole
+experts of its MoE layers, E / T each, instead of 1/T of every expert
+(shared/models/layers/moe_ep.py); attention stays tensor-parallel. With `--dp D` (data-parallel
+attention, T = P = 1 for now) each of D ranks runs the whole model on its own requests, with
+its own KV pool, but for the MoE layers' experts: those are spread whole over the D ranks, which
+exchange their tokens (SGLang's DP attention, vLLM's data parallel with expert parallelism)."""
 
 import os
 from dataclasses import dataclass
@@ -17,9 +21,10 @@ class ParallelConfig:
     pp_layers: tuple[int, ...] | None = None  # layers per stage (--pp-layers 3,1); None: even
     allow_oversubscribe: bool = False  # more ranks than CPU cores (tests on small machines)
     ep: bool = False  # expert parallelism over each stage's TP ranks
+    dp: int = 1  # data-parallel attention ranks; MoE experts spread over them
 
     def __post_init__(self) -> None:
-        for flag, value in (("--tp", self.tp), ("--pp", self.pp)):
+        for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp)):
             if not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(flag, f"must be an integer >= 1, got {value!r}")
         if self.pp_layers is not None:
@@ -28,10 +33,12 @@ class ParallelConfig:
                 raise InvalidRequestError(
                     "--pp-layers", f"needs {self.pp} counts >= 1 (one per stage)"
                 )
+        if self.dp > 1 and (self.tp > 1 or self.pp > 1):
+            raise InvalidRequestError("--dp", "data-parallel attention runs with --tp 1 --pp 1")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
 
     def validate(self, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
         """Raises InvalidRequestError naming the flag if this shape cannot run the model here."""
@@ -54,7 +61,7 @@ class ParallelConfig:
         cores = os.cpu_count() or 1
         if self.world_size > cores and not self.allow_oversubscribe:
             raise InvalidRequestError(
-                "--tp/--pp",
+                "--tp/--pp/--dp",
                 f"{self.world_size} ranks exceed the {cores} CPU cores "
                 "(pass --allow-oversubscribe to run anyway)",
             )
@@ -70,12 +77,16 @@ class ParallelConfig:
         return bounds
 
     def stage_of(self, rank: int, num_layers: int) -> PPStage:
-        index = rank // self.tp
+        index = rank % (self.tp * self.pp) // self.tp
         start, end = self.stage_bounds(num_layers)[index]
         return PPStage(rank=index, size=self.pp, start_layer=start, end_layer=end)
 
     def rank_of(self, stage: int, tp_rank: int) -> int:
+        """The rank of a stage's TP rank (of data-parallel rank 0)."""
         return stage * self.tp + tp_rank
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // (self.tp * self.pp)
 
 
 SINGLE_RANK = ParallelConfig()

@@ -5,9 +5,10 @@ without renormalisation; Llama 4: sigmoid top-1), `grouped_topk` DeepSeek-V3's (
 a bias for the choice only, experts in groups). `FusedMoE` holds every expert's SwiGLU
 weights stacked, w13 (E, 2 * I, H) (gate rows, then up rows) and w2 (E, H, I), each expert's
 intermediate dimension split across tensor-parallel ranks, or with expert parallelism (`--ep`,
-TPGroup.expert_parallel) whole experts spread over them (moe_ep.py); a forward pass sorts the
-(token, slot) pairs by expert and runs one matmul per active expert, so a decode step reads only
-the active experts' weights."""
+TPGroup.expert_parallel) whole experts spread over them, or with data-parallel attention
+(`--dp`, TPGroup.experts) whole experts spread over the data-parallel ranks (moe_ep.py); a
+forward pass sorts the (token, slot) pairs by expert and runs one matmul per active expert, so a
+decode step reads only the active experts' weights."""
 
 import torch
 from torch import nn
@@ -108,7 +109,11 @@ class FusedMoE(nn.Module):
         self.apply_weights_on_input = apply_weights_on_input
         self.reduce = reduce
         self.intermediate_size = intermediate_size  # whole, before the TP split
-        self.ep = ExpertParallel(tp, num_experts) if tp.expert_parallel and tp.size > 1 else None
+        self.ep = None
+        if tp.experts is not None:  # --dp: over the data-parallel ranks, tokens of their own
+            self.ep = ExpertParallel(tp.experts, num_experts, own_tokens=True)
+        elif tp.expert_parallel and tp.size > 1:
+            self.ep = ExpertParallel(tp, num_experts)
         local = num_experts if self.ep is None else self.ep.local  # experts this rank holds
         self.first = 0 if self.ep is None else self.ep.first  # global id of its first
         self.expert_tp = tp if self.ep is None else SINGLE  # who splits each expert's I
@@ -145,6 +150,14 @@ class FusedMoE(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32)  # (T, H), summed in float32
         out = out.index_add_(0, tokens, h).to(x.dtype)
         return self.tp.all_reduce(out) if self.reduce else out
+
+    def idle(self) -> None:
+        """A data-parallel rank without tokens this step joins the layer's exchanges: it
+        computes the rows other ranks send to its experts (--dp)."""
+        H, k = self.w13.shape[-1], self.top_k
+        x = self.w13.new_empty((0, H))
+        ids, weights = torch.empty((0, k), dtype=torch.long), torch.empty((0, k))
+        self.ep(x, ids, weights, self.run_experts, self.apply_weights_on_input)
 
     def run_experts(
         self, rows: torch.Tensor, ids: torch.Tensor, grouped: bool = False

@@ -5,7 +5,11 @@ The hidden states enter replicated (attention's all-reduce made them so). Each r
 slice of the tokens, sends each (token, expert) pair's row to the expert's rank, computes the
 rows that arrived for its own experts, sends the results back, weighs and sums them into its
 slice, and an all-gather of the slices leaves every rank with the whole (T, H) again. Per rank
-this reads 1/n of the experts' weights and computes 1/n of the expert rows."""
+this reads 1/n of the experts' weights and computes 1/n of the expert rows.
+
+With data-parallel attention (`own_tokens`, --dp) the hidden states differ by rank: each rank
+routes all of its own tokens (none, in a step without requests of its own: it still joins every
+exchange) and keeps its results; nothing is gathered."""
 
 from collections.abc import Callable
 
@@ -24,24 +28,26 @@ def token_slices(num_tokens: int, size: int) -> list[int]:
 
 
 class ExpertParallel:
-    def __init__(self, tp: TPGroup, num_experts: int):
+    def __init__(self, tp: TPGroup, num_experts: int, own_tokens: bool = False):
         self.tp = tp
+        self.own_tokens = own_tokens  # x is this rank's tokens, not the group's (--dp)
         self.local = tp.shard(num_experts, "num_experts (expert parallelism)")
         self.first = tp.rank * self.local  # this rank's first expert
 
     def __call__(
         self,
-        x: torch.Tensor,  # (T, H), the same on every rank
+        x: torch.Tensor,  # (T, H), the same on every rank (own_tokens: this rank's)
         topk_ids: torch.Tensor,  # (T, k) int64 experts of each token
         topk_weights: torch.Tensor,  # (T, k) float32
         experts: LocalExperts,
         weights_on_input: bool = False,  # scale each row before its expert (Llama 4), not after
     ) -> torch.Tensor:
-        sizes = token_slices(len(x), self.tp.size)
-        lo = sum(sizes[: self.tp.rank])
-        mine = slice(lo, lo + sizes[self.tp.rank])
+        sizes = [len(x)] if self.own_tokens else token_slices(len(x), self.tp.size)
+        lo = 0 if self.own_tokens else sum(sizes[: self.tp.rank])
+        n = sizes[0] if self.own_tokens else sizes[self.tp.rank]
+        mine = slice(lo, lo + n)
         ids, weights = topk_ids[mine].reshape(-1), topk_weights[mine].reshape(-1)  # (n*k,)
-        token = torch.arange(sizes[self.tp.rank]).repeat_interleave(topk_ids.shape[1])
+        token = torch.arange(n).repeat_interleave(topk_ids.shape[1])
         dest = ids // self.local
         order = torch.argsort(dest, stable=True)  # pairs grouped by the rank holding the expert
         ids, weights, token = ids[order], weights[order], token[order]
@@ -55,6 +61,8 @@ class ExpertParallel:
         arrived_ids = self.tp.all_to_all(ids, send_l, recv_l) - self.first  # (R,) local ids
         done = self.tp.all_to_all(experts(arrived, arrived_ids), recv_l, send_l)  # (P, H)
         scale = torch.ones_like(weights) if weights_on_input else weights
-        out = torch.zeros(sizes[self.tp.rank], x.shape[1], dtype=torch.float32)
+        out = torch.zeros(n, x.shape[1], dtype=torch.float32)
         out.index_add_(0, token, done.float() * scale[:, None])
+        if self.own_tokens:
+            return out.to(x.dtype)  # (T, H)
         return self.tp.all_gather_rows(out.to(x.dtype), sizes)  # (T, H)

@@ -1,0 +1,139 @@
+"""Data-parallel attention's bookkeeping (`--dp D`). Each of the D ranks holds a KV pool of its
+own, so each has a Scheduler of its own over its pages (and its prefix cache).
+`DataParallelScheduler` puts each request on one rank, where it stays (`Request.dp_rank`), and
+schedules the D ranks into one step, which all of them run together: the MoE layers exchange
+their tokens (shared/models/layers/moe_ep.py). As SGLang's DP attention and vLLM's data-parallel
+engines do, a request goes to the rank that has most of its prompt cached, else to the one with
+the fewest requests. Pure policy, like the Scheduler it fans out to; page ids are each rank's."""
+
+import dataclasses
+from collections import ChainMap
+
+from shared.engine.request import FinishReason, Request
+from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.kv.allocator import PageAllocator
+from shared.kv.prefix_cache import PrefixCache, PrefixStats
+
+
+class DataParallelPages:
+    """The ranks' allocators (prefix caches, if on) as one, for the engine's counters, events
+    and the launch/collect quarantine (each rank's pages are freed in its own)."""
+
+    def __init__(self, pools: list[PageAllocator | PrefixCache]):
+        self.pools = pools
+
+    @property
+    def num_pages(self) -> int:
+        return sum(p.num_pages for p in self.pools)
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.num_free for p in self.pools)
+
+    @property
+    def num_used(self) -> int:
+        return sum(p.num_used for p in self.pools)
+
+    def mark_launched(self) -> None:
+        for pool in self.pools:
+            pool.mark_launched()
+
+    def mark_collected(self) -> None:
+        for pool in self.pools:
+            pool.mark_collected()
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """(names cached, names evicted) on any rank since the previous call."""
+        stored, evicted = [], []
+        for pool in self.pools:
+            s, e = pool.drain_events()
+            stored += s
+            evicted += e
+        return stored, evicted
+
+    @property
+    def stats(self) -> PrefixStats:
+        fields = [f.name for f in dataclasses.fields(PrefixStats)]
+        return PrefixStats(**{f: sum(getattr(p.stats, f) for p in self.pools) for f in fields})
+
+
+class DataParallelScheduler:
+    """The Scheduler interface the engine uses, over one Scheduler a rank."""
+
+    def __init__(self, schedulers: list[Scheduler]):
+        self.schedulers = schedulers
+
+    @property
+    def reserved(self) -> ChainMap:
+        return ChainMap(*(s.reserved for s in self.schedulers))
+
+    @property
+    def running(self) -> list[Request]:
+        return [req for s in self.schedulers for req in s.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [req for s in self.schedulers for req in s.waiting]
+
+    def ranks_for(self, req: Request) -> list[int]:
+        """The ranks in the order req would go to them: most of its prompt's pages cached
+        first, then fewest requests (running, waiting, reserved), then most free pages."""
+
+        def key(rank: int):
+            s = self.schedulers[rank]
+            load = len(s.running) + len(s.waiting) + len(s.reserved)
+            return (-s.cached_pages(req), load, -s.allocator.num_free, rank)
+
+        return sorted(range(len(self.schedulers)), key=key)
+
+    def add(self, req: Request) -> None:
+        req.dp_rank = self.ranks_for(req)[0]
+        self.schedulers[req.dp_rank].add(req)
+
+    def reserve(self, req: Request) -> bool:
+        """Holds req's pages on the first rank (ranks_for) whose pool has room."""
+        for rank in self.ranks_for(req):
+            req.dp_rank = rank
+            if self.schedulers[rank].reserve(req):
+                return True
+        req.dp_rank = 0
+        return False
+
+    def activate(self, req: Request, computed: bool) -> None:
+        self.schedulers[req.dp_rank].activate(req, computed)
+
+    def has_work(self) -> bool:
+        return any(s.has_work() for s in self.schedulers)
+
+    def abort(self, request_id: str) -> Request | None:
+        for s in self.schedulers:
+            req = s.abort(request_id)
+            if req is not None:
+                return req
+        return None
+
+    def schedule(
+        self, exclude: frozenset | set = frozenset(), max_requests: int | None = None
+    ) -> SchedulerOutput:
+        """Every rank's batch, rank 0's requests first, then rank 1's, ...: the order in which
+        the ranks' hidden states are gathered for sampling (runner.py). Each rank has the
+        token budget and sequence limit of one engine."""
+        out = SchedulerOutput()
+        for s in self.schedulers:
+            part = s.schedule(exclude, max_requests)
+            out.scheduled += part.scheduled
+            out.preempted += part.preempted
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
+        finished = []
+        for rank, s in enumerate(self.schedulers):
+            part = SchedulerOutput(
+                [x for x in out.scheduled if x.request.dp_rank == rank],
+                [req for req in out.preempted if req.dp_rank == rank],
+            )
+            finished += s.update(part, sampled)
+        return finished
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        self.schedulers[req.dp_rank].finish(req, reason)

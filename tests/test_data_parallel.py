@@ -1,0 +1,116 @@
+"""Data-parallel attention's scheduling as pure policy (shared/engine/data_parallel.py): which
+rank a request goes to, one step of every rank's requests in rank order, each rank's pages its
+own. The model side is tested end to end in test_moe_models.py, test_llama4.py and
+test_deepseek_v3.py."""
+
+from test_engine_scheduler import PAGE, request
+
+from shared.engine.data_parallel import DataParallelPages, DataParallelScheduler
+from shared.engine.request import FinishReason
+from shared.engine.scheduler import Scheduler
+from shared.kv.allocator import PageAllocator
+from shared.kv.prefix_cache import PrefixCache
+
+
+def dp_scheduler(
+    ranks: int = 2, num_pages: int = 16, caching: bool = False, budget: int = 64
+) -> tuple[DataParallelScheduler, DataParallelPages]:
+    pools = [PageAllocator(num_pages) for _ in range(ranks)]
+    if caching:
+        pools = [PrefixCache(pool, PAGE) for pool in pools]
+    schedulers = [Scheduler(pool, PAGE, budget, 8) for pool in pools]
+    return DataParallelScheduler(schedulers), DataParallelPages(pools)
+
+
+def step(s: DataParallelScheduler, token: int = 7):
+    out = s.schedule()
+    sampled = {x.request: token for x in out.scheduled if x.samples}
+    return out, s.update(out, sampled)
+
+
+def test_requests_go_to_the_rank_with_fewest_and_stay_there():
+    s, pages = dp_scheduler()
+    reqs = [request(str(i), 6, i) for i in range(5)]
+    for req in reqs:
+        s.add(req)
+    assert [r.dp_rank for r in reqs] == [0, 1, 0, 1, 0]
+    out, _ = step(s)
+    # rank 0's requests first, then rank 1's: the order the ranks' hidden states are gathered
+    assert [x.request.request_id for x in out.scheduled] == ["0", "2", "4", "1", "3"]
+    assert pages.num_used == 3 * 2 + 2 * 2  # 6 tokens and the next: 2 pages each
+    assert [p.num_used for p in pages.pools] == [6, 4]
+    for req in reqs:
+        while not req.finished:
+            step(s)
+    assert [r.dp_rank for r in reqs] == [0, 1, 0, 1, 0]
+    assert pages.num_used == 0 and not s.has_work()
+
+
+def test_each_rank_has_the_budget_of_one_engine():
+    """Two 40-token prompts under a 48-token budget: one step takes both, one on each rank."""
+    s, _ = dp_scheduler(budget=48)
+    a, b = request("a", 40, 0), request("b", 40, 1)
+    s.add(a)
+    s.add(b)
+    out, _ = step(s)
+    assert [(x.request, x.num_tokens) for x in out.scheduled] == [(a, 40), (b, 40)]
+
+
+def test_a_cached_prompt_goes_back_to_the_rank_that_holds_it():
+    s, pages = dp_scheduler(caching=True)
+    first = request("first", 12, 0)
+    s.add(first)
+    assert first.dp_rank == 0
+    while not first.finished:
+        step(s)
+    other = request("other", 3, 1)  # no full page: nothing cached to look for
+    s.add(other)  # both ranks empty: rank 0
+    again = request("again", 12, 2)  # the same 12 tokens: 2 full pages cached on rank 0
+    s.add(again)
+    assert (other.dp_rank, again.dp_rank) == (0, 0)
+    step(s)
+    assert [p.stats.hit_tokens for p in pages.pools] == [2 * PAGE, 0]
+    assert pages.stats.hit_requests == 1
+
+
+def test_a_reservation_goes_where_pages_are_free():
+    """Rank 0 has fewer requests but no free page: the reservation holds rank 1's."""
+    s, pages = dp_scheduler(num_pages=8)
+    big = request("big", 28, 0)  # 8 pages with its first token: rank 0 full
+    s.add(big)
+    step(s)
+    for i in range(2):  # rank 1: as many requests, then more; they hold no page yet
+        s.add(request(f"small{i}", 3, 1 + i))
+    held = request("held", 8, 3)
+    assert s.ranks_for(held) == [0, 1]
+    assert s.reserve(held) and held.dp_rank == 1
+    assert s.reserved["held"] is held and pages.pools[1].num_used == 3
+    s.activate(held, computed=False)
+    assert held in s.waiting
+    assert s.abort("held") is held and held.finish_reason == FinishReason.ABORT
+    assert pages.pools[1].num_used == 0
+    assert not s.reserve(request("huge", 40, 4))  # no rank can hold it
+
+
+def test_finish_and_abort_free_the_pages_of_the_request_s_rank():
+    s, pages = dp_scheduler()
+    a, b = request("a", 6, 0), request("b", 6, 1)
+    s.add(a)
+    s.add(b)
+    step(s)
+    s.finish(b, FinishReason.STOP)
+    assert [p.num_used for p in pages.pools] == [2, 0]
+    assert s.abort("a") is a and s.abort("a") is None
+    assert pages.num_used == 0 and pages.num_free == 32 and pages.num_pages == 32
+
+
+def test_pages_freed_during_a_step_wait_for_it_on_every_rank():
+    s, pages = dp_scheduler()
+    a = request("a", 6, 0)
+    s.add(a)
+    step(s)
+    pages.mark_launched()
+    s.abort("a")
+    assert pages.num_free == 30  # a's 2 pages in quarantine
+    pages.mark_collected()
+    assert pages.num_free == 32
