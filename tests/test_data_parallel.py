@@ -1,15 +1,25 @@
 """Data-parallel attention's scheduling as pure policy (shared/engine/data_parallel.py): which
 rank a request goes to, one step of every rank's requests in rank order, each rank's pages its
-own. The model side is tested end to end in test_moe_models.py, test_llama4.py and
-test_deepseek_v3.py."""
+own; and a data-parallel decode worker's KV inbox, which writes a request's frames into its
+rank's pool alone. The model side is tested end to end in test_moe_models.py (with a decode
+worker of 2 ranks), test_llama4.py and test_deepseek_v3.py."""
 
+import time
+
+import torch
 from test_engine_scheduler import PAGE, request
 
 from shared.engine.data_parallel import DataParallelPages, DataParallelScheduler
 from shared.engine.request import FinishReason
 from shared.engine.scheduler import Scheduler
+from shared.engine.shard import rank_pools
 from shared.kv.allocator import PageAllocator
+from shared.kv.cache import KVCache
 from shared.kv.prefix_cache import PrefixCache
+from shared.kv.spec import MHAKVSpec
+from shared.parallel.shape import ParallelConfig
+from shared.transfer.inbox import KVInbox
+from shared.transfer.pools import map_pools
 
 
 def dp_scheduler(
@@ -46,6 +56,19 @@ def test_requests_go_to_the_rank_with_fewest_and_stay_there():
     assert pages.num_used == 0 and not s.has_work()
 
 
+def test_ties_go_to_the_ranks_in_turn():
+    """Requests that end before the next arrives: every rank is as empty each time."""
+    s, _ = dp_scheduler(ranks=3)
+    ranks = []
+    for i in range(5):
+        req = request(str(i), 6, i, max_tokens=1)
+        s.add(req)
+        while not req.finished:
+            step(s)
+        ranks.append(req.dp_rank)
+    assert ranks == [0, 1, 2, 0, 1]
+
+
 def test_each_rank_has_the_budget_of_one_engine():
     """Two 40-token prompts under a 48-token budget: one step takes both, one on each rank."""
     s, _ = dp_scheduler(budget=48)
@@ -64,10 +87,10 @@ def test_a_cached_prompt_goes_back_to_the_rank_that_holds_it():
     while not first.finished:
         step(s)
     other = request("other", 3, 1)  # no full page: nothing cached to look for
-    s.add(other)  # both ranks empty: rank 0
+    s.add(other)  # both ranks empty: rank 1's turn
     again = request("again", 12, 2)  # the same 12 tokens: 2 full pages cached on rank 0
     s.add(again)
-    assert (other.dp_rank, again.dp_rank) == (0, 0)
+    assert (other.dp_rank, again.dp_rank) == (1, 0)
     step(s)
     assert [p.stats.hit_tokens for p in pages.pools] == [2 * PAGE, 0]
     assert pages.stats.hit_requests == 1
@@ -114,3 +137,22 @@ def test_pages_freed_during_a_step_wait_for_it_on_every_rank():
     assert pages.num_free == 30  # a's 2 pages in quarantine
     pages.mark_collected()
     assert pages.num_free == 32
+
+
+def test_a_data_parallel_inbox_writes_each_request_into_its_rank_s_pool():
+    """Pages 1 and 2 of rank 0 and of rank 1 belong to different requests: request b's frame
+    (rank 1) lands in rank 1's pool and leaves rank 0's as it was."""
+    spec = MHAKVSpec(2, PAGE, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    ranks = rank_pools(spec, ParallelConfig(dp=2, allow_oversubscribe=True), None)
+    assert [(r.layers, r.units) for r in ranks] == [((0, 2), (0, 2))] * 2  # whole on each
+    caches = [KVCache(spec, 4) for _ in ranks]
+    pools = map_pools(spec, ranks, own=dict(enumerate(caches)))
+    inbox = KVInbox(spec, pools, lambda rid, layer, slots: True, {"a": 0, "b": 1}.__getitem__)
+    slots = spec.slots([1, 2], 0, 2 * PAGE)  # (8,)
+    for rid, value in (("a", 1.0), ("b", 2.0)):
+        payload = torch.full(spec.payload_shape(1, len(slots), (0, 2)), value)
+        inbox.write(rid, 1, (0, 2), slots, payload.view(torch.uint8).flatten(), time.perf_counter())
+    for kv, value in zip(caches, (1.0, 2.0)):
+        got = kv.spec.read(kv.data, 1, slots, (0, 2))
+        assert torch.equal(got, torch.full_like(got, value))
+    assert inbox.take("b") == inbox.take("a") > 0

@@ -3,6 +3,7 @@ prefill and staggered arrivals, bf16 logprobs within a tolerance, offline (tp, p
 (1, 2), both checkpoint layouts of the experts, a prefill worker of (2, 1) handing its KV to a
 decode worker of (1, 2) through the real services, and one `tison up` on a tiny MoE model."""
 
+import asyncio
 import shutil
 
 import openai
@@ -130,24 +131,18 @@ def test_parallel_shapes_equal_transformers(references, name, tp, pp, ep, dp):
 
 def test_a_data_parallel_rank_without_requests_still_serves_its_experts(references):
     """--dp 2: a lone request decodes on rank 0 while rank 1, with none of its own, computes
-    the rows sent to its experts; then rank 0 idles while rank 1 decodes; a prompt seen before
-    goes back to the rank that has it cached. Every token is transformers' greedy one."""
+    the rows sent to its experts; the next one goes to rank 1 (ties rotate) while rank 0 idles;
+    a prompt seen before goes back to the rank that has it cached. Every token is
+    transformers' greedy one."""
     model_dir, prompts, refs, _ = references("mixtral")
     greedy = SamplingParams(temperature=0, max_tokens=24)
     engine = new_engine(model_dir, dp=2, allow_oversubscribe=True, max_num_batched_tokens=24)
     try:
-        lone = engine.add_request("lone", prompts[3], greedy)
-        assert run_all(engine)["lone"] == refs[3] and lone.dp_rank == 0
-        short = engine.add_request("short", prompts[0], SamplingParams(temperature=0, max_tokens=1))
-        long = engine.add_request("long", prompts[4], greedy)
-        outputs = run_all(engine)
-        assert (short.dp_rank, long.dp_rank) == (0, 1)
-        assert outputs == {"short": refs[0][:1], "long": refs[4]}
-        engine.add_request("other", prompts[1], greedy)  # rank 0: both are empty
-        again = engine.add_request("again", prompts[3], greedy)  # rank 0 has it cached
-        assert run_all(engine)["again"] == refs[3] and again.dp_rank == 0
+        for i, (prompt, rank) in enumerate([(3, 0), (4, 1), (4, 1)]):
+            req = engine.add_request(str(i), prompts[prompt], greedy)
+            assert run_all(engine)[str(i)] == refs[prompt] and req.dp_rank == rank
         pools = engine.allocator.pools
-        assert pools[0].stats.hit_tokens > 0 and pools[1].stats.hit_tokens == 0
+        assert pools[0].stats.hit_tokens == 0 and pools[1].stats.hit_tokens > 0
         assert engine.num_pages_used == 0
     finally:
         engine.close()
@@ -193,6 +188,28 @@ def test_up_serves_each_moe_family_as_offline(references, tiny_model_factory, fa
         assert up.stop() == 0
 
 
+def test_up_with_a_data_parallel_decode_worker_serves_as_offline(tiny_model_factory):
+    """`tison up --decode-dp 2`: DeepSeek-V3's latent KV handed to a decode worker of 2
+    data-parallel ranks; completions equal the offline engine's (itself equal to
+    transformers, tests/test_deepseek_v3.py)."""
+    model_dir = tiny_model_factory("deepseek_v3")
+    prompts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np"]
+    with LLM(model_dir, dtype="float32") as llm:
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    flags = ["--decode-dp", "2", "--mode", "disaggregated", "--allow-oversubscribe"]
+    up = Up(model_dir, free_port(), *flags, "--threads", "1")
+    try:
+        up.wait_serving()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="x")
+        for prompt, ref in zip(prompts, expected):
+            out = client.completions.create(
+                model=model_dir.name, prompt=prompt, max_tokens=12, temperature=0
+            )
+            assert out.choices[0].text == ref.text
+    finally:
+        assert up.stop() == 0
+
+
 async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
     """The MoE model through the services equals the offline (1, 1) engine (itself equal to
     transformers, above): its KV is MHA, so the handoff is as for Llama."""
@@ -203,6 +220,43 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
     with Services(tmp_path, model_dir) as s:
         start_prefill_tp2_decode_pp2(s, model_dir)
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
+
+
+@pytest.mark.parametrize("family,kv_transport", [("qwen3_moe", "shm"), ("llama4_moe", "tcp")])
+async def test_data_parallel_decode_worker_equals_offline(
+    tiny_model_factory, tmp_path, family, kv_transport, monkeypatch
+):
+    """A decode worker of 2 data-parallel ranks (--dp 2) reserves each request's pages in one
+    rank's pool and names that pool alone to the prefill worker, which writes there over shm
+    or TCP (Llama 4: its chunked layers capped in both ranks' pools). Concurrent requests,
+    spread over both ranks (ties rotate), complete as the offline engine does."""
+    monkeypatch.setenv("TISON_KV_SECRET", "test-secret")  # the workers inherit it: TCP is on
+    model_dir = tiny_model_factory(family)
+    fox = "The quick brown fox jumps over the lazy dog. "
+    prompts = [f"{i}: " + fox * (1 + i % 3) for i in range(6)]
+    with LLM(model_dir, dtype="float32") as llm:
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    common = ["--model", str(model_dir), "--dtype", "float32", "--heartbeat", "0.2"]
+    common += ["--allow-oversubscribe", "--threads", "1"]
+    with Services(tmp_path, model_dir) as s:
+        s.scheduler("--local-prefill-tokens", "0")  # every prompt through the prefill worker
+        s.start("prefill", "prefill", *common, "--kv-transport", kv_transport)
+        s.start("decode", "decode", *common, "--dp", "2")
+        s.gateway()
+        s.wait_healthy(120)
+        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x") as client:
+            outs = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=model_dir.name, prompt=p, max_tokens=16, temperature=0
+                    )
+                    for p in prompts
+                )
+            )
+        assert [o.choices[0].text for o in outs] == [e.text for e in expected], s.logs()
+        decode_log = (tmp_path / "decode.log").read_text()
+        assert "rank 1: KV pool" in decode_log
+        await wait_pages_free(s)
 
 
 @pytest.mark.parametrize("kv_transport", ["shm", "tcp"])

@@ -231,6 +231,14 @@ def test_plan_and_restart_policy(tiny_llama):
     ep = plan(UpConfig(tiny_llama, prefill_tp=2, decode_tp=2, ep=True, cores=eight))
     workers = [c.args for c in ep if c.name.startswith(("prefill", "decode"))]
     assert all("--ep" in args and args[args.index("--tp") + 1] == "2" for args in workers)
+    dp = plan(UpConfig(tiny_llama, decode_dp=2, mode="disaggregated", cores=eight))
+    workers = {c.name: c.args for c in dp if c.name.startswith(("prefill", "decode"))}
+    assert "--dp" not in workers["prefill-0"]
+    assert workers["decode-0"][workers["decode-0"].index("--dp") + 1] == "2"
+    with pytest.raises(ValueError, match="--mode disaggregated"):
+        plan(UpConfig(tiny_llama, decode_dp=2, mode="colocated"))
+    with pytest.raises(ValueError, match="decode-dp"):
+        UpConfig(tiny_llama, decode_dp=0)
     off = plan(UpConfig(tiny_llama, prefix_caching=False, cores=eight))
     workers = [c.args for c in off if c.name.startswith(("prefill", "decode"))]
     assert workers and all("--no-prefix-caching" in args for args in workers)

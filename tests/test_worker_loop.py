@@ -138,7 +138,7 @@ async def test_a_decode_worker_numbers_its_items_when_a_step_overtakes_a_handler
     with NatsServer(tmp_path / "nats") as server:
         nc = await nats.connect(server.url)
         try:
-            role = DecodeRole(nc, loop, "d0", KVPool(engine.kv_spec.layout, "host", ()))
+            role = DecodeRole(nc, loop, "d0", (KVPool(engine.kv_spec.layout, "host", ()),))
             roles.append(role)
             await role.subscribe()
 
@@ -197,8 +197,8 @@ async def test_a_decode_reservation_waits_for_one_step_at_most(tiny_llama, tmp_p
     with NatsServer(tmp_path / "nats") as server:
         nc = await nats.connect(server.url)
         try:
-            pool = KVPool(engine.kv_spec.layout, "host", ())
-            role = StepsPerAssignment(steps, nc, loop, "d0", pool)
+            pools = (KVPool(engine.kv_spec.layout, "host", ()),)
+            role = StepsPerAssignment(steps, nc, loop, "d0", pools)
             await role.subscribe()
             long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
             await loop.call(engine.add_request, "running", [5, 6, 7], long)

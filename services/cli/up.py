@@ -87,6 +87,13 @@ def register(subparsers) -> None:
         "--ep", action="store_true", help="every worker: MoE experts spread whole over its --tp"
     )
     p.add_argument(
+        "--decode-dp",
+        type=int,
+        default=1,
+        help="decode workers' data-parallel attention ranks (--dp): each its own requests and "
+        "KV pool, MoE experts spread whole over them",
+    )
+    p.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
         help="every worker recomputes every prompt (full pages are cached by default)",
     )  # fmt: skip
@@ -141,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
             **_shapes(args),
             allow_oversubscribe=args.allow_oversubscribe,
             ep=args.ep,
+            decode_dp=args.decode_dp,
             prefix_caching=args.prefix_caching,
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,

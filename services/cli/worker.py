@@ -132,6 +132,7 @@ def main(role: str, args: argparse.Namespace) -> int:
         pp=args.pp,
         pp_layers=args.pp_layers,
         ep=args.ep,
+        dp=args.dp,
         allow_oversubscribe=args.allow_oversubscribe,
         cpus=args.cpus,
         weights_from=args.weights_from,

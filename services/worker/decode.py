@@ -41,13 +41,13 @@ class DecodeRole:
         nc: Client,
         loop: EngineLoop,
         worker_id: str,
-        pool: KVPool,
+        pools: tuple[KVPool, ...],  # where prefill workers write our pages: one a --dp rank
         kv_servers: tuple = (),  # its network KV servers (TcpKVServer, DistKVServer)
         lease_s: float = 120.0,  # a reservation whose KV has not come by then is dropped
     ):
         self.nc, self.loop, self.worker_id = nc, loop, worker_id
         self.engine = loop.engine
-        self.pool = pool  # where prefill workers write our pages
+        self.pools = pools
         self.kv_servers = kv_servers
         self.lease_s = lease_s
         self.gateways: dict[str, str] = {}  # request id -> gateway that streams it
@@ -80,7 +80,7 @@ class DecodeRole:
             interval = self.gateway_seen.get(assign.gateway_id, (0.0, ORPHAN_DEFAULT_BEAT_S))[1]
             self.gateway_seen[assign.gateway_id] = (time.monotonic(), interval)
             reply = DecodeAssignReplyMsg(
-                rid, True, reserved.page_ids, self.pool,
+                rid, True, reserved.page_ids, self.pools[reserved.dp_rank],
                 cached_tokens=reserved.cached_tokens,
                 chunk_page_ids=reserved.chunk_page_ids,
                 chunk_first_page=reserved.chunk_first_page,

@@ -54,6 +54,7 @@ def build_engine(config: WorkerConfig, shm_path: Path | None, weights: Weights) 
         pp=config.pp,
         pp_layers=config.pp_layers,
         ep=config.ep,
+        dp=config.dp,
         allow_oversubscribe=config.allow_oversubscribe,
         cpus=config.cpus,
         kv_push=config.role != "decode",
@@ -96,9 +97,12 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
                 for name, server in kv_servers.items()
             }
             tcp_at, dist_at = at.get(tcp.NAME, ""), at.get(dist.NAME, "")
-            pool = KVPool(engine.kv_spec.layout, host_id(), ranks, tcp_at, dist_at)
+            # one pool of all ranks; with --dp, one a rank: a request's pages are in one
+            layout, host = engine.kv_spec.layout, host_id()
+            parts = [ranks] if shape.dp == 1 else [(rank,) for rank in ranks]
+            pools = tuple(KVPool(layout, host, part, tcp_at, dist_at) for part in parts)
             servers, lease = tuple(kv_servers.values()), config.reservation_lease_s
-            roles.append(DecodeRole(nc, loop, ids["decode"], pool, servers, lease))
+            roles.append(DecodeRole(nc, loop, ids["decode"], pools, servers, lease))
         if "prefill" in ids:
             roles.append(PrefillRole(nc, loop, ids["prefill"], engine.handoff, ids.get("decode")))
         for role in roles:
@@ -137,9 +141,10 @@ def _kv_servers(engine: LLMEngine, ranks, secret: bytes) -> dict:
     into every rank's pool and counts each request's bytes (DecodeRole sums them)."""
     pools = map_pools(engine.kv_spec, ranks, own={0: engine.kv})
     allowed = _reserved_check(engine)
+    rank_of = engine.dp_rank if engine.config.dp > 1 else None  # a request's pages: one rank's
     return {
-        tcp.NAME: tcp.TcpKVServer(engine.kv_spec, pools, secret, allowed),
-        dist.NAME: dist.DistKVServer(engine.kv_spec, pools, secret, allowed),
+        tcp.NAME: tcp.TcpKVServer(engine.kv_spec, pools, secret, allowed, rank_of),
+        dist.NAME: dist.DistKVServer(engine.kv_spec, pools, secret, allowed, rank_of),
     }
 
 

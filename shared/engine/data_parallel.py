@@ -4,7 +4,8 @@ own, so each has a Scheduler of its own over its pages (and its prefix cache).
 schedules the D ranks into one step, which all of them run together: the MoE layers exchange
 their tokens (shared/models/layers/moe_ep.py). As SGLang's DP attention and vLLM's data-parallel
 engines do, a request goes to the rank that has most of its prompt cached, else to the one with
-the fewest requests. Pure policy, like the Scheduler it fans out to; page ids are each rank's."""
+the fewest requests, ties taken in turn. Pure policy, like the Scheduler it fans out to; page
+ids are each rank's."""
 
 import dataclasses
 from collections import ChainMap
@@ -62,6 +63,7 @@ class DataParallelScheduler:
 
     def __init__(self, schedulers: list[Scheduler]):
         self.schedulers = schedulers
+        self._next = 0  # the rank that wins the next tie: ties rotate
 
     @property
     def reserved(self) -> ChainMap:
@@ -77,17 +79,19 @@ class DataParallelScheduler:
 
     def ranks_for(self, req: Request) -> list[int]:
         """The ranks in the order req would go to them: most of its prompt's pages cached
-        first, then fewest requests (running, waiting, reserved), then most free pages."""
+        first, then fewest requests (running, waiting, reserved), then most free pages, then
+        in turn (each placement moves the turn past its rank)."""
+        size = len(self.schedulers)
 
         def key(rank: int):
             s = self.schedulers[rank]
             load = len(s.running) + len(s.waiting) + len(s.reserved)
-            return (-s.cached_pages(req), load, -s.allocator.num_free, rank)
+            return (-s.cached_pages(req), load, -s.allocator.num_free, (rank - self._next) % size)
 
-        return sorted(range(len(self.schedulers)), key=key)
+        return sorted(range(size), key=key)
 
     def add(self, req: Request) -> None:
-        req.dp_rank = self.ranks_for(req)[0]
+        self._place(req, self.ranks_for(req)[0])
         self.schedulers[req.dp_rank].add(req)
 
     def reserve(self, req: Request) -> bool:
@@ -95,9 +99,14 @@ class DataParallelScheduler:
         for rank in self.ranks_for(req):
             req.dp_rank = rank
             if self.schedulers[rank].reserve(req):
+                self._place(req, rank)
                 return True
         req.dp_rank = 0
         return False
+
+    def _place(self, req: Request, rank: int) -> None:
+        req.dp_rank = rank
+        self._next = (rank + 1) % len(self.schedulers)
 
     def activate(self, req: Request, computed: bool) -> None:
         self.schedulers[req.dp_rank].activate(req, computed)

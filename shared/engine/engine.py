@@ -60,12 +60,13 @@ class Reservation:
     the prefill worker writes the prompt's KV there, but for the first `cached_tokens` tokens
     (the decode engine's cached prefix). With capped chunked layers, theirs go to
     chunk_page_ids (one list a page group), which hold logical pages chunk_first_page on: the
-    prompt's last chunk."""
+    prompt's last chunk. With data-parallel ranks, all are in rank dp_rank's pool."""
 
     page_ids: tuple[int, ...]
     cached_tokens: int
     chunk_page_ids: tuple[tuple[int, ...], ...] = ()
     chunk_first_page: int = 0
+    dp_rank: int = 0  # --dp: the rank whose pool the pages are in
 
 
 class LLMEngine:
@@ -179,6 +180,11 @@ class LLMEngine:
         """What `reserve` returned for a request whose KV has not arrived yet; None otherwise."""
         req = self.scheduler.reserved.get(request_id)
         return None if req is None else _reservation(req)
+
+    def dp_rank(self, request_id: str) -> int:
+        """The data-parallel rank whose pool holds a request's pages (0 if it is gone)."""
+        req = self.requests.get(request_id)
+        return 0 if req is None else req.dp_rank
 
     def reserved_pages(self, request_id: str, layer: int) -> list[int] | None:
         """Pages a prefill worker may write for global layer `layer` of a reserved request
@@ -515,4 +521,5 @@ def _reservation(req: Request) -> Reservation:
         req.num_computed_tokens,
         tuple(map(tuple, req.chunk_page_ids)),
         req.chunk_first_page,
+        req.dp_rank,
     )

@@ -25,7 +25,7 @@ from shared.transfer import auth, dist_pair
 from shared.transfer.base import KVSender, KVTarget, LayerKV
 from shared.transfer.dist_pair import PAIRS, SENDER, SERVER, TAG, SenderPair, exchange
 from shared.transfer.inbox import KVInbox
-from shared.transfer.pools import MappedPool
+from shared.transfer.pools import MappedPool, RankOf
 
 log = logging.getLogger(__name__)
 NAME = "dist"
@@ -40,9 +40,11 @@ class DistKVServer:
     writes its frames into the worker's rank pools through one KVInbox. A frame that is not
     allowed is received and dropped; a malformed one ends its pair, never the worker."""
 
-    def __init__(self, spec: KVSpec, pools: list[MappedPool], secret: bytes, allowed):
+    def __init__(
+        self, spec: KVSpec, pools: list[MappedPool], secret: bytes, allowed, rank_of: RankOf = None
+    ):
         self.secret = secret
-        self.inbox = KVInbox(spec, pools, allowed)
+        self.inbox = KVInbox(spec, pools, allowed, rank_of)
         self.device = pools[0].data.device if pools else torch.device("cpu")
         self._store: torch_dist.TCPStore | None = None  # its server is what senders dial
         self._stop = threading.Event()

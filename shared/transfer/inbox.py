@@ -14,7 +14,7 @@ import torch
 
 from shared.kv.spec import KVSpec
 from shared.transfer.base import LayerKV
-from shared.transfer.pools import MappedPool, write_layer
+from shared.transfer.pools import MappedPool, RankOf, request_pools, write_layer
 
 log = logging.getLogger(__name__)
 
@@ -22,18 +22,20 @@ log = logging.getLogger(__name__)
 class KVInbox:
     """Writes frames into `pools`; `allowed(request_id, layer, slots)` says whether the slots
     belong to pages reserved for the request (for that layer: a capped chunked layer's are
-    its page group's). Thread-safe: frames of different pairs land in different slots or
-    units, and the counters are locked."""
+    its page group's); `rank_of`: a data-parallel worker's rank of a request (pools.py).
+    Thread-safe: frames of different pairs land in different slots or units, and the counters
+    are locked."""
 
     def __init__(
         self,
         spec: KVSpec,
         pools: list[MappedPool],
         allowed: Callable[[str, int, torch.Tensor], bool],
+        rank_of: RankOf = None,
     ):
         self.spec = spec  # the whole model's
         self.pools = pools
-        self.allowed = allowed
+        self.allowed, self.rank_of = allowed, rank_of
         self.bytes_received = 0
         self.seconds = 0.0  # spent receiving and writing frames' bodies
         self.received: dict[str, int] = {}  # request id -> payload bytes written so far
@@ -67,7 +69,8 @@ class KVInbox:
             return
         shape = self.spec.payload_shape(layer, len(slots), units)
         data = payload.view(self.spec.dtype).view(shape)
-        if not write_layer(self.spec, self.pools, LayerKV(layer, units, slots, data)):
+        pools = request_pools(self.pools, self.rank_of, request_id)
+        if not write_layer(self.spec, pools, LayerKV(layer, units, slots, data)):
             raise ValueError(f"no rank holds layer {layer} units {units}")
         with self._lock:
             self.bytes_received += payload.numel()

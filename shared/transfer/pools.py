@@ -1,7 +1,11 @@
 """A decode worker's rank pools as one writer: a layer's KV of some units, written into every
 rank that holds part of them (by head for MHA, every replica for MLA). Used by the same-host
-transport (the prefill rank maps the pools) and the TCP server (the decode worker's own)."""
+transport (the prefill rank maps the pools) and the TCP server (the decode worker's own). A
+decode worker of data-parallel ranks (--dp) holds each request's pages in one rank's pool: its
+servers write the request's frames there alone (`request_pools`), and its reply names only
+that pool to the prefill worker."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,6 +54,15 @@ def map_pools(
             pool.data = map_pool(desc.shm, pool.pool_spec)
         pools.append(pool)
     return pools
+
+
+# a data-parallel decode worker's rank holding a request's pages (None: every pool takes part)
+RankOf = Callable[[str], int] | None
+
+
+def request_pools(pools: list[MappedPool], rank_of: RankOf, request_id: str) -> list[MappedPool]:
+    """The pools a request's frames are written into: all, or its data-parallel rank's."""
+    return pools if rank_of is None else [pools[rank_of(request_id)]]
 
 
 def write_layer(spec: KVSpec, pools: list[MappedPool], kv: LayerKV) -> int:

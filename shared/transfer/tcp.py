@@ -23,7 +23,7 @@ from shared.kv.spec import KVSpec
 from shared.netaddr import dial_address
 from shared.transfer import auth
 from shared.transfer.base import KVSender, KVTarget, LayerKV
-from shared.transfer.pools import MappedPool, write_layer
+from shared.transfer.pools import MappedPool, RankOf, request_pools, write_layer
 
 log = logging.getLogger(__name__)
 NAME = "tcp"
@@ -36,7 +36,8 @@ class TcpKVServer:
     """Decode side: accepts authenticated peers and writes their frames into the pools of the
     worker's ranks. `allowed(request_id, layer, slots)` says whether the slots belong to pages
     reserved for it; a frame that is not allowed is read and dropped (a request cancelled while
-    its KV was on the way), and the connection goes on."""
+    its KV was on the way), and the connection goes on. `rank_of`: a data-parallel worker's
+    rank of a request, whose pool alone takes its frames (pools.py)."""
 
     def __init__(
         self,
@@ -44,9 +45,10 @@ class TcpKVServer:
         pools: list[MappedPool],
         secret: bytes,
         allowed: Callable[[str, int, torch.Tensor], bool],
+        rank_of: RankOf = None,
     ):
         self.spec = spec  # the whole model's
-        self.pools = pools
+        self.pools, self.rank_of = pools, rank_of
         self.secret = secret
         self.allowed = allowed
         self.bytes_received = 0
@@ -108,7 +110,8 @@ class TcpKVServer:
             return
         shape = self.spec.payload_shape(layer, len(slots), units)
         data = torch.frombuffer(bytearray(payload), dtype=self.spec.dtype).view(shape)
-        if not write_layer(self.spec, self.pools, LayerKV(layer, units, slots, data)):
+        pools = request_pools(self.pools, self.rank_of, rid)
+        if not write_layer(self.spec, pools, LayerKV(layer, units, slots, data)):
             raise ValueError(f"no rank holds layer {layer} units {units}")
         self.bytes_received += len(payload)
         self.received[rid] = self.received.get(rid, 0) + len(payload)
