@@ -190,3 +190,37 @@ def test_a_broken_decode_pool_fails_that_request_only(tmp_path):
     error = run_prefill(handoffs, pool)
     assert error and error.startswith("KV transfer failed")
     assert not handoffs[0].targets and not handoffs[0].results
+
+
+def test_data_parallel_prefill_ranks_send_their_own_requests_then_forget_every_target(tmp_path):
+    """--dp 2: request a is rank 0's, b rank 1's, their prompts in the same page ids of each
+    rank's pool. Each rank sends its own request's KV (the runner shows it no other); after
+    rank 0 finishes both, and its next plan, no rank holds a target."""
+    spec = SPECS["mha"]
+    base = tmp_path / "pool"
+    kv = KVCache(rank_kv_spec(spec, shape((1, 1)), 0), NUM_PAGES, base)
+    pool = KVPool(spec.layout, host_id(), rank_pools(spec, shape((1, 1)), base))
+    handoffs = prefill_ranks(spec, ParallelConfig(dp=2, allow_oversubscribe=True), "shm")
+    dst = {"a": DST_PAGES, "b": [3, 4, 5]}
+    for rid, pages in dst.items():
+        handoffs[0].add(rid, pages, pool)
+    tokens = list(range(PROMPT))
+    seqs = [PlannedSeq(rid, 0, tokens, SRC_PAGES, True, dp_rank=r) for r, rid in enumerate(dst)]
+    out = SchedulerOutput([ScheduledRequest(seq, 0, PROMPT, True) for seq in seqs])
+    handoffs[1].on_plan(handoffs[0].plan_extras(out))
+    for rank, h in enumerate(handoffs):
+        own = SchedulerOutput([s for s in out.scheduled if s.request.dp_rank == rank])
+        for layer in range(*h.layers):
+            h.on_layer(layer, own)
+    assert [handoffs[0].finish(rid) for rid in dst] == [None, None]
+    handoffs[1].on_plan(handoffs[0].plan_extras(SchedulerOutput()))
+    assert not any(h.targets or h._sent for h in handoffs)
+    src = spec.slots(SRC_PAGES, 0, PROMPT)
+    for h, (rid, pages) in zip(handoffs, dst.items()):
+        for layer in range(spec.num_layers):
+            want = h.kv.spec.read(h.kv.data, layer, src, (0, spec.num_units))
+            got = kv.spec.read(kv.data, layer, spec.slots(pages, 0, PROMPT), (0, spec.num_units))
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (rid, layer)
+    for h in handoffs:
+        h.close()
+    kv.close()

@@ -188,15 +188,15 @@ def test_up_serves_each_moe_family_as_offline(references, tiny_model_factory, fa
         assert up.stop() == 0
 
 
-def test_up_with_a_data_parallel_decode_worker_serves_as_offline(tiny_model_factory):
-    """`tison up --decode-dp 2`: DeepSeek-V3's latent KV handed to a decode worker of 2
-    data-parallel ranks; completions equal the offline engine's (itself equal to
+def test_up_with_data_parallel_workers_serves_as_offline(tiny_model_factory):
+    """`tison up --dp 2`: DeepSeek-V3's latent KV from a prefill worker of 2 data-parallel
+    ranks to a decode worker of 2; completions equal the offline engine's (itself equal to
     transformers, tests/test_deepseek_v3.py)."""
     model_dir = tiny_model_factory("deepseek_v3")
     prompts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np"]
     with LLM(model_dir, dtype="float32") as llm:
         expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
-    flags = ["--decode-dp", "2", "--mode", "disaggregated", "--allow-oversubscribe"]
+    flags = ["--dp", "2", "--mode", "disaggregated", "--allow-oversubscribe"]
     up = Up(model_dir, free_port(), *flags, "--threads", "1")
     try:
         up.wait_serving()
@@ -222,14 +222,17 @@ async def test_prefill_tp2_to_decode_pp2_equals_offline(references, tmp_path):
         await assert_completions_equal(s, model_dir.name, prompts, expected, 16)
 
 
-@pytest.mark.parametrize("family,kv_transport", [("qwen3_moe", "shm"), ("llama4_moe", "tcp")])
+@pytest.mark.parametrize(
+    "family,kv_transport,prefill_dp", [("qwen3_moe", "shm", 2), ("llama4_moe", "tcp", 1)]
+)
 async def test_data_parallel_decode_worker_equals_offline(
-    tiny_model_factory, tmp_path, family, kv_transport, monkeypatch
+    tiny_model_factory, tmp_path, family, kv_transport, prefill_dp, monkeypatch
 ):
     """A decode worker of 2 data-parallel ranks (--dp 2) reserves each request's pages in one
     rank's pool and names that pool alone to the prefill worker, which writes there over shm
-    or TCP (Llama 4: its chunked layers capped in both ranks' pools). Concurrent requests,
-    spread over both ranks (ties rotate), complete as the offline engine does."""
+    or TCP (Llama 4: its chunked layers capped in both ranks' pools); a prefill worker of 2
+    data-parallel ranks writes each request's KV from the rank that computed it. Concurrent
+    requests, spread over both ranks (ties rotate), complete as the offline engine does."""
     monkeypatch.setenv("TISON_KV_SECRET", "test-secret")  # the workers inherit it: TCP is on
     model_dir = tiny_model_factory(family)
     fox = "The quick brown fox jumps over the lazy dog. "
@@ -240,7 +243,8 @@ async def test_data_parallel_decode_worker_equals_offline(
     common += ["--allow-oversubscribe", "--threads", "1"]
     with Services(tmp_path, model_dir) as s:
         s.scheduler("--local-prefill-tokens", "0")  # every prompt through the prefill worker
-        s.start("prefill", "prefill", *common, "--kv-transport", kv_transport)
+        prefill = [*common, "--kv-transport", kv_transport, "--dp", str(prefill_dp)]
+        s.start("prefill", "prefill", *prefill)
         s.start("decode", "decode", *common, "--dp", "2")
         s.gateway()
         s.wait_healthy(120)

@@ -107,7 +107,6 @@ def test_tp_shards_are_slices_of_the_full_weights(model4):
         (dict(tp=2, pp=64), "--pp"),
         (dict(dp=0), "--dp"),
         (dict(dp=2, tp=2, allow_oversubscribe=True), "--dp"),  # data parallel: T = P = 1
-        (dict(dp=2, kv_push=True, allow_oversubscribe=True), "dp"),  # no prefill workers
     ],
 )
 def test_bad_shapes_fail_naming_the_flag(model4, options, flag):

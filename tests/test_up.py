@@ -235,8 +235,8 @@ def test_plan_and_restart_policy(tiny_llama):
     workers = {c.name: c.args for c in dp if c.name.startswith(("prefill", "decode"))}
     assert "--dp" not in workers["prefill-0"]
     assert workers["decode-0"][workers["decode-0"].index("--dp") + 1] == "2"
-    with pytest.raises(ValueError, match="--mode disaggregated"):
-        plan(UpConfig(tiny_llama, decode_dp=2, mode="colocated"))
+    colocated = plan(UpConfig(tiny_llama, decode_dp=2, mode="colocated", cores=eight))[1].args
+    assert colocated[0] == "colocated" and colocated[colocated.index("--dp") + 1] == "2"
     with pytest.raises(ValueError, match="decode-dp"):
         UpConfig(tiny_llama, decode_dp=0)
     off = plan(UpConfig(tiny_llama, prefix_caching=False, cores=eight))

@@ -80,18 +80,19 @@ def register(subparsers) -> None:
     )
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size of every worker")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages of every worker")
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel attention ranks of every worker (with --tp 1 --pp 1): each its own "
+        "requests and KV pool, MoE experts spread whole over them",
+    )
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tp", type=int, default=None, help=f"{role} workers' --tp")
         p.add_argument(f"--{role}-pp", type=int, default=None, help=f"{role} workers' --pp")
+        p.add_argument(f"--{role}-dp", type=int, default=None, help=f"{role} workers' --dp")
     p.add_argument(
         "--ep", action="store_true", help="every worker: MoE experts spread whole over its --tp"
-    )
-    p.add_argument(
-        "--decode-dp",
-        type=int,
-        default=1,
-        help="decode workers' data-parallel attention ranks (--dp): each its own requests and "
-        "KV pool, MoE experts spread whole over them",
     )
     p.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -148,7 +149,6 @@ def main(args: argparse.Namespace) -> int:
             **_shapes(args),
             allow_oversubscribe=args.allow_oversubscribe,
             ep=args.ep,
-            decode_dp=args.decode_dp,
             prefix_caching=args.prefix_caching,
             cores_prefill=args.cores_prefill,
             cores_decode=args.cores_decode,
@@ -241,10 +241,10 @@ def check_model_folder(model_dir: Path) -> None:
 
 
 def _shapes(args: argparse.Namespace) -> dict:
-    """--prefill-tp etc., each defaulting to --tp/--pp, then 1."""
+    """--prefill-tp etc., each defaulting to --tp/--pp/--dp, then 1."""
     shapes = {}
     for role in ("prefill", "decode"):
-        for dim in ("tp", "pp"):
+        for dim in ("tp", "pp", "dp"):
             value = getattr(args, f"{role}_{dim}")
             shapes[f"{role}_{dim}"] = value or getattr(args, dim) or 1
     return shapes

@@ -33,7 +33,8 @@ class UpConfig:
     prefill_pp: int = 1
     decode_tp: int = 1  # shape of each decode worker
     decode_pp: int = 1
-    decode_dp: int = 1  # data-parallel attention ranks of each decode worker (--dp)
+    prefill_dp: int = 1  # data-parallel attention ranks of each prefill worker (--dp)
+    decode_dp: int = 1  # ... of each decode (or colocated) worker
     ep: bool = False  # every worker: MoE experts spread whole over its TP ranks
     prefix_caching: bool = True  # every worker: computed full pages stay cached
     allow_oversubscribe: bool = False  # workers may run more ranks than CPU cores
@@ -48,7 +49,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("--prefill-workers and --decode-workers must be >= 1")
-        for flag in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "decode_dp"):
+        shapes = [f"{role}_{dim}" for role in ("prefill", "decode") for dim in ("tp", "pp", "dp")]
+        for flag in shapes:
             if getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
         if self.batch_max_share is not None and not 0 < self.batch_max_share <= 1:
@@ -80,7 +82,7 @@ def placement(cfg: UpConfig) -> Placement:
             mode=cfg.mode,
             prefill_workers=cfg.prefill_workers,
             decode_workers=cfg.decode_workers,
-            prefill_ranks=cfg.prefill_tp * cfg.prefill_pp,
+            prefill_ranks=cfg.prefill_tp * cfg.prefill_pp * cfg.prefill_dp,
             decode_ranks=cfg.decode_tp * cfg.decode_pp * cfg.decode_dp,
             cores_prefill=cfg.cores_prefill,
             cores_decode=cfg.cores_decode,
@@ -111,13 +113,8 @@ def plan(cfg: UpConfig, where: Placement | None = None) -> list[ChildSpec]:
         worker.append("--no-prefix-caching")
     prefill = [*worker, "--tp", str(cfg.prefill_tp), "--pp", str(cfg.prefill_pp)]
     decode = [*worker, "--tp", str(cfg.decode_tp), "--pp", str(cfg.decode_pp)]
-    if cfg.decode_dp > 1:
-        if any(w.role == "colocated" for w in where.workers):
-            raise ValueError(
-                "--decode-dp: data-parallel ranks serve decode workers only, and this plan has "
-                "colocated ones (which also prefill for others): add --mode disaggregated"
-            )
-        decode += ["--dp", str(cfg.decode_dp)]
+    prefill += ["--dp", str(cfg.prefill_dp)] if cfg.prefill_dp > 1 else []
+    decode += ["--dp", str(cfg.decode_dp)] if cfg.decode_dp > 1 else []
     scheduler = ("scheduler", "--routing", cfg.routing)
     if cfg.batch_max_share is not None:
         scheduler += ("--batch-max-share", str(cfg.batch_max_share))
@@ -144,7 +141,7 @@ def worker_devices(cfg: UpConfig, where: Placement) -> list[list[str]]:
     if cfg.device == "cpu":
         return [["--device", "cpu"] for _ in where.workers]
     ranks = [
-        cfg.prefill_tp * cfg.prefill_pp
+        cfg.prefill_tp * cfg.prefill_pp * cfg.prefill_dp
         if w.role == "prefill"
         else cfg.decode_tp * cfg.decode_pp * cfg.decode_dp
         for w in where.workers

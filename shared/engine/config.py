@@ -134,10 +134,6 @@ class EngineConfig:
             )
         if self.resident_codec:
             self._check_resident_codec()
-        if self.dp > 1 and self.kv_push:
-            raise InvalidRequestError(
-                "dp", "data-parallel attention serves colocated and decode workers only (kv_push)"
-            )
         if self.cpus and len(self.cpus) < self.parallel.world_size and not self.allow_oversubscribe:
             raise InvalidRequestError(
                 "cpus",

@@ -10,7 +10,12 @@ dropped ones in its step plans (`plan_extras` -> `on_plan`), so a target is pars
 Acknowledgement is causal: a rank writes a layer's KV before its stage passes the hidden states
 on, and at a request's last layer on that rank it waits for the transport's acknowledgement
 (TCP, dist), all before the last stage's logits all-gather. So once rank 0 holds a request's
-first token, every rank's KV of it is in the decode worker's pool."""
+first token, every rank's KV of it is in the decode worker's pool.
+
+With data-parallel ranks (--dp) a rank sends the KV of its own requests only (the runner shows
+it no others). Rank 0 holds every target still: at a request's finish it forgets one another
+rank completed, and tells the others to forget it too (the final hidden states' all-gather
+orders that rank's acknowledgement before the first token)."""
 
 import logging
 import time
@@ -42,6 +47,7 @@ class KVHandoff:
         announces: bool,
         transport: str = "auto",
         secret: bytes | None = None,
+        data_parallel: bool = False,  # --dp: each rank completes its own requests only
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"KV transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -50,6 +56,7 @@ class KVHandoff:
         self.writes = writes  # False on a replica of units another rank sends
         self.reports = reports  # rank 0: keeps each request's outcome for `finish`
         self.announces = announces  # rank 0 of several: tells the others in plans
+        self.data_parallel = data_parallel
         self.transport = transport
         self.host = host_id()
         self.senders: dict[str, KVSender] = {shm.NAME: shm.ShmSender(spec)}
@@ -79,7 +86,9 @@ class KVHandoff:
         writes = spec.writes(tp_rank, shape.tp)
         layers = (stage.start_layer, end)
         announces = rank == 0 and shape.world_size > 1
-        return cls(kv, spec, layers, units, writes, rank == 0, announces, transport, secret)
+        return cls(
+            kv, spec, layers, units, writes, rank == 0, announces, transport, secret, shape.dp > 1
+        )
 
     def transport_to(self, pool: KVPool) -> str:
         """The transport that reaches `pool`; ValueError naming why none does."""
@@ -250,11 +259,16 @@ class KVHandoff:
 
     def finish(self, request_id: str) -> str | None:
         """Rank 0, once the request's last chunk came back: None, or why its KV is not all in
-        place (on this rank; the decode worker checks the others' byte counts over TCP)."""
+        place (on this rank; the decode worker checks the others' byte counts over TCP). With
+        data-parallel ranks, another rank's request is complete: its target is forgotten
+        here and, with the next plan, on the other ranks."""
         if request_id in self.results:
+            if self.data_parallel and self.announces:  # the other ranks hold its target too
+                self._gone.append(request_id)
             return self.results.pop(request_id)
+        completed = self.data_parallel and request_id in self.targets  # by its rank
         self.drop(request_id)
-        return "no KV target"
+        return None if completed else "no KV target"
 
     def drop(self, request_id: str) -> None:
         """Rank 0: forgets a request (cancelled, failed); the other ranks with the next plan."""
