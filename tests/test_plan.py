@@ -69,6 +69,17 @@ def test_each_rank_holds_what_the_footprint_says(tiny_model_factory, family, tp,
         assert held_bytes(model) == rank_footprint(cfg, shape, rank, torch.float32).weight_bytes
 
 
+@pytest.mark.parametrize("family", MOE)
+def test_each_data_parallel_rank_holds_what_the_footprint_says(tiny_model_factory, family):
+    """--dp 2: every rank the whole model but half of each MoE layer's experts."""
+    model_dir = tiny_model_factory(family)
+    cfg = ModelConfig.from_dir(model_dir)
+    shape = ParallelConfig(dp=2, allow_oversubscribe=True)
+    for rank in range(2):
+        model = load_model(model_dir, cfg, torch.float32, tp=TPGroup(experts=TPGroup(rank, 2)))
+        assert held_bytes(model) == rank_footprint(cfg, shape, rank, torch.float32).weight_bytes
+
+
 def test_pipeline_stages_hold_what_the_footprint_says(tiny_model_factory):
     model_dir = tiny_model_factory("deepseek_v3")
     cfg = ModelConfig.from_dir(model_dir)
@@ -82,23 +93,31 @@ def test_pipeline_stages_hold_what_the_footprint_says(tiny_model_factory):
 
 
 @pytest.mark.parametrize(
-    "family,tp,pp",
-    [("llama", 1, 1), ("llama", 2, 1), ("deepseek_v3", 1, 2), ("llama4_moe", 1, 2)],
+    "family,tp,pp,dp",
+    [
+        ("llama", 1, 1, 1),
+        ("llama", 2, 1, 1),
+        ("deepseek_v3", 1, 2, 1),
+        ("llama4_moe", 1, 2, 1),
+        ("deepseek_v3", 1, 1, 2),
+    ],
 )
-def test_the_engine_pool_under_a_memory_budget_is_the_plans(tiny_model_factory, family, tp, pp):
+def test_the_engine_pool_under_a_memory_budget_is_the_plans(tiny_model_factory, family, tp, pp, dp):
     """`tison plan --gpu cpu --memory M` predicts the pool an engine given memory_bytes=M
     allocates (each rank: its weights, the reserve, its part of the pool; Llama 4's capped
-    chunked layers: unit pages, a stage's layout on each)."""
+    chunked layers: unit pages, a stage's layout on each; data-parallel ranks: a pool each)."""
     model_dir = tiny_model_factory(family)
     memory, reserve = 24 << 20, 2 << 20
-    report = build_report(model_dir, "cpu", tp * pp, memory, reserve, 256, 1, "float32")
-    planned = next(s for s in report["shapes"] if (s["tp"], s["pp"], s["ep"]) == (tp, pp, False))
+    report = build_report(model_dir, "cpu", tp * pp * dp, memory, reserve, 256, 1, "float32")
+    shape = (tp, pp, False, dp)
+    planned = next(s for s in report["shapes"] if (s["tp"], s["pp"], s["ep"], s["dp"]) == shape)
     with LLM(
-        model_dir, dtype="float32", tp=tp, pp=pp, memory_bytes=memory,
+        model_dir, dtype="float32", tp=tp, pp=pp, dp=dp, memory_bytes=memory,
         memory_reserve_bytes=reserve, allow_oversubscribe=True,
     ) as llm:  # fmt: skip
         engine = llm.engine
-        assert engine.allocator.num_pages == planned["engine_pages"] == engine.kv.num_pages
+        assert engine.kv.num_pages == planned["engine_pages"]
+        assert engine.allocator.num_pages == dp * planned["engine_pages"]
         assert engine.kv.nbytes == planned["engine_pages"] * engine.kv.spec.page_size_bytes
 
 
@@ -283,6 +302,24 @@ def test_deepseek_v3_fp8_by_hand():
     assert plan.stages[0].by_component[EXPERTS] == experts
     assert plan.kv_token_bytes == 8 * 70_272
     assert plan.kv_tokens == (H200 - plan.weight_bytes - RESERVE) // 70_272
+
+
+def test_deepseek_v3_data_parallel_attention_holds_each_token_once():
+    """8 x H200 with data-parallel attention: each GPU holds the whole attention and dense
+    layers, 1/8 of the routed experts, and the latent of its own tokens only, so the 8 GPUs hold
+    8 times one GPU's tokens: over 5 times what tp=8 holds, where every GPU holds every
+    token's latent."""
+    cfg = config("deepseek-v3")
+    dp8 = plan_shape(cfg, ParallelConfig(dp=8, allow_oversubscribe=True), H200, RESERVE, BF16,
+                     8192)  # fmt: skip
+    tp8 = plan_shape(cfg, ParallelConfig(tp=8, allow_oversubscribe=True), H200, RESERVE, BF16,
+                     8192)  # fmt: skip
+    assert dp8.label == "tp=1 pp=1 dp=8" and dp8.devices == 8 and dp8.fits
+    assert dp8.kv_token_bytes == 70_272
+    assert dp8.kv_tokens == 8 * ((H200 - dp8.weight_bytes - RESERVE) // 70_272)
+    assert dp8.weight_bytes > tp8.weight_bytes and dp8.kv_tokens > 5 * tp8.kv_tokens
+    labels = [p.label for p in plan_devices(cfg, 8, H200, RESERVE, BF16, 8192)]
+    assert "tp=1 pp=1 dp=8" in labels
 
 
 # --- the command ---------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ class ShapePlan:
     weight_bytes: int  # the heaviest device's parameters and buffers
     reserve: int  # per device, held back for activations and workspaces
     kv_bytes: int  # left for KV over all devices
-    kv_tokens: int  # tokens that fit (a token takes a slot on every stage and TP rank)
+    # tokens that fit (a token takes a slot on every stage and TP rank, of one data-parallel
+    # rank)
+    kv_tokens: int
     kv_token_bytes: int  # bytes a token takes over all devices (MLA's latent: on each TP rank)
     max_concurrency: int  # sequences of `context` tokens that fit at once
     # the pool an engine with this budget allocates: pages of every layer's KV, or where it
@@ -41,13 +43,16 @@ class ShapePlan:
     @property
     def label(self) -> str:
         s = self.shape
-        return f"tp={s.tp} pp={s.pp}" + (" ep" if s.ep else "")
+        return (
+            f"tp={s.tp} pp={s.pp}" + (" ep" if s.ep else "") + (f" dp={s.dp}" if s.dp > 1 else "")
+        )
 
 
 def candidate_shapes(cfg: ModelConfig, devices: int) -> list[ParallelConfig]:
     """Every (tp, pp, ep) of `devices` ranks the engine accepts for this model: tp divides the
     heads (and KV heads divide it or it them), pp at most the layers, ep where tp divides the
-    experts."""
+    experts; and for a MoE model, data-parallel attention over all of them (dp) where they
+    divide the experts."""
     shapes = []
     for tp in range(1, devices + 1):
         pp = devices // tp
@@ -58,6 +63,8 @@ def candidate_shapes(cfg: ModelConfig, devices: int) -> list[ParallelConfig]:
         shapes.append(ParallelConfig(tp=tp, pp=pp, allow_oversubscribe=True))
         if cfg.num_experts and tp > 1 and cfg.num_experts % tp == 0:
             shapes.append(ParallelConfig(tp=tp, pp=pp, allow_oversubscribe=True, ep=True))
+    if cfg.num_experts and devices > 1 and cfg.num_experts % devices == 0:
+        shapes.append(ParallelConfig(dp=devices, allow_oversubscribe=True))
     return shapes
 
 
@@ -74,8 +81,9 @@ def plan_shape(
     """A shape's figures. What the weights and the reserve leave a device is its KV room; a
     token takes the growing part of its stage's layers on each device of the stage (MLA: the
     whole latent on every TP rank), windowed layers at most their window a sequence, and the
-    stage with the least room per token bounds the tokens and the sequences. packed: quantized
-    linears as stored (GPU kernels), else dequantized (the CPU engine)."""
+    stage with the least room per token bounds the tokens and the sequences; data-parallel
+    ranks each hold tokens and sequences of their own. packed: quantized linears as stored
+    (GPU kernels), else dequantized (the CPU engine)."""
     stages = stage_footprints(cfg, shape, dtype, page_size, packed)
     room = [max(0, memory - fp.weight_bytes - reserve) for fp in stages]  # per device
     tokens = min(r // fp.kv.growing if fp.kv.growing else 0 for r, fp in zip(room, stages))
@@ -84,10 +92,10 @@ def plan_shape(
         shape=shape,
         weight_bytes=max(fp.weight_bytes for fp in stages),
         reserve=reserve,
-        kv_bytes=shape.tp * sum(room),
-        kv_tokens=tokens,
+        kv_bytes=shape.dp * shape.tp * sum(room),
+        kv_tokens=shape.dp * tokens,
         kv_token_bytes=shape.tp * sum(fp.kv.growing for fp in stages),
-        max_concurrency=sequences,
+        max_concurrency=shape.dp * sequences,
         engine_pages=_engine_pages(cfg, shape, dtype, page_size, stages, memory, reserve),
         stages=stages,
     )
@@ -133,8 +141,9 @@ def suggest(
 ) -> tuple[ShapePlan | None, ShapePlan | None]:
     """(prefill, decode) among the plans that fit `concurrency` sequences. Prefill is
     compute-bound: the most tensor parallelism (every device works on every token's layer),
-    then the most KV. Decode is memory-bound: the most KV tokens (concurrency), then the most
-    tensor parallelism (each device reads 1/tp of the weights a step)."""
+    then the most KV. Decode is memory-bound: the most KV tokens (concurrency: data-parallel
+    attention's, for MLA, whose latent TP ranks each hold whole), then the most tensor
+    parallelism (each device reads 1/tp of the weights a step)."""
     feasible = [p for p in plans if p.max_concurrency >= concurrency]
     if not feasible:
         return None, None

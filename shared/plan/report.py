@@ -118,6 +118,7 @@ def _shape_dict(p: ShapePlan, concurrency: int) -> dict:
         "tp": p.shape.tp,
         "pp": p.shape.pp,
         "ep": p.shape.ep,
+        "dp": p.shape.dp,
         "weight_bytes_per_device": p.weight_bytes,
         "kv_bytes": p.kv_bytes,
         "kv_tokens": p.kv_tokens,
