@@ -190,6 +190,9 @@ class HeartbeatMsg:
     decoding_seqs: int = 0  # decode worker sets: requests in its batch (not waiting for KV)
     local_prefill: bool = False  # decode worker sets: it can compute a prompt itself
     free_pages: int = 0  # worker sets: KV pages free (decode); scheduler checks fit
+    # worker sets: with data-parallel ranks, the most free pages of one rank's pool, all one
+    # request can take; 0: free_pages
+    rank_free_pages: int = 0
     total_pages: int = 0  # worker sets: KV pool size; gateway /metrics
     # worker sets: the tokens one sequence can hold in its pool (fewer than total_pages x
     # page_size where chunked layers are capped: their pages share the pool); 0: that product

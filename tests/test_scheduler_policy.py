@@ -39,6 +39,15 @@ def test_admission_needs_both_roles_and_a_big_enough_pool():
     assert r.admission_status(submit(prompt_len=39, max_tokens=2), 0.0) == (protocol.TOO_LONG, 40)
 
 
+def test_a_data_parallel_worker_has_room_for_what_one_rank_holds():
+    """Two ranks of 2 free pages each: a request of 2 pages fits, one of 3 does not (its
+    pages would be one rank's), though 4 pages are free in all."""
+    dp = beat("d-dp", free_pages=4, rank_free_pages=2, total_pages=8)
+    r = router(dp, beat("p", role="prefill"))
+    assert r.choose(submit(prompt_len=6, max_tokens=2), 0.0).decode.worker_id == "d-dp"
+    assert r.choose(submit(prompt_len=10, max_tokens=2), 0.0) is None
+
+
 def test_routes_to_least_loaded_decode_with_room_and_counts_assignments():
     r = router(
         beat("d-busy", free_pages=50, total_pages=50, running_seqs=5, decoding_seqs=5),

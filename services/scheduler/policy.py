@@ -210,6 +210,8 @@ class Router:
     def _fits(self, beat: HeartbeatMsg, num_prompt_tokens: int) -> bool:
         since = self._since.get(beat.worker_id, _SinceBeat())
         free, chunk, groups = self._free(beat), beat.chunk_tokens, beat.chunk_groups
+        if beat.rank_free_pages:  # data-parallel ranks: the request's pages are one rank's
+            free = min(free, beat.rank_free_pages)
         return not since.refused and fits(free, num_prompt_tokens, beat.page_size, chunk, groups)
 
     def _within_share(self, beat: HeartbeatMsg, num_prompt_tokens: int) -> bool:

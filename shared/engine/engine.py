@@ -322,6 +322,9 @@ class LLMEngine:
             running_seqs=len(sched.running) + len(sched.reserved),
             decoding_seqs=len(sched.running),
             free_pages=self.allocator.num_free,
+            rank_free_pages=max(p.num_free for p in self.allocator.pools)
+            if self.config.dp > 1
+            else 0,
             total_pages=self.allocator.num_pages,
             max_sequence_tokens=self.pool_tokens,
             chunk_tokens=self.chunk or 0,
