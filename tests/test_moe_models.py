@@ -167,37 +167,25 @@ def test_fused_expert_tensors_load_as_per_expert_ones(references, name, tmp_path
         assert torch.equal(ours[0][key], ours[1][key]), key
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "llama4_moe", "deepseek_v3"])
-def test_up_serves_each_moe_family_as_offline(references, tiny_model_factory, family):
+# tison up's flags: the default workers, and prefill and decode workers of 2 data-parallel ranks
+DP2 = ("--dp", "2", "--mode", "disaggregated", "--allow-oversubscribe", "--threads", "1")
+UP_CASES = {
+    **{family: (family, ()) for family in ["mixtral", "qwen3_moe", "llama4_moe", "deepseek_v3"]},
+    "deepseek_v3-dp2": ("deepseek_v3", DP2),
+}
+
+
+@pytest.mark.parametrize("family,flags", UP_CASES.values(), ids=UP_CASES.keys())
+def test_up_serves_each_moe_family_as_offline(references, tiny_model_factory, family, flags):
     """`tison up` (a prefill and a decode worker) completes greedily as the offline engine,
-    itself equal to transformers (above, tests/test_llama4.py, tests/test_deepseek_v3.py)."""
+    itself equal to transformers (above, tests/test_llama4.py, tests/test_deepseek_v3.py);
+    with --dp 2, DeepSeek-V3's latent KV goes from a prefill worker of 2 data-parallel ranks to
+    a decode worker of 2."""
     model_dir = references(family)[0] if family in MODELS else tiny_model_factory(family)
-    prompts = ["def fibonacci(n):", "The quick brown fox"]
-    with LLM(model_dir, dtype="float32") as llm:
-        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
-    up = Up(model_dir, free_port())
-    try:
-        up.wait_serving()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="x")
-        for prompt, ref in zip(prompts, expected):
-            out = client.completions.create(
-                model=model_dir.name, prompt=prompt, max_tokens=12, temperature=0
-            )
-            assert out.choices[0].text == ref.text
-    finally:
-        assert up.stop() == 0
-
-
-def test_up_with_data_parallel_workers_serves_as_offline(tiny_model_factory):
-    """`tison up --dp 2`: DeepSeek-V3's latent KV from a prefill worker of 2 data-parallel
-    ranks to a decode worker of 2; completions equal the offline engine's (itself equal to
-    transformers, tests/test_deepseek_v3.py)."""
-    model_dir = tiny_model_factory("deepseek_v3")
     prompts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np"]
     with LLM(model_dir, dtype="float32") as llm:
         expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
-    flags = ["--dp", "2", "--mode", "disaggregated", "--allow-oversubscribe"]
-    up = Up(model_dir, free_port(), *flags, "--threads", "1")
+    up = Up(model_dir, free_port(), *flags)
     try:
         up.wait_serving()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="x")
