@@ -154,9 +154,10 @@ class FusedMoE(nn.Module):
     def idle(self) -> None:
         """A data-parallel rank without tokens this step joins the layer's exchanges: it
         computes the rows other ranks send to its experts (--dp)."""
-        H, k = self.w13.shape[-1], self.top_k
+        H, k, device = self.w13.shape[-1], self.top_k, self.w13.device
         x = self.w13.new_empty((0, H))
-        ids, weights = torch.empty((0, k), dtype=torch.long), torch.empty((0, k))
+        ids = torch.empty((0, k), dtype=torch.long, device=device)
+        weights = torch.empty((0, k), device=device)
         self.ep(x, ids, weights, self.run_experts, self.apply_weights_on_input)
 
     def run_experts(

@@ -42,12 +42,13 @@ class ExpertParallel:
         experts: LocalExperts,
         weights_on_input: bool = False,  # scale each row before its expert (Llama 4), not after
     ) -> torch.Tensor:
-        sizes = [len(x)] if self.own_tokens else token_slices(len(x), self.tp.size)
-        lo = 0 if self.own_tokens else sum(sizes[: self.tp.rank])
-        n = sizes[0] if self.own_tokens else sizes[self.tp.rank]
+        n, lo = len(x), 0  # this rank routes tokens [lo, lo + n)
+        if not self.own_tokens:
+            sizes = token_slices(len(x), self.tp.size)
+            n, lo = sizes[self.tp.rank], sum(sizes[: self.tp.rank])
         mine = slice(lo, lo + n)
         ids, weights = topk_ids[mine].reshape(-1), topk_weights[mine].reshape(-1)  # (n*k,)
-        token = torch.arange(n).repeat_interleave(topk_ids.shape[1])
+        token = torch.arange(n, device=x.device).repeat_interleave(topk_ids.shape[1])
         dest = ids // self.local
         order = torch.argsort(dest, stable=True)  # pairs grouped by the rank holding the expert
         ids, weights, token = ids[order], weights[order], token[order]
@@ -61,7 +62,7 @@ class ExpertParallel:
         arrived_ids = self.tp.all_to_all(ids, send_l, recv_l) - self.first  # (R,) local ids
         done = self.tp.all_to_all(experts(arrived, arrived_ids), recv_l, send_l)  # (P, H)
         scale = torch.ones_like(weights) if weights_on_input else weights
-        out = torch.zeros(n, x.shape[1], dtype=torch.float32)
+        out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, token, done.float() * scale[:, None])
         if self.own_tokens:
             return out.to(x.dtype)  # (T, H)
