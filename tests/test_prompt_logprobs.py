@@ -1,7 +1,8 @@
 """Prompt logprobs (vLLM's `prompt_logprobs`) equal transformers' float32 log_softmax of the
 logits at each prompt position: chunk by chunk, beside requests that do not ask, with the
 prefix cache on (hits skipped), after preemption (none twice), on a colocated reservation whose
-prefix was cached, with pipeline stages, and through the offline LLM."""
+prefix was cached, with pipeline stages, tensor-parallel and data-parallel ranks, and through
+the offline LLM."""
 
 import pytest
 import torch
@@ -152,12 +153,15 @@ def test_a_remote_prefill_s_prompt_logprobs_are_kept_not_recomputed(model, refer
     decode.abort("r")
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
-def test_parallel_ranks_equal_one_rank(model, references, tp, pp):
+@pytest.mark.parametrize("tp,pp,dp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
+def test_parallel_ranks_equal_one_rank(model, references, tp, pp, dp):
     """PP=2: the last stage scores the prompts and sends the values back with the samples;
-    TP=2: rank 0 scores them from the gathered logits (every rank joins the gather)."""
+    TP=2: rank 0 scores them from the gathered logits (every rank joins the gather); DP=2: each
+    rank computes its own requests, rank 0 scores them all from the gathered hidden states."""
     prompts, refs = references
-    engine = new_engine(model, tp=tp, pp=pp, allow_oversubscribe=True, max_num_batched_tokens=16)
+    engine = new_engine(
+        model, tp=tp, pp=pp, dp=dp, allow_oversubscribe=True, max_num_batched_tokens=16
+    )
     try:
         asks = [engine.add_request(f"a{i}", p, ASK) for i, p in enumerate(prompts)]
         plain = engine.add_request("plain", prompts[2], PLAIN)
