@@ -59,7 +59,7 @@ class WorkerConfig:
     pp: int = 1  # pipeline stages
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
     ep: bool = False  # MoE layers: whole experts spread over the TP ranks
-    dp: int = 1  # data-parallel attention ranks (decode workers), experts spread over them
+    dp: int = 1  # data-parallel attention ranks, MoE experts spread over them
     allow_oversubscribe: bool = False  # more ranks than CPU cores
     cpus: tuple[int, ...] = ()  # cores of this worker's ranks (`tison up` plans them); (): any
     # disk: model_dir's weights; peer: a running worker's of the same served model name, over

@@ -97,11 +97,9 @@ class DataParallelScheduler:
     def reserve(self, req: Request) -> bool:
         """Holds req's pages on the first rank (ranks_for) whose pool has room."""
         for rank in self.ranks_for(req):
-            req.dp_rank = rank
             if self.schedulers[rank].reserve(req):
                 self._place(req, rank)
                 return True
-        req.dp_rank = 0
         return False
 
     def _place(self, req: Request, rank: int) -> None:

@@ -129,14 +129,10 @@ class LLMEngine:
                 )
             )
         if config.dp == 1:
-            cache = pools[0] if config.enable_prefix_caching else None
-            return schedulers[0], pools[0], cache
-        pages = DataParallelPages(pools)
-        return (
-            DataParallelScheduler(schedulers),
-            pages,
-            pages if config.enable_prefix_caching else None,
-        )
+            scheduler, pool = schedulers[0], pools[0]
+        else:
+            scheduler, pool = DataParallelScheduler(schedulers), DataParallelPages(pools)
+        return scheduler, pool, pool if config.enable_prefix_caching else None
 
     def add_request(
         self,
@@ -312,7 +308,7 @@ class LLMEngine:
 
     def load(self) -> dict[str, int]:
         """What a worker's heartbeat reports (HeartbeatMsg's fields of the same names)."""
-        sched = self.scheduler
+        sched, pools = self.scheduler, getattr(self.allocator, "pools", ())
         queued = sum(
             r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
             for r in list(sched.waiting)
@@ -322,9 +318,7 @@ class LLMEngine:
             running_seqs=len(sched.running) + len(sched.reserved),
             decoding_seqs=len(sched.running),
             free_pages=self.allocator.num_free,
-            rank_free_pages=max(p.num_free for p in self.allocator.pools)
-            if self.config.dp > 1
-            else 0,
+            rank_free_pages=max((p.num_free for p in pools), default=0),  # --dp
             total_pages=self.allocator.num_pages,
             max_sequence_tokens=self.pool_tokens,
             chunk_tokens=self.chunk or 0,

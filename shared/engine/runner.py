@@ -48,8 +48,8 @@ class ModelRunner:
         self.tp, self.stage, self.comm, self.dp = tp, stage, comm, dp
         # --dp: the MoE layers' experts, in layer order, which a step without requests of this
         # rank's only joins (FusedMoE.idle)
-        moe = [m for m in model.modules() if isinstance(m, FusedMoE)] if dp.size > 1 else []
-        self.experts = moe
+        moe = dp.size > 1
+        self.experts = [m for m in model.modules() if moe and isinstance(m, FusedMoE)]
         self.hidden_size = model.config.hidden_size
         self.dtype = kv.spec.dtype
         # after each layer of a forward pass: (global layer index, the step) -> push its new KV
@@ -107,16 +107,13 @@ class ModelRunner:
         if not self.stage.is_last:
             self._send_hidden(hidden, residual)
             return [], None, []
-        logits_rows, sample_index, prompt_rows = (
-            batch.logits_rows,
-            batch.sample_index,
-            batch.prompt_rows,
-        )
+        rows_of = batch.logits_rows, batch.sample_index, batch.prompt_rows
         if self.dp.size > 1:  # rank 0 samples every rank's rows
             hidden = self._gather(out, hidden)
             if self.dp.rank:
                 return [], None, []
-            logits_rows, sample_index, prompt_rows = output_rows(out, self.device)
+            rows_of = output_rows(out, self.device)
+        logits_rows, sample_index, prompt_rows = rows_of
         keep = self.tp.rank == 0
         compute_logits = self.model.compute_logits
         prompt = score_prompts(hidden, prompt_rows, compute_logits, self.vocab_size, keep)

@@ -1,11 +1,11 @@
 """The links of one rank of a worker: a world group for point-to-point messages (step plans,
 hidden states, results), its stage's tensor-parallel group and, with --dp, the data-parallel
-group of all ranks. Groups are ProcessGroup objects
-built over a loopback TCPStore, not the process-global default group, so one process may hold
-several engines (tests) one after another. Messages are msgpack bytes or tensors, never pickle.
-The TP group's backend follows the device (group.process_group); the world group carries the
-msgpack plans, CPU bytes, so it is gloo on every device; hidden states between stages go on a
-group of the device's backend (NCCL between GPUs: they never visit host memory)."""
+group of all ranks. Groups are ProcessGroup objects built over a loopback TCPStore, not the
+process-global default group, so one process may hold several engines (tests) one after
+another. Messages are msgpack bytes or tensors, never pickle. The TP and DP groups' backend
+follows the device (group.process_group); the world group carries the msgpack plans, CPU bytes,
+so it is gloo on every device; hidden states between stages go on a group of the device's
+backend (NCCL between GPUs: they never visit host memory)."""
 
 import time
 from datetime import timedelta
@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shared.parallel.group import TPGroup, process_group
+from shared.parallel.group import SINGLE, TPGroup, process_group
 from shared.parallel.shape import ParallelConfig
 
 PLAN, HIDDEN, RESULT = 1, 2, 3  # message tags: rank 0 -> all, stage -> next stage, last -> 0
@@ -50,7 +50,7 @@ class RankComm:
         if shape.tp > 1:
             tp_store = dist.PrefixStore(f"tp{stage}", store)
             group = process_group(tp_store, tp_rank, shape.tp, device, IDLE_TIMEOUT)
-        self.dp = TPGroup()  # data-parallel ranks (T = P = 1: every rank); SINGLE without
+        self.dp = SINGLE  # the data-parallel ranks (T = P = 1: every rank), with --dp
         if shape.dp > 1:
             dp_store = dist.PrefixStore("dp", store)
             dp_group = process_group(dp_store, rank, shape.dp, device, IDLE_TIMEOUT)
