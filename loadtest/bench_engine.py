@@ -8,9 +8,12 @@ minutes) by a C read probe (membw.c) on the same threads. It prints the CPU tier
 ran at; --isa runs it at a lower tier (as TISON_CPU_ISA does). `--model-kind moe` runs a
 Mixtral-shaped mixture of experts of the same size instead, against its active-bytes roofline
 (the experts a step's tokens chose, roofline.py). Once both models are built, the process's
-objects are frozen out of the garbage collector's view, as a worker's are.
+objects are frozen out of the garbage collector's view, as a worker's are. `--tp`, `--ep` and
+`--dp` run Tison's engine at that shape, each rank on `--threads` threads (the roofline stays
+the one-rank model's bytes a step).
 
     python -m loadtest.bench_engine [--isa avx2] [--model-kind moe] [--threads 2] [--out f.json]
+    python -m loadtest.bench_engine --model-kind moe --dp 2 --threads 1
 """
 
 import argparse
@@ -205,6 +208,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4, help="paired rounds (A, B / B, A ...)")
     ap.add_argument("--model-kind", default="dense", choices=sorted(MODELS))
+    ap.add_argument("--tp", type=int, default=1, help="Tison's tensor-parallel ranks")
+    ap.add_argument("--ep", action="store_true", help="... holding whole experts")
+    ap.add_argument("--dp", type=int, default=1, help="Tison's data-parallel attention ranks")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     fields = MODELS[args.model_kind]
@@ -224,6 +230,10 @@ def main() -> None:
             dtype=args.dtype,
             kv_cache_bytes=2 << 30,
             enable_prefix_caching=False,
+            tp=args.tp,
+            ep=args.ep,
+            dp=args.dp,
+            allow_oversubscribe=True,
         )
         engine = LLMEngine(config)
         tison_decode(engine, 1, 8, 4)  # warm-up
@@ -237,12 +247,14 @@ def main() -> None:
             for i in range(args.rounds)
         ]
     facts = env_report()
+    shaped = args.tp * args.dp > 1
     print(
         f"CPU: {facts['cpu']}, tier {facts['tier']} (of {', '.join(facts['tiers_runnable'])});"
         f" linear {facts['linear_kernel']}, other kernels at {facts['kernels_built_for']}, "
         f"fused decoder {'on' if engine.model.model.fused is not None else 'off'}; torch "
         f"{torch.__version__} at {facts['torch_cpu_capability']}, oneDNN bf16 "
         f"{'yes' if facts['onednn_bf16'] else 'no'}; {args.threads} threads"
+        + (f" a rank of tp={args.tp}{' ep' if args.ep else ''} dp={args.dp}" if shaped else "")
     )
     print(
         f"Model: {args.model_kind} ({hf.num_parameters() / 1e6:.0f}M parameters); "
@@ -254,6 +266,7 @@ def main() -> None:
     )
     shape = LlamaShape.from_fields(fields)
     print_table(rounds, shape, args.prompt_len, args.new_tokens, torch.finfo(engine.dtype).bits)
+    engine.close()  # its other ranks, if any
     if args.out:
         args.out.write_text(json.dumps({"facts": facts, "rounds": rounds}, indent=1))
 
