@@ -44,6 +44,19 @@ def test_greedy_equals_transformers(model4, reference, tp, pp):
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == refs
         assert llm.engine.num_pages_used == 0
+        assert (llm.engine.runner.tp.shm is not None) == (tp > 1)  # same-host CPU ranks
+
+
+def test_gloo_collectives_alone_equal_transformers_too(model4, reference, monkeypatch):
+    """TISON_CPU_COLLECTIVES=gloo: the ranks' collectives without shared memory (the path of
+    parts too large for its slots, shared/parallel/shm_group.py), every rank inheriting it."""
+    monkeypatch.setenv("TISON_CPU_COLLECTIVES", "gloo")
+    prompts, refs = reference
+    with LLM(
+        model4, dtype="float32", tp=2, pp=2, allow_oversubscribe=True, max_num_batched_tokens=24
+    ) as llm:
+        assert llm.engine.runner.tp.shm is None
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == refs
 
 
 def test_pipeline_keeps_p_micro_batches_in_flight(model4, reference):

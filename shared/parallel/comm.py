@@ -3,7 +3,8 @@ hidden states, results), its stage's tensor-parallel group and, with --dp, the d
 group of all ranks. Groups are ProcessGroup objects built over a loopback TCPStore, not the
 process-global default group, so one process may hold several engines (tests) one after
 another. Messages are msgpack bytes or tensors, never pickle. The TP and DP groups' backend
-follows the device (group.process_group); the world group carries the msgpack plans, CPU bytes,
+follows the device (group.process_group), and on CPUs their collectives go through shared
+memory first (shm_group.py); the world group carries the msgpack plans, CPU bytes,
 so it is gloo on every device; hidden states between stages go on a group of the device's
 backend (NCCL between GPUs: they never visit host memory)."""
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from shared.parallel.group import SINGLE, TPGroup, process_group
 from shared.parallel.shape import ParallelConfig
+from shared.parallel.shm_group import ShmGroup, open_group
 
 PLAN, HIDDEN, RESULT = 1, 2, 3  # message tags: rank 0 -> all, stage -> next stage, last -> 0
 IDLE_TIMEOUT = timedelta(days=30)  # ranks wait for the next plan as long as the worker lives
@@ -46,19 +48,26 @@ class RankComm:
             hidden = dist.PrefixStore("hidden", store)
             self.hidden = process_group(hidden, rank, shape.world_size, device, IDLE_TIMEOUT)
         stage, tp_rank = divmod(rank, shape.tp)
-        group = None
+        group = shm = None
         if shape.tp > 1:
             tp_store = dist.PrefixStore(f"tp{stage}", store)
             group = process_group(tp_store, tp_rank, shape.tp, device, IDLE_TIMEOUT)
+            shm = self._shm(tp_store, tp_rank, shape.tp)
         self.dp = SINGLE  # the data-parallel ranks (T = P = 1: every rank), with --dp
         if shape.dp > 1:
             dp_store = dist.PrefixStore("dp", store)
             dp_group = process_group(dp_store, rank, shape.dp, device, IDLE_TIMEOUT)
-            self.dp = TPGroup(rank, shape.dp, dp_group)
+            dp_shm = self._shm(dp_store, rank, shape.dp)
+            self.dp = TPGroup(rank, shape.dp, dp_group, shm=dp_shm)
         experts = self.dp if shape.dp > 1 else None
-        self.tp = TPGroup(tp_rank, shape.tp, group, shape.ep, experts)
+        self.tp = TPGroup(tp_rank, shape.tp, group, shape.ep, experts, shm)
         self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
         self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
+
+    def _shm(self, store, rank: int, size: int) -> ShmGroup | None:
+        """A group's shared-memory collectives, for CPU ranks (all of a worker's are on one
+        host)."""
+        return open_group(store, "coll", rank, size) if self.device.type == "cpu" else None
 
     def send_bytes(self, data: bytes, dst: int, tag: int) -> None:
         self._send(self.world, torch.tensor([len(data)], dtype=torch.int64), dst, tag)

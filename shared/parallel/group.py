@@ -7,6 +7,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shared.parallel.shm_group import ShmGroup
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -22,9 +24,12 @@ class TPGroup:
     # --dp: the data-parallel ranks that MoE layers spread whole experts over, each rank with
     # tokens of its own (moe_ep.py); None: no data parallelism
     experts: "TPGroup | None" = None
+    # same-host CPU ranks: collectives through shared memory (shm_group.py), the process group
+    # for parts too large for it; None: the process group's alone
+    shm: ShmGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.size > 1 and (self.shm is None or not self.shm.all_reduce(x)):
             self.group.allreduce([x]).wait()
         return x
 
@@ -32,6 +37,8 @@ class TPGroup:
         """Concatenate every rank's shard along the last dim: (..., n) -> (..., n * size)."""
         if self.size == 1:
             return x
+        if self.shm is not None and (out := self.shm.all_gather_last_dim(x)) is not None:
+            return out
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
@@ -41,6 +48,8 @@ class TPGroup:
         sent here, in rank order (recv[s] of them from rank s)."""
         if self.size == 1:
             return x
+        if self.shm is not None and (out := self.shm.all_to_all(x, send, recv)) is not None:
+            return out
         out = x.new_empty((sum(recv), *x.shape[1:]))
         self.group.alltoall_base(out, x.contiguous(), recv, send, dist.AllToAllOptions()).wait()
         return out
@@ -49,6 +58,8 @@ class TPGroup:
         """Concatenate every rank's rows (rank s holds rows[s] of them) along dim 0."""
         if self.size == 1:
             return x
+        if self.shm is not None and (out := self.shm.all_gather_rows(x, rows)) is not None:
+            return out
         most = max(rows)
         padded = x.new_zeros((most, *x.shape[1:]))
         padded[: len(x)] = x

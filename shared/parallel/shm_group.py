@@ -1,0 +1,191 @@
+"""Collectives of a worker's CPU ranks through shared memory, as vLLM's CPU backend does: on a
+host, gloo's TCP loopback takes 240-650 us for an all-to-all or all-gather of a few rows and
+1.5 ms for an all-reduce (2-core Zen 5 VM), which dwarfs a decode step's layer; here one takes a
+copy in, a wait on the peers' step counters (_shm_sync.c) and a copy out.
+
+One mapping a group, made by rank 0 and unlinked once every rank has it open: a cache line of
+step counter a rank, each rank's pid, then two sets (alternate steps) of SLOT_BYTES a rank. A
+rank writes its part of step n into set n % 2, publishes n, waits until every counter reaches
+n, and reads. It can write set n % 2 again only at step n + 2, after every rank published
+n + 1, which each does after reading step n: no step's data is overwritten while read.
+
+A part larger than its slot goes over the process group instead: every rank learns of it in
+the same step (a flag beside its counter, one for each set), so all of them fall back
+together. A peer whose process is gone, or a wait over TIMEOUT_S, raises.
+`TISON_CPU_COLLECTIVES=gloo` keeps every collective on gloo (and is how the tests run that path
+on every machine)."""
+
+import ctypes
+import logging
+import math
+import mmap
+import os
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from kernels.build import build_library
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "TISON_CPU_COLLECTIVES"  # shm (default) | gloo
+SLOT_BYTES = 8 << 20  # a rank's part of one step
+TIMEOUT_S = 300.0  # a collective waiting longer has lost a peer
+_LINE = 8  # int64s a cache line: each rank's counter and flag on a line of its own
+_lib: list = []  # [the loaded _shm_sync library, or None], once tried
+
+
+def _sync_library():
+    if not _lib:
+        source = Path(__file__).with_name("_shm_sync.c")
+        try:
+            lib = ctypes.CDLL(
+                str(build_library("tison_shm_sync", [source], ["-O2", "-shared", "-fPIC"]))
+            )
+            lib.tison_shm_post.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+            lib.tison_shm_wait.restype = ctypes.c_int64
+            lib.tison_shm_wait.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            lib.tison_shm_wait.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
+        except (OSError, subprocess.SubprocessError) as e:
+            log.info("shared-memory collectives: %s; the ranks use gloo", e)
+            lib = None
+        _lib.append(lib)
+    return _lib[0]
+
+
+class ShmGroup:
+    """`size` ranks' collectives on CPU tensors; each returns None (all_reduce: False) when a
+    part does not fit its slot, on every rank alike: the caller then uses its process group."""
+
+    def __init__(self, path: Path, rank: int, size: int, create: bool):
+        self.rank, self.size = rank, size
+        header = size * _LINE * 8 + math.ceil(size / _LINE) * _LINE * 8  # counters, pids
+        total = header + 2 * size * SLOT_BYTES
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, total)
+            self._map = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        memory = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._lines = memory[: size * _LINE * 8].view(torch.int64).view(size, _LINE)
+        self._pids = memory[size * _LINE * 8 : header].view(torch.int64)
+        self._pids[rank] = os.getpid()
+        self._slots = memory[header:].view(2, size, SLOT_BYTES)
+        self._step = 0
+        self._lib = _sync_library()
+
+    def all_reduce(self, x: torch.Tensor) -> bool:
+        """x summed over the ranks in place (in float32 for a bf16 x, in rank order, the same
+        bits on every rank)."""
+        nbytes = x.numel() * x.element_size()
+        slots = self._next()
+        fits = nbytes <= SLOT_BYTES
+        if fits:
+            slots[self.rank, :nbytes].copy_(x.reshape(-1).view(torch.uint8))
+        if not self._sync(fits):
+            return False
+        parts = [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
+        wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        total = parts[0].to(wide)
+        for part in parts[1:]:
+            total = total + part.to(wide)
+        x.copy_(total)
+        return True
+
+    def all_gather_rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """Every rank's rows (rank s holds rows[s] of them), concatenated along dim 0."""
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        slots = self._next()
+        fits = max(rows) * row_bytes <= SLOT_BYTES
+        if fits:
+            slots[self.rank, : len(x) * row_bytes].copy_(x.reshape(-1).view(torch.uint8))
+        if not self._sync(fits):
+            return None
+        return torch.cat([self._rows(slots[s], 0, n, x) for s, n in enumerate(rows)])
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's x (the same shape on each) concatenated along the last dim."""
+        nbytes = x.numel() * x.element_size()
+        slots = self._next()
+        fits = nbytes <= SLOT_BYTES
+        if fits:
+            slots[self.rank, :nbytes].copy_(x.reshape(-1).view(torch.uint8))
+        if not self._sync(fits):
+            return None
+        parts = [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
+        return torch.cat(parts, dim=-1)
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor | None:
+        """TPGroup.all_to_all's rows: those for rank d go to the d-th part of this rank's slot."""
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        part = SLOT_BYTES // self.size // 64 * 64  # aligned for any dtype's view
+        slots = self._next()
+        fits = max(max(send), max(recv)) * row_bytes <= part
+        if fits:
+            flat, at = x.reshape(-1).view(torch.uint8), 0
+            for d, n in enumerate(send):
+                slots[self.rank, d * part : d * part + n * row_bytes].copy_(
+                    flat[at : at + n * row_bytes]
+                )
+                at += n * row_bytes
+        if not self._sync(fits):
+            return None
+        return torch.cat([self._rows(slots[s], self.rank * part, n, x) for s, n in enumerate(recv)])
+
+    def _next(self) -> torch.Tensor:
+        """(size, SLOT_BYTES) the slots of the next step."""
+        return self._slots[(self._step + 1) % 2]
+
+    def _sync(self, fits: bool) -> bool:
+        """Publishes this rank's next step (and whether its part fit), waits for every rank's;
+        whether every part fit."""
+        self._step += 1
+        flag = 1 + self._step % 2  # a flag a parity: a peer a step ahead keeps this one
+        line = self._lines[self.rank]
+        line[flag] = 1 if fits else 0  # read by the peers once they see the step (release below)
+        self._lib.tison_shm_post(line.data_ptr(), self._step)
+        status = self._lib.tison_shm_wait(
+            self._lines.data_ptr(), _LINE, self._pids.data_ptr(), self.size, self._step, TIMEOUT_S
+        )
+        if status < 0:
+            peer = -1 - status
+            why = "timed out" if peer == self.size else f"rank {peer}'s process is gone"
+            raise RuntimeError(f"shared-memory collective, step {self._step}: {why}")
+        return bool(self._lines[:, flag].all())
+
+    @staticmethod
+    def _rows(slot: torch.Tensor, at: int, n: int, like: torch.Tensor) -> torch.Tensor:
+        """n rows shaped as like's, from byte `at` of a slot."""
+        row_bytes = math.prod(like.shape[1:]) * like.element_size()
+        data = slot[at : at + n * row_bytes].view(like.dtype)
+        return data.view(n, *like.shape[1:])
+
+
+def open_group(store, prefix: str, rank: int, size: int) -> ShmGroup | None:
+    """The ranks' shared-memory group, made over the TCPStore all of them use (call on every
+    rank, in the same order as their process groups); None where TISON_CPU_COLLECTIVES=gloo or
+    the sync library cannot be built (every rank alike: rank 0 decides)."""
+    key = f"{prefix}/shm"
+    if rank == 0:
+        path = ""
+        if os.environ.get(ENV_VAR, "shm") != "gloo" and _sync_library() is not None:
+            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            path = str(base / f"tison-coll-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            group = ShmGroup(Path(path), 0, size, create=True)
+        store.set(key, path)
+        if path:
+            store.wait([f"{prefix}/mapped{r}" for r in range(1, size)])
+            os.unlink(path)  # each rank holds its mapping: nothing is left behind
+            return group
+        return None
+    path = store.get(key).decode()
+    if not path:
+        return None
+    group = ShmGroup(Path(path), rank, size, create=False)
+    store.set(f"{prefix}/mapped{rank}", "1")
+    return group
