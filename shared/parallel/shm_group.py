@@ -82,14 +82,9 @@ class ShmGroup:
     def all_reduce(self, x: torch.Tensor) -> bool:
         """x summed over the ranks in place (in float32 for a bf16 x, in rank order, the same
         bits on every rank)."""
-        nbytes = x.numel() * x.element_size()
-        slots = self._next()
-        fits = nbytes <= SLOT_BYTES
-        if fits:
-            slots[self.rank, :nbytes].copy_(x.reshape(-1).view(torch.uint8))
-        if not self._sync(fits):
+        parts = self._exchange(x)
+        if parts is None:
             return False
-        parts = [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
         wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
         total = parts[0].to(wide)
         for part in parts[1:]:
@@ -110,15 +105,8 @@ class ShmGroup:
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's x (the same shape on each) concatenated along the last dim."""
-        nbytes = x.numel() * x.element_size()
-        slots = self._next()
-        fits = nbytes <= SLOT_BYTES
-        if fits:
-            slots[self.rank, :nbytes].copy_(x.reshape(-1).view(torch.uint8))
-        if not self._sync(fits):
-            return None
-        parts = [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
-        return torch.cat(parts, dim=-1)
+        parts = self._exchange(x)
+        return None if parts is None else torch.cat(parts, dim=-1)
 
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor | None:
         """TPGroup.all_to_all's rows: those for rank d go to the d-th part of this rank's slot."""
@@ -136,6 +124,17 @@ class ShmGroup:
         if not self._sync(fits):
             return None
         return torch.cat([self._rows(slots[s], self.rank * part, n, x) for s, n in enumerate(recv)])
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x (the same shape on each), in rank order, as views of the slots."""
+        nbytes = x.numel() * x.element_size()
+        slots = self._next()
+        fits = nbytes <= SLOT_BYTES
+        if fits:
+            slots[self.rank, :nbytes].copy_(x.reshape(-1).view(torch.uint8))
+        if not self._sync(fits):
+            return None
+        return [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
 
     def _next(self) -> torch.Tensor:
         """(size, SLOT_BYTES) the slots of the next step."""
