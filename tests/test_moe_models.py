@@ -220,7 +220,8 @@ async def test_data_parallel_decode_worker_equals_offline(
     rank's pool and names that pool alone to the prefill worker, which writes there over shm
     or TCP (Llama 4: its chunked layers capped in both ranks' pools); a prefill worker of 2
     data-parallel ranks writes each request's KV from the rank that computed it. Concurrent
-    requests, spread over both ranks (ties rotate), complete as the offline engine does."""
+    requests, spread over both ranks (ties rotate), complete as the offline engine does, and
+    streams dropped on both ranks return every page."""
     monkeypatch.setenv("TISON_KV_SECRET", "test-secret")  # the workers inherit it: TCP is on
     model_dir = tiny_model_factory(family)
     fox = "The quick brown fox jumps over the lazy dog. "
@@ -248,6 +249,8 @@ async def test_data_parallel_decode_worker_equals_offline(
         assert [o.choices[0].text for o in outs] == [e.text for e in expected], s.logs()
         decode_log = (tmp_path / "decode.log").read_text()
         assert "rank 1: KV pool" in decode_log
+        # two streams dropped while both run, one on each rank: every page comes back
+        await asyncio.gather(*(_cancel_a_stream(s, model_dir.name, p) for p in prompts[:2]))
         await wait_pages_free(s)
 
 
