@@ -167,6 +167,26 @@ def test_fused_expert_tensors_load_as_per_expert_ones(references, name, tmp_path
         assert torch.equal(ours[0][key], ours[1][key]), key
 
 
+def test_data_parallel_ranks_preempt_on_their_own_and_recompute(references):
+    """--dp 2, a pool of 8 pages a rank: rank 0's three requests need 10 at their longest, so it
+    preempts and recomputes one while rank 1 goes on; every token is transformers' greedy one
+    and both pools end empty."""
+    model_dir, prompts, refs, _ = references("mixtral")
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    engine = new_engine(
+        model_dir, dp=2, num_pages=8, allow_oversubscribe=True, max_num_batched_tokens=24
+    )
+    try:
+        requests = [engine.add_request(str(i), p, greedy) for i, p in enumerate(prompts)]
+        outputs = run_all(engine)
+        assert [outputs[str(i)] for i in range(len(prompts))] == refs
+        assert [r.dp_rank for r in requests] == [0, 1, 0, 1, 0]
+        assert sum(r.num_preemptions for r in requests if r.dp_rank == 0) > 0
+        assert engine.num_pages_used == 0
+    finally:
+        engine.close()
+
+
 # tison up's flags: the default workers, and prefill and decode workers of 2 data-parallel ranks
 DP2 = ("--dp", "2", "--mode", "disaggregated", "--allow-oversubscribe", "--threads", "1")
 UP_CASES = {
