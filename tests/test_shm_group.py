@@ -94,3 +94,16 @@ def test_gloo_alone_where_asked(monkeypatch):
     store = dist.HashStore()
     assert shm_group.open_group(store, "coll", 0, 2) is None
     assert store.get("coll/shm") == b""  # the other ranks read that and use gloo too
+
+
+def test_no_room_in_dev_shm_leaves_the_ranks_on_gloo(monkeypatch):
+    """The mapping's memory is taken when it is made: a full /dev/shm (a container's 64 MiB)
+    is found then, and every rank uses gloo, instead of a fault mid-step."""
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm_group.os, "posix_fallocate", full)
+    store = dist.HashStore()
+    assert shm_group.open_group(store, "coll", 0, 2) is None
+    assert store.get("coll/shm") == b""

@@ -11,7 +11,8 @@ n + 1, which each does after reading step n: no step's data is overwritten while
 
 A part larger than its slot goes over the process group instead: every rank learns of it in
 the same step (a flag beside its counter, one for each set), so all of them fall back
-together. A peer whose process is gone, or a wait over TIMEOUT_S, raises.
+together. A peer whose process is gone, or a wait over TIMEOUT_S, raises. The mapping's memory
+is taken when it is made: where /dev/shm has no room for it, the ranks use gloo.
 `TISON_CPU_COLLECTIVES=gloo` keeps every collective on gloo (and is how the tests run that path
 on every machine)."""
 
@@ -66,7 +67,9 @@ class ShmGroup:
         total = header + 2 * size * SLOT_BYTES
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
-            if create:
+            if create and hasattr(os, "posix_fallocate"):  # a full /dev/shm fails here
+                os.posix_fallocate(fd, 0, total)  # not by a fault mid-step
+            elif create:
                 os.ftruncate(fd, total)
             self._map = mmap.mmap(fd, total)
         finally:
@@ -175,7 +178,12 @@ def open_group(store, prefix: str, rank: int, size: int) -> ShmGroup | None:
         if os.environ.get(ENV_VAR, "shm") != "gloo" and _sync_library() is not None:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
             path = str(base / f"tison-coll-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            group = ShmGroup(Path(path), 0, size, create=True)
+            try:
+                group = ShmGroup(Path(path), 0, size, create=True)
+            except OSError as e:  # /dev/shm too small (a container's 64 MiB default)
+                log.warning("shared-memory collectives: %s; the ranks use gloo", e)
+                Path(path).unlink(missing_ok=True)
+                path = ""
         store.set(key, path)
         if path:
             store.wait([f"{prefix}/mapped{r}" for r in range(1, size)])
