@@ -79,21 +79,40 @@ def test_each_rank_has_the_budget_of_one_engine():
     assert [(x.request, x.num_tokens) for x in out.scheduled] == [(a, 40), (b, 40)]
 
 
-def test_a_cached_prompt_goes_back_to_the_rank_that_holds_it():
+def test_a_cached_prompt_goes_back_to_the_rank_that_holds_it_among_the_least_loaded():
     s, pages = dp_scheduler(caching=True)
     first = request("first", 12, 0)
     s.add(first)
     assert first.dp_rank == 0
     while not first.finished:
         step(s)
-    other = request("other", 3, 1)  # no full page: nothing cached to look for
-    s.add(other)  # both ranks empty: rank 1's turn
-    again = request("again", 12, 2)  # the same 12 tokens: 2 full pages cached on rank 0
-    s.add(again)
-    assert (other.dp_rank, again.dp_rank) == (1, 0)
+    again = request("again", 12, 1)  # the same 12 tokens: 2 full pages cached on rank 0
+    s.add(again)  # both ranks empty, rank 1's turn: the cache decides
+    assert again.dp_rank == 0
     step(s)
     assert [p.stats.hit_tokens for p in pages.pools] == [2 * PAGE, 0]
-    assert pages.stats.hit_requests == 1
+    assert pages.stats.hit_tokens == 2 * PAGE
+    third = request("third", 12, 2)  # rank 0 runs `again`: rank 1 has fewer requests
+    s.add(third)
+    assert third.dp_rank == 1
+
+
+def test_a_prefix_every_request_shares_is_computed_once_a_rank_not_piled_on_one():
+    """Ranks step together (a step lasts as long as its busiest rank's part): requests sharing
+    a cached system prompt still spread, and each rank caches it once."""
+    s, pages = dp_scheduler(caching=True, num_pages=64)
+    warm = request("warm", 12, 0)
+    s.add(warm)
+    while not warm.finished:
+        step(s)
+    for wave in range(2):  # the same prompt, cached on rank 0 only at first
+        reqs = [request(f"{wave}{i}", 12, 1 + 2 * wave + i) for i in range(2)]
+        for req in reqs:
+            s.add(req)
+        assert [r.dp_rank for r in reqs] == [0, 1]
+        while s.has_work():
+            step(s)
+    assert [p.stats.hit_requests for p in pages.pools] == [2, 1]  # rank 1's first computes it
 
 
 def test_a_reservation_goes_where_pages_are_free():

@@ -3,9 +3,10 @@ own, so each has a Scheduler of its own over its pages (and its prefix cache).
 `DataParallelScheduler` puts each request on one rank, where it stays (`Request.dp_rank`), and
 schedules the D ranks into one step, which all of them run together: the MoE layers exchange
 their tokens (shared/models/layers/moe_ep.py). As SGLang's DP attention and vLLM's data-parallel
-engines do, a request goes to the rank that has most of its prompt cached, else to the one with
-the fewest requests, ties taken in turn. Pure policy, like the Scheduler it fans out to; page
-ids are each rank's."""
+engines do, a request goes to the rank with the fewest requests: the ranks step together, so a
+step lasts as long as its busiest rank's part. Among those, to the one that has most of its
+prompt cached (a prefix shared by every request is then computed once a rank, not piled onto
+one), then in turn. Pure policy, like the Scheduler it fans out to; page ids are each rank's."""
 
 import dataclasses
 from collections import ChainMap
@@ -78,15 +79,15 @@ class DataParallelScheduler:
         return [req for s in self.schedulers for req in s.waiting]
 
     def ranks_for(self, req: Request) -> list[int]:
-        """The ranks in the order req would go to them: most of its prompt's pages cached
-        first, then fewest requests (running, waiting, reserved), then most free pages, then
-        in turn (each placement moves the turn past its rank)."""
+        """The ranks in the order req would go to them: fewest requests (running, waiting,
+        reserved) first, then most of its prompt's pages cached, then most free pages, then in
+        turn (each placement moves the turn past its rank)."""
         size = len(self.schedulers)
 
         def key(rank: int):
             s = self.schedulers[rank]
             load = len(s.running) + len(s.waiting) + len(s.reserved)
-            return (-s.cached_pages(req), load, -s.allocator.num_free, (rank - self._next) % size)
+            return (load, -s.cached_pages(req), -s.allocator.num_free, (rank - self._next) % size)
 
         return sorted(range(size), key=key)
 
