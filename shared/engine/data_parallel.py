@@ -11,6 +11,7 @@ one), then in turn. Pure policy, like the Scheduler it fans out to; page ids are
 import dataclasses
 from collections import ChainMap
 
+from shared.engine.config import EngineConfig
 from shared.engine.request import FinishReason, Request
 from shared.engine.scheduler import Scheduler, SchedulerOutput
 from shared.kv.allocator import PageAllocator
@@ -145,3 +146,30 @@ class DataParallelScheduler:
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         self.schedulers[req.dp_rank].finish(req, reason)
+
+
+def make_schedulers(
+    config: EngineConfig, num_pages: int, chunk_groups: int, chunk: int | None
+) -> tuple[Scheduler | DataParallelScheduler, PageAllocator | PrefixCache | DataParallelPages]:
+    """An engine's (scheduler, pages): one Scheduler over one pool (a PrefixCache over the
+    allocator where prefix caching is on), or with --dp one a rank, as one."""
+    schedulers, pools = [], []
+    for _ in range(config.dp):
+        pool = PageAllocator(num_pages)
+        if config.enable_prefix_caching:
+            pool = PrefixCache(pool, config.page_size)
+        pools.append(pool)
+        schedulers.append(
+            Scheduler(
+                pool,
+                config.page_size,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                chunk_groups,
+                chunk,
+                config.max_background_tokens,
+            )
+        )
+    if config.dp == 1:
+        return schedulers[0], pools[0]
+    return DataParallelScheduler(schedulers), DataParallelPages(pools)

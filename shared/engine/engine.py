@@ -8,27 +8,21 @@ import random
 import threading
 from dataclasses import dataclass, field
 
-from shared.engine import device as devices
 from shared.engine.config import EngineConfig
-from shared.engine.data_parallel import DataParallelPages, DataParallelScheduler
+from shared.engine.data_parallel import make_schedulers
 from shared.engine.executor import StepResult, start_executor
-from shared.engine.footprint import pages_for_memory, stage_footprints
 from shared.engine.grammars import Grammars
 from shared.engine.micro_batch import schedule_micro_batch, split_launched
+from shared.engine.pool_size import capped_chunk_of, pool_pages, sequence_pages
 from shared.engine.prompt_logprobs import merge
 from shared.engine.request import FinishReason, Request, check_stop
-from shared.engine.scheduler import Scheduler
 from shared.engine.shard import (
-    capped_chunk,
-    capped_page_bytes,
     model_kv_groups,
     model_kv_spec,
     rank_kv_spec,
 )
 from shared.errors import InvalidRequestError, PromptTooLongError
-from shared.kv.allocator import PageAllocator
-from shared.kv.chunk_cache import chunk_pages_per_seq
-from shared.kv.prefix_cache import PrefixCache, PrefixStats
+from shared.kv.prefix_cache import PrefixStats
 from shared.models.config import ModelConfig, generation_eos_ids
 from shared.sampling.batch import request_stop_token_ids
 from shared.sampling.logprobs import TokenLogprob
@@ -79,12 +73,12 @@ class LLMEngine:
         self.kv_spec = model_kv_spec(cfg, config.page_size, self.dtype)  # the whole model's
         # rank 0's pool sizes every rank's: page ids are the same everywhere
         rank0 = rank_kv_spec(self.kv_spec, shape, 0)
-        self.chunk = _capped_chunk(config, cfg)
+        self.chunk = capped_chunk_of(config, cfg)
         # capped chunked layers: R page groups, each layer's group (shared/kv/chunk_cache.py)
         self.chunk_groups, self.kv_groups = 0, ()
         if self.chunk is not None:
             self.chunk_groups, self.kv_groups = model_kv_groups(cfg, shape)
-        num_pages = _pool_pages(config, cfg, rank0, self.chunk is not None)
+        num_pages = pool_pages(config, cfg, rank0, self.chunk is not None)
         # Held by `step` except while the model computes (`_computing`): a command that only
         # adds (a reservation) may take it then, see EngineLoop.call_now.
         self.lock = threading.Lock()
@@ -92,13 +86,17 @@ class LLMEngine:
         self.runner = self.executor.runner  # rank 0's part of the model
         self.model, self.kv = self.runner.model, self.runner.kv
         self.handoff = self.executor.handoff  # prefill workers: writes KV to decode workers
-        self.scheduler, self.allocator, self.prefix_cache = self._schedulers(num_pages)
+        self.scheduler, self.allocator = make_schedulers(
+            config, num_pages, self.chunk_groups, self.chunk
+        )
+        # the allocator hands out the pages itself where it is the prefix cache
+        self.prefix_cache = self.allocator if config.enable_prefix_caching else None
         self._in_flight: set[Request] = set()  # requests whose sampled token is on its way
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         # the longest sequence the pool holds (capped: beside its chunked layers' pages)
-        self.pool_tokens = _sequence_pages(config, num_pages, self.chunk_groups, self.chunk) * (
+        self.pool_tokens = sequence_pages(config, num_pages, self.chunk_groups, self.chunk) * (
             config.page_size
         )
         if not self.pool_tokens:
@@ -108,31 +106,6 @@ class LLMEngine:
         self.grammars = Grammars(config.model_dir, cfg.vocab_size, self.eos_token_ids)
         self._seeds = random.Random(config.seed)
         self._arrivals = itertools.count()
-
-    def _schedulers(self, num_pages: int):
-        """(scheduler, allocator, prefix cache or None): one Scheduler over one allocator (the
-        prefix cache hands out the pages itself, if on), or with --dp one a rank, as one."""
-        config, schedulers, pools = self.config, [], []
-        for _ in range(config.dp):
-            pages = PageAllocator(num_pages)
-            pool = PrefixCache(pages, config.page_size) if config.enable_prefix_caching else pages
-            pools.append(pool)
-            schedulers.append(
-                Scheduler(
-                    pool,
-                    config.page_size,
-                    config.max_num_batched_tokens,
-                    config.max_num_seqs,
-                    self.chunk_groups,
-                    self.chunk,
-                    config.max_background_tokens,
-                )
-            )
-        if config.dp == 1:
-            scheduler, pool = schedulers[0], pools[0]
-        else:
-            scheduler, pool = DataParallelScheduler(schedulers), DataParallelPages(pools)
-        return scheduler, pool, pool if config.enable_prefix_caching else None
 
     def add_request(
         self,
@@ -429,65 +402,6 @@ class LLMEngine:
         """Stops the other ranks and releases the KV pool (unlinks its shm file)."""
         self.grammars.close()
         self.executor.close()
-
-
-def _capped_chunk(config: EngineConfig, cfg: ModelConfig) -> int | None:
-    """The chunk size of the chunked layers whose KV is capped (None: nothing capped)."""
-    return capped_chunk(cfg) if config.caps_chunked_kv else None
-
-
-def _pool_pages(config: EngineConfig, cfg: ModelConfig, spec, capped: bool):
-    """Pages of the pool from config's budget: num_pages, else what memory_bytes leaves each
-    rank (footprint.py), else kv_cache_bytes. Unit pages where chunked layers are `capped`,
-    whose bytes differ by stage."""
-    page_bytes = None  # each stage's page bytes on a rank: its unit page's layers
-    if capped:  # MHA layers alike: a layer's page is the rank's page over its layers
-        page_bytes = capped_page_bytes(
-            cfg, config.parallel, spec.page_size_bytes // spec.num_layers
-        )
-    pages = config.num_pages or _pages_for_memory(config, cfg, spec.dtype, page_bytes)
-    if not pages:
-        pages = config.kv_cache_bytes // max(page_bytes or [spec.page_size_bytes])
-    return pages
-
-
-def _sequence_pages(config: EngineConfig, num_pages: int, groups: int, chunk: int | None) -> int:
-    """Pages of the longest sequence's own in a pool of num_pages: with capped chunked layers,
-    each of its first pages costs 1 + groups pages, up to the most a chunked layer holds."""
-    if chunk is None:
-        return num_pages
-    most = chunk_pages_per_seq(chunk, config.page_size, config.max_num_batched_tokens)
-    return max(num_pages - groups * most, num_pages // (1 + groups))
-
-
-def _pages_for_memory(
-    config: EngineConfig, cfg: ModelConfig, dtype, page_bytes: list[int] | None
-) -> int | None:
-    """The pool's pages when config.memory_bytes bounds each rank (None: unbounded), as
-    `tison plan` computes them; InvalidRequestError when the weights leave no page."""
-    memory, field = config.memory_bytes, "memory_bytes"
-    if memory is None and config.on_gpu:  # each GPU's share, the smallest of the ranks'
-        ranks = range(config.parallel.world_size)
-        use = config.gpu_memory_utilization
-        memory = min(devices.memory_budget(config.rank_device(r), use) for r in ranks)
-        field = "gpu_memory_utilization"
-    if memory is None:
-        return None
-    footprints = stage_footprints(cfg, config.parallel, dtype, config.page_size)
-    reserve = config.memory_reserve_bytes
-    pages = pages_for_memory(footprints, memory, reserve, config.page_size, page_bytes)
-    heaviest = max(fp.weight_bytes for fp in footprints)
-    if pages < 1:
-        raise InvalidRequestError(
-            field,
-            f"{memory} leaves no KV page: a rank's weights take {heaviest} "
-            f"bytes and the reserve {reserve}",
-        )
-    log.info(
-        "KV pool: %d pages (%d tokens) from %.2f GiB a rank: weights %.2f GiB, reserve %.2f GiB",
-        pages, pages * config.page_size, memory / 2**30, heaviest / 2**30, reserve / 2**30,
-    )  # fmt: skip
-    return pages
 
 
 def _merge_prompt_logprobs(result: StepResult) -> dict[Request, list[TokenLogprob]]:

@@ -236,11 +236,8 @@ class Scheduler:
             del pages[first + len(window[0]) :]
 
     def cached_pages(self, req: Request) -> int:
-        """How many of req's prompt's pages this engine's prefix cache holds now (a request
-        with pages of its own: 0)."""
-        if self.cache is None or req.page_ids:
-            return 0
-        return len(self.cache.match(self._hashes(req, req.num_tokens), req.num_tokens))
+        """How many of req's prompt's pages it would start on here now (_cached_prefix)."""
+        return len(self._cached_prefix(req)[0])
 
     def _window_first(self, num_pages: int) -> int:
         """The first logical page of the chunk of token num_pages * S."""

@@ -102,7 +102,7 @@ def plan_shape(
 
 
 def _engine_pages(cfg, shape, dtype, page_size, stages, memory: int, reserve: int) -> int:
-    """The engine's pool under this budget (engine.py's _pool_pages)."""
+    """The engine's pool under this budget (pool_size.py's pool_pages)."""
     page_bytes = None
     if capped_chunk(cfg) is not None:
         rank0 = rank_kv_spec(model_kv_spec(cfg, page_size, dtype), shape, 0)
