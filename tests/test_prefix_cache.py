@@ -84,6 +84,41 @@ def test_free_pages_are_reused_least_recently_freed_first_and_lose_their_name():
     cache.free(third + reused)
 
 
+def test_blank_pages_go_out_first_the_last_freed_first():
+    allocator = PageAllocator(4)
+    a, b, c = allocator.allocate(3)
+    assert (a, b, c) == (0, 1, 2)
+    allocator.free([a])
+    allocator.free([b])
+    # the most recently freed first (its memory is warm), the never used page after them
+    assert [allocator.allocate(1)[0] for _ in range(3)] == [b, a, 3]
+
+
+def test_cached_pages_are_evicted_only_when_no_blank_page_is_left():
+    cache = cache_of(4)
+    named, blank = cache.allocate(2)
+    cache.register(named, 1)
+    cache.free([named, blank])
+    assert set(cache.allocate(2)) == {blank, 2}  # a blank one reused, the never used one
+    assert cache.match([1], S + 1) == [named]  # still cached
+    assert cache.allocate(1) == [3] and cache.match([1], S + 1) == [named]
+    assert cache.allocate(1) == [named] and cache.match([1], S + 1) == []  # evicted at last
+    assert cache.drain_events() == ([1], [1])
+
+
+def test_a_name_moves_from_a_free_page_to_its_content_computed_again():
+    cache = cache_of(3)
+    old = cache.allocate(1)
+    cache.register(old[0], 7)
+    cache.free(old)  # free, still named
+    again = cache.allocate(1)  # a request that did not start on it computes it again
+    cache.register(again[0], 7)
+    assert cache.match([7], S + 1) == again
+    assert cache.allocate(1) == [2] and cache.allocate(1) == old  # nothing evicted: unnamed
+    assert cache.match([7], S + 1) == again and cache.stats.evicted_pages == 0
+    assert cache.drain_events() == ([7], []) and cache.stats.cached_pages == 1
+
+
 def test_pages_in_quarantine_are_not_found_until_released():
     allocator = PageAllocator(2)
     cache = PrefixCache(allocator, S)

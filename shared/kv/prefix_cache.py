@@ -7,10 +7,10 @@ pool: the allocator holds the pages, this the names and the holders.
   never written again: requests write only past their computed tokens.
 - Holders count: a page held by several requests (a shared system prompt) returns to the
   allocator when its last holder frees it, still named: a later request finds it there and
-  takes it back (`acquire`) while no one else got it. The allocator hands free pages out
-  oldest-freed first, so the least recently used cached pages are the first reused; reuse
-  drops the name (an eviction). Free pages in the allocator's quarantine (a pipeline's
-  micro-batches in flight) are not found until released.
+  takes it back (`acquire`) while no one else got it. The allocator hands such kept pages
+  out only when no blank one is left, oldest-freed first, so the least recently used cached
+  pages are the first reused; reuse drops the name (an eviction). Free pages in the
+  allocator's quarantine (a pipeline's micro-batches in flight) are not found until released.
 - A request matches at most all but its last token's pages: one token at least is computed,
   so the step samples; a prompt of whole pages recomputes its last page into a new one (never
   writing into a shared page).
@@ -84,7 +84,7 @@ class PrefixCache:
                 del self._holders[page]
                 released.append(page)
         if released:
-            self.allocator.free(released)
+            self.allocator.free(released, keep={p for p in released if p in self._hash_of})
 
     def mark_launched(self) -> None:
         self.allocator.mark_launched()
@@ -136,10 +136,20 @@ class PrefixCache:
 
     def register(self, page: int, page_hash: int, announce: bool = True) -> None:
         """`page` (held) holds the computed KV that `page_hash` names; a name already given to
-        another page keeps that page (this one stays unnamed: its content is a duplicate).
-        announce=False: not in the events (a capped chunked layer group's page, which the
-        router's index of prompts' page names never asks for)."""
-        if page_hash in self._page_of or page in self._hash_of:
+        another page that a request holds stays there (this one stays unnamed: its content is
+        a duplicate); one given to a free page moves to this one, which lives on at least
+        while its request does (the free one may be evicted any moment: a request that could
+        not start on it, a capped window gone, computes the same page again). announce=False:
+        not in the events (a capped chunked layer group's page, which the router's index of
+        prompts' page names never asks for)."""
+        if page in self._hash_of:
+            return
+        named = self._page_of.get(page_hash)
+        if named is not None:
+            if named in self._holders:
+                return
+            del self._hash_of[named]  # stays among the free pages, unnamed
+            self._page_of[page_hash], self._hash_of[page] = page, page_hash
             return
         self._page_of[page_hash] = page
         self._hash_of[page] = page_hash
