@@ -106,21 +106,25 @@ static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf)
 /* Asks for the bytes [at, at + 64 * R) (one k step of a group's weight rows), into L2: the
  * L1 hint was slower (measured: 75% -> 85% of the read probe's bandwidth at one row). */
 static inline void prefetch_step(const char *at) {
-    if (at == NULL) return;
     for (int r = 0; r < R; r++) __builtin_prefetch(at + 64 * r, 0, 1);
 }
 
 #if defined(__AVX512BF16__)
 /* block's products on avx512_bf16: acc[r][m] (16 lanes) for weight rows w[r] and x rows m0 + m,
- * vdpbf16ps on 32 bf16 pairs a step. */
+ * vdpbf16ps on 32 bf16 pairs a step; asks for every `every`-th step of the weights AHEAD, from
+ * step `phase` (block). */
 __attribute__((always_inline)) static inline void dots(const bf16 *const w[R], const bf16 *x,
                                                        int64_t xstride, int64_t m0, int mb,
                                                        int64_t K, __m512 acc[R][MB],
-                                                       const char *ahead) {
+                                                       const char *ahead, int phase, int every) {
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) acc[r][m] = _mm512_setzero_ps();
+    int count = phase + 1;
     for (int64_t k = 0; k < K; k += 32) {
-        prefetch_step(ahead == NULL ? NULL : ahead + k * 2 * R);
+        if (--count == 0) {
+            count = every;
+            prefetch_step(ahead + k * 2 * R);
+        }
         __m512bh wv[R];
         for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
         for (int m = 0; m < mb; m++) {
@@ -153,10 +157,10 @@ static inline __m512 sum_block(__m512 acc[R][MB]) {
 /* A whole block (R outputs n0.., MB rows m0.. of x) straight into y (row stride N): its sums
  * plus bias rounded as f32_to_bf16 does, four outputs a row in one 8-byte store. */
 static inline void full_block(const bf16 *const w[R], const bf16 *x, int64_t xstride, int64_t m0,
-                              int64_t K, const char *ahead, const bf16 *bias, int64_t n0,
-                              bf16 *y, int64_t N) {
+                              int64_t K, const char *ahead, int phase, int every,
+                              const bf16 *bias, int64_t n0, bf16 *y, int64_t N) {
     __m512 acc[R][MB];
-    dots(w, x, xstride, m0, MB, K, acc, ahead);
+    dots(w, x, xstride, m0, MB, K, acc, ahead, phase, every);
     __m128 b = _mm_setzero_ps(); /* + 0.0f without a bias, as store_sums adds */
     if (bias != NULL) {
         const __m128i h = _mm_loadl_epi64((const __m128i *)(bias + n0));
@@ -178,17 +182,22 @@ static inline void full_block(const bf16 *const w[R], const bf16 *x, int64_t xst
 #endif
 
 /* One block: weight rows w[r] (r < R, each K long) against x rows m0.. m0 + mb, sums into
- * sums[r][m]. `mb` is a constant at each call site, so the loops unroll. ahead: NULL, or
- * where to ask for the weights that come AHEAD bytes after this group's (a thread's groups
- * lie back to back, so its weights are one stream; the rows of a group are R short streams
- * that the hardware prefetcher would only pick up once each was half read). */
+ * sums[r][m]. `mb` is a constant at each call site, so the loops unroll. ahead: where to ask
+ * for the weights that come AHEAD bytes after this group's (a thread's groups lie back to
+ * back, so its weights are one stream; the rows of a group are R short streams that the
+ * hardware prefetcher would only pick up once each was half read). The block is pass `phase`
+ * of the group's `every` passes over its weights (one a block of x's rows): it asks for the
+ * k steps phase, phase + every, ..., so the asking is spread evenly over the group's compute.
+ * Asked for on the first pass alone, the memory idled through the others: at 32 rows of x the
+ * LM head took 1.3-1.5x as long, a MoE step's experts (8 rows each) 1.2x (Zen 5). */
 __attribute__((always_inline)) static inline void block(const bf16 *const w[R], const void *xv,
                                                         int64_t xstride, int64_t m0, int mb,
                                                         int64_t K, float sums[R][MB],
-                                                        const char *ahead) {
+                                                        const char *ahead, int phase,
+                                                        int every) {
 #if defined(__AVX512BF16__)
     __m512 acc[R][MB];
-    dots(w, (const bf16 *)xv, xstride, m0, mb, K, acc, ahead);
+    dots(w, (const bf16 *)xv, xstride, m0, mb, K, acc, ahead, phase, every);
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 #elif !defined(PORTABLE)
@@ -196,8 +205,12 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
     vec acc[R][MB];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) acc[r][m] = vzero();
+    int count = phase + 1;
     for (int64_t k = 0; k < K; k += 2 * VW) {
-        if ((k & 31) == 0) prefetch_step(ahead == NULL ? NULL : ahead + k * 2 * R);
+        if ((k & 31) == 0 && --count == 0) {
+            count = every;
+            prefetch_step(ahead + k * 2 * R);
+        }
         vec xe[MB], xo[MB];
         for (int m = 0; m < mb; m++) {
             const float *xm = x + (m0 + m) * xstride + k;
@@ -214,7 +227,7 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) sums[r][m] = vsum(acc[r][m]);
 #else
-    (void)ahead;
+    (void)ahead, (void)phase, (void)every;
     const float *x = (const float *)xv;
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) {
@@ -239,20 +252,22 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     const bf16 *wr[R]; /* past the last row: that row again, computed and not stored */
     for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
     float sums[R][MB] = {{0}}; /* rows past a short block: never stored */
-    const char *ahead = (const char *)(w + n0 * K) + AHEAD; /* on the first pass only */
+    const char *ahead = (const char *)(w + n0 * K) + AHEAD;
+    const int every = (int)(M / MB + M % MB); /* passes over the group: blocks of MB rows, then 1 */
     int64_t m0 = 0;
-    for (; m0 + MB <= M; m0 += MB, ahead = NULL) {
+    int pass = 0;
+    for (; m0 + MB <= M; m0 += MB, pass++) {
 #if defined(__AVX512BF16__)
         if (rows == R) {
-            full_block(wr, (const bf16 *)x, xstride, m0, K, ahead, bias, n0, y, N);
+            full_block(wr, (const bf16 *)x, xstride, m0, K, ahead, pass, every, bias, n0, y, N);
             continue;
         }
 #endif
-        block(wr, x, xstride, m0, MB, K, sums, ahead);
+        block(wr, x, xstride, m0, MB, K, sums, ahead, pass, every);
         store_sums(sums, bias, m0, MB, n0, rows, y, N);
     }
-    for (; m0 < M; m0++, ahead = NULL) {
-        block(wr, x, xstride, m0, 1, K, sums, ahead);
+    for (; m0 < M; m0++, pass++) {
+        block(wr, x, xstride, m0, 1, K, sums, ahead, pass, every);
         store_sums(sums, bias, m0, 1, n0, rows, y, N);
     }
 }
