@@ -13,6 +13,7 @@ import torch
 from shared.engine.plan import PlannedSeq
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.engine.shard import rank_kv_spec, rank_pools, rank_shm_path
+from shared.kv import cache
 from shared.kv.cache import KVCache
 from shared.kv.layer_groups import LayerGroupKVSpec
 from shared.kv.spec import MHAKVSpec, MLAKVSpec
@@ -55,9 +56,9 @@ SERVERS = {"tcp": tcp.TcpKVServer, "dist": dist.DistKVServer}
 class ServerThread:
     """A decode worker's KV server of a transport on an event loop of its own."""
 
-    def __init__(self, transport, spec, ranks):
+    def __init__(self, transport, spec, ranks, own=None):
         server = SERVERS[transport]
-        self.server = server(spec, map_pools(spec, ranks), SECRET, self.allowed)
+        self.server = server(spec, map_pools(spec, ranks, own), SECRET, self.allowed)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -162,6 +163,33 @@ def test_pages_arrive_byte_exact_between_shapes(tmp_path, kind, shapes, transpor
             assert not rows.any(), "a page nobody reserved was written"
     for kv in pools:
         kv.close()
+
+
+def test_a_pool_without_room_in_shared_memory(tmp_path, monkeypatch):
+    """/dev/shm too small for the pool (a container's 64 MiB): rank 0 of a decode worker keeps
+    it in process memory and a prefill worker on the same host sends over TCP, byte exact;
+    another rank fails at once, naming the fix (not a SIGBUS at a later KV write)."""
+    spec = SPECS["mha"]
+    monkeypatch.setattr(cache, "free_bytes", lambda folder: 4096)
+    base = tmp_path / "pool"
+    with pytest.raises(OSError, match="does not fit the 0 MiB free .* --shm-size"):
+        KVCache(spec, NUM_PAGES, base)
+    kv = KVCache(spec, NUM_PAGES, base, shm_optional=True)
+    assert kv.shm_path is None and not base.exists()
+    ranks = rank_pools(spec, shape((1, 1)), base)  # as the worker names them
+    server = ServerThread("tcp", spec, ranks, own={0: kv})
+    pool = KVPool(spec.layout, host_id(), ranks, tcp=server.address)
+    handoffs = prefill_ranks(spec, shape((1, 1)), "auto")
+    try:
+        assert handoffs[0].transport_to(pool) == "tcp"
+        assert run_prefill(handoffs, pool) is None
+    finally:
+        handoffs[0].close()
+        server.close()
+    dst = spec.slots(DST_PAGES, 0, PROMPT)
+    for layer in range(spec.num_layers):
+        got = kv.spec.read(kv.data, layer, dst, (0, spec.num_units))
+        assert torch.equal(got, expected(spec, handoffs, layer))
 
 
 def test_a_layout_mismatch_or_an_unreachable_pool_fails_the_request_at_add(tmp_path):

@@ -151,12 +151,16 @@ def build_shard(
     )  # fmt: skip
     spec = rank_kv_spec(model_kv_spec(cfg, config.page_size, dtype), config.parallel, rank)
     shm = rank_shm_path(config.kv_shm_path, rank)
+    # rank 0's pool may stay in process memory where /dev/shm has no room for it (the
+    # worker's KV servers write into it in-process); other ranks' pools are theirs to share
+    optional = rank == 0
     capped = ""
     if not kv_groups:  # with decode graphs, the padded rows' scratch page too
-        kv = KVCache(spec, num_pages + scratch_pages(config.uses_graphs), shm, device)
+        pages = num_pages + scratch_pages(config.uses_graphs)
+        kv = KVCache(spec, pages, shm, device, optional)
     else:
         first, end = rank_layers(config.parallel, rank, cfg.num_layers)  # the stage's layers
-        kv = GroupedKVCache(spec, kv_groups[first:end], num_pages, device, shm)
+        kv = GroupedKVCache(spec, kv_groups[first:end], num_pages, device, shm, optional)
         slots = kv.spec.num_layers
         capped = (
             f", chunked layers capped: pages of {slots} layer{'s' * (slots != 1)}, "

@@ -2,13 +2,17 @@
 so that a prefill worker on the same host can write pages into it directly."""
 
 import contextlib
+import logging
 import math
 import mmap
+import os
 from pathlib import Path
 
 import torch
 
 from shared.kv.spec import KVSpec
+
+log = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -21,6 +25,7 @@ class KVCache:
         num_pages: int,
         shm_path: str | Path | None = None,
         device: torch.device | str = "cpu",  # EngineConfig.device
+        shm_optional: bool = False,  # where shm_path has no room: process memory, not an error
     ):
         self.spec = spec
         self.num_pages = num_pages
@@ -29,6 +34,23 @@ class KVCache:
         shape = spec.pool_shape(num_pages)
         if self.shm_path is not None and self.device.type != "cpu":
             raise ValueError(f"a KV pool in shared memory is a CPU pool, not one on {device}")
+        nbytes = math.prod(shape) * spec.dtype.itemsize
+        if self.shm_path is not None and not fits_in(self.shm_path.parent, nbytes):
+            # The file is sparse: a page the filesystem had no room for would be a SIGBUS at
+            # the first KV write into it, mid-step. So: an error now, or where the pool may
+            # live in process memory (a decode worker's own rank: its KV servers write into
+            # it in-process), there, and a prefill worker on this host reaches it over TCP
+            # (KVHandoff.transport_to looks for the file).
+            free = free_bytes(self.shm_path.parent)
+            what = (
+                f"a KV pool of {nbytes / 2**20:.0f} MiB does not fit the {free / 2**20:.0f} "
+                f"MiB free in {self.shm_path.parent} (a container's /dev/shm is 64 MiB unless "
+                "given more: docker run --shm-size, compose shm_size)"
+            )
+            if not shm_optional:
+                raise OSError(f"{what}; or a smaller pool: --kv-cache-bytes, --memory-bytes")
+            log.warning("%s: kept in process memory, same-host prefill workers use TCP", what)
+            self.shm_path = None
         if self.device.type != "cpu":
             self.data = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         elif self.shm_path is None:
@@ -54,6 +76,21 @@ class KVCache:
         """Unlinks the shared-memory file (owner only); mappings stay valid until dropped."""
         if self.shm_path is not None and self.shm_path.exists():
             self.shm_path.unlink()
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged process can still write in `folder`'s filesystem."""
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
+
+
+def fits_in(folder: Path, nbytes: int) -> bool:
+    """Whether a file of `nbytes` fits `folder`'s filesystem now (True where it cannot be
+    asked: creating the file then says what is wrong)."""
+    try:
+        return nbytes <= free_bytes(folder)
+    except OSError:
+        return True
 
 
 def map_pool(path: str | Path, spec: KVSpec) -> torch.Tensor:

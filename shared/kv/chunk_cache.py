@@ -83,10 +83,12 @@ class GroupedKVCache(KVCache):
         num_pages: int,
         device: torch.device | str = "cpu",
         shm_path: Path | None = None,
+        shm_optional: bool = False,
     ):
         self.kv_groups = kv_groups
         slots, self._slot = group_slots(kv_groups)
-        super().__init__(replace(spec, num_layers=slots), num_pages, shm_path, device)
+        spec = replace(spec, num_layers=slots)
+        super().__init__(spec, num_pages, shm_path, device, shm_optional)
 
     def layer(self, index: int) -> torch.Tensor:
         return super().layer(self._slot[index])
