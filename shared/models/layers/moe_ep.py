@@ -2,8 +2,9 @@
 [r * E/n, (r + 1) * E/n)), tokens sent to their experts' ranks and back with all-to-all.
 
 The hidden states enter replicated (attention's all-reduce made them so). Each rank routes a
-slice of the tokens, sends each (token, expert) pair's row to the expert's rank, computes the
-rows that arrived for its own experts, sends the results back, weighs and sums them into its
+slice of the tokens, sends each (token, expert) pair's row to the expert's rank (after the
+counts: three exchanges a layer, the expert ids riding in the rows), computes the rows that
+arrived for its own experts, sends the results back, weighs and sums them into its
 slice, and an all-gather of the slices leaves every rank with the whole (T, H) again. Per rank
 this reads 1/n of the experts' weights and computes 1/n of the expert rows.
 
@@ -58,9 +59,13 @@ class ExpertParallel:
         rows = x[mine][token]  # (P, H)
         if weights_on_input:
             rows = (rows.float() * weights[:, None]).to(x.dtype)
-        arrived = self.tp.all_to_all(rows, send_l, recv_l)  # (R, H) for this rank's experts
-        arrived_ids = self.tp.all_to_all(ids, send_l, recv_l) - self.first  # (R,) local ids
-        done = self.tp.all_to_all(experts(arrived, arrived_ids), recv_l, send_l)  # (P, H)
+        # each row travels with its expert's id in its last columns, the int64's bytes as they
+        # are (the exchange copies bytes): one exchange, not one for the rows and one for ids
+        H = x.shape[1]
+        tagged = torch.cat([rows, ids[:, None].view(x.dtype)], dim=1)  # (P, H + 8 / itemsize)
+        arrived = self.tp.all_to_all(tagged, send_l, recv_l)  # (R, H + ...) for its experts
+        arrived_ids = arrived[:, H:].contiguous().view(torch.int64)[:, 0] - self.first  # (R,)
+        done = self.tp.all_to_all(experts(arrived[:, :H], arrived_ids), recv_l, send_l)  # (P, H)
         scale = torch.ones_like(weights) if weights_on_input else weights
         out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, token, done.float() * scale[:, None])
