@@ -274,7 +274,8 @@ def main() -> None:
 def print_table(rounds: list[dict], shape: LlamaShape, prompt: int, new: int, bits: int) -> None:
     """Medians of the rounds for each side, the median of the per-round ratios with their
     range, and the median roofline share: tok/s over batch x GB/s / the bytes a decode step
-    reads (roofline.py), each round against the bandwidth measured around it."""
+    reads (roofline.py), each round against the bandwidth measured around it; beside it, the
+    GB/s Tison read (its median tok/s x those bytes / batch) and the probe's range."""
     print(f"| {'measure':24} | {'Tison':>8} | {'transformers':>12} | ratio (range) | roofline |")
     print(f"|{'-' * 26}|{'-' * 10}|{'-' * 14}|---------------|----------|")
     for name in rounds[0]:
@@ -286,7 +287,9 @@ def print_table(rounds: list[dict], shape: LlamaShape, prompt: int, new: int, bi
             step = mean_step_bytes(shape, batch, prompt, new, bits // 8)
             shares = [r[name][0] / (batch * r[name][2] * 1e9 / step) for r in rounds]
             gbs = [r[name][2] for r in rounds]
-            share = f"{statistics.median(shares):.0%} at {min(gbs):.0f}-{max(gbs):.0f} GB/s"
+            read = statistics.median(r[name][0] * step / batch / 1e9 for r in rounds)
+            probe = f"{min(gbs):.0f}-{max(gbs):.0f}"
+            share = f"{statistics.median(shares):.0%}: {read:.0f} GB/s of {probe}"
         spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
         print(f"| {name:24} | {ours:8.1f} | {theirs:12.1f} | {spread:13} | {share} |")
 

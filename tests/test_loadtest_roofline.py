@@ -5,6 +5,7 @@ and the KV each sequence's context adds."""
 import pytest
 import transformers
 
+from loadtest.bench_engine import print_table
 from loadtest.random_model import llama4_fields, llama_fields
 from loadtest.roofline import LlamaShape, decode_step_bytes, mean_step_bytes
 
@@ -59,3 +60,18 @@ def test_llama4_reads_one_expert_and_the_shared_one():
     shape = LlamaShape.from_fields(fields)
     kv_one = 2 * 2 * 2 * 16  # layers x (K, V) x kv heads x head_dim, one key
     assert decode_step_bytes(shape, [1]) == (read + 64 + kv_one) * 2 + 1000 * 4
+
+
+def test_the_engine_table_gives_the_share_and_what_tison_read(capsys):
+    fields = llama_fields(1000, 64, 160, layers=3, heads=4, kv_heads=2)
+    shape = LlamaShape.from_fields(fields)
+    step = mean_step_bytes(shape, 1, 8, 4, 2)
+    tok_s = 20e9 / step  # Tison read 20 GB/s in both rounds
+    rounds = [  # (Tison, transformers, the probe's GB/s around the measure)
+        {"batch-1 decode tok/s": (tok_s, tok_s / 2, 40.0)},
+        {"batch-1 decode tok/s": (tok_s, tok_s / 4, 25.0)},
+    ]
+    print_table(rounds, shape, 8, 4, 16)
+    row = capsys.readouterr().out.splitlines()[-1]
+    # shares 50% and 80%: their median; the ratio's median and range
+    assert "| 65%: 20 GB/s of 25-40 |" in row and "3.00x (2.00-4.00)" in row
