@@ -6,9 +6,11 @@ KV."""
 
 import asyncio
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from shared.engine.plan import PlannedSeq
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -21,8 +23,11 @@ from shared.parallel.shape import ParallelConfig
 from shared.protocol import KVPool
 from shared.transfer import dist, tcp
 from shared.transfer.base import host_id
+from shared.transfer.error_board import ErrorBoard
 from shared.transfer.handoff import KVHandoff
 from shared.transfer.pools import map_pools
+
+from services_harness import free_port
 
 SECRET = b"test-secret"
 NUM_PAGES, PAGE = 8, 4
@@ -85,13 +90,13 @@ def steps():
     ]
 
 
-def prefill_ranks(spec, prefill: ParallelConfig, transport: str):
+def prefill_ranks(spec, prefill: ParallelConfig, transport: str, board=None):
     gen = torch.Generator().manual_seed(0)
     ranks = []
     for rank in range(prefill.world_size):
         kv = KVCache(rank_kv_spec(spec, prefill, rank), NUM_PAGES)
         kv.data.copy_(torch.randn(kv.data.shape, generator=gen))
-        ranks.append(KVHandoff.of_rank(kv, spec, prefill, rank, transport, SECRET))
+        ranks.append(KVHandoff.of_rank(kv, spec, prefill, rank, transport, SECRET, board))
     return ranks
 
 
@@ -190,6 +195,39 @@ def test_a_pool_without_room_in_shared_memory(tmp_path, monkeypatch):
     for layer in range(spec.num_layers):
         got = kv.spec.read(kv.data, layer, dst, (0, spec.num_units))
         assert torch.equal(got, expected(spec, handoffs, layer))
+
+
+@pytest.mark.parametrize("shapes", [((2, 1), (1, 1)), ((1, 2), (2, 1))], ids=["tp2", "pp2"])
+def test_a_failure_on_another_rank_fails_the_request_on_rank_0(tmp_path, shapes):
+    """Over shm no decode worker counts bytes: a prefill rank > 0 whose writes failed posts
+    why on the ranks' store (a real TCPStore), and rank 0's finish returns it; with no
+    failure it returns None and the store holds nothing."""
+    spec = SPECS["mha"]
+    prefill, decode = shape(shapes[0]), shape(shapes[1])
+    base = tmp_path / "pool"
+    pools = [
+        KVCache(rank_kv_spec(spec, decode, r), NUM_PAGES, rank_shm_path(base, r))
+        for r in range(decode.world_size)
+    ]
+    pool = KVPool(spec.layout, host_id(), rank_pools(spec, decode, base))
+    store = TCPStore("127.0.0.1", free_port(), 1, True, timedelta(seconds=10))
+    board = ErrorBoard(store)
+    handoffs = prefill_ranks(spec, prefill, "shm", board)
+    try:
+        assert run_prefill(handoffs, pool) is None
+        assert not store.check(["kv_error/r"])
+
+        def broken(target, kv):
+            raise OSError("its mapping is gone")
+
+        handoffs[1].senders["shm"].send_layer = broken
+        assert run_prefill(handoffs, pool) == "KV transfer failed: its mapping is gone"
+        assert not store.check(["kv_error/r"])  # taken
+    finally:
+        for h in handoffs:
+            h.close()
+        for kv in pools:
+            kv.close()
 
 
 def test_a_layout_mismatch_or_an_unreachable_pool_fails_the_request_at_add(tmp_path):

@@ -31,6 +31,7 @@ from shared.parallel.pipeline import WHOLE_MODEL
 from shared.sampling.sampler import SamplerOutput
 from shared.sampling.token_mask import TokenMasks
 from shared.transfer import ipc_handles
+from shared.transfer.error_board import ErrorBoard
 from shared.transfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -150,12 +151,17 @@ def pool_handle(kv: KVCache) -> bytes:
     return ipc_handles.export_pool(kv.data)
 
 
-def rank_handoff(config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int) -> KVHandoff | None:
-    """A prefill worker's KV handoff on one of its ranks; None unless config.kv_push."""
+def rank_handoff(
+    config: EngineConfig, spec: KVSpec, kv: KVCache, rank: int, store=None
+) -> KVHandoff | None:
+    """A prefill worker's KV handoff on one of its ranks; None unless config.kv_push. store:
+    the ranks' TCPStore where there are several (their failures reach rank 0 there)."""
     if not config.kv_push:
         return None
     secret = config.kv_secret.encode() or None
-    return KVHandoff.of_rank(kv, spec, config.parallel, rank, config.kv_transport, secret)
+    board = None if store is None else ErrorBoard(store)
+    shape, transport = config.parallel, config.kv_transport
+    return KVHandoff.of_rank(kv, spec, shape, rank, transport, secret, board)
 
 
 def stage_runner(
@@ -228,7 +234,7 @@ def start_executor(
     except BaseException:
         ranks.stop(comm, encode_stop())
         raise
-    handoff = rank_handoff(config, spec, kv, 0)
+    handoff = rank_handoff(config, spec, kv, 0, ranks.store)
     hook = None if handoff is None else handoff.on_layer
     runner = stage_runner(config, cfg, model, kv, num_pages, comm.tp, stage, comm, hook, comm.dp)
     return RankExecutor(runner, comm, ranks, handoff)

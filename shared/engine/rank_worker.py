@@ -44,7 +44,7 @@ def build_runner(rank: int, port: int, spec: dict):
             config, cfg, comm.tp, stage, spec["num_pages"], rank, tuple(spec["kv_groups"])
         )
         kv_spec = model_kv_spec(cfg, config.page_size, kv.spec.dtype)
-        handoff = rank_handoff(config, kv_spec, kv, rank)
+        handoff = rank_handoff(config, kv_spec, kv, rank, store)
         hook = None if handoff is None else handoff.on_layer
         runner = stage_runner(
             config, cfg, model, kv, spec["num_pages"], comm.tp, stage, comm, hook, comm.dp

@@ -27,6 +27,7 @@ from shared.parallel.shape import ParallelConfig
 from shared.protocol import KVPool
 from shared.transfer import cuda_ipc, dist, shm, tcp
 from shared.transfer.base import KVSender, KVTarget, LayerKV, host_id
+from shared.transfer.error_board import ErrorBoard
 from shared.wire import from_plain, to_plain
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class KVHandoff:
         transport: str = "auto",
         secret: bytes | None = None,
         data_parallel: bool = False,  # --dp: each rank completes its own requests only
+        board: ErrorBoard | None = None,  # with several ranks: their failures reach rank 0
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"KV transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -57,6 +59,7 @@ class KVHandoff:
         self.reports = reports  # rank 0: keeps each request's outcome for `finish`
         self.announces = announces  # rank 0 of several: tells the others in plans
         self.data_parallel = data_parallel
+        self.board = board
         self.transport = transport
         self.host = host_id()
         self.senders: dict[str, KVSender] = {shm.NAME: shm.ShmSender(spec)}
@@ -77,7 +80,14 @@ class KVHandoff:
 
     @classmethod
     def of_rank(
-        cls, kv: KVCache, spec: KVSpec, shape: ParallelConfig, rank: int, transport, secret
+        cls,
+        kv: KVCache,
+        spec: KVSpec,
+        shape: ParallelConfig,
+        rank: int,
+        transport,
+        secret,
+        board: ErrorBoard | None = None,
     ) -> "KVHandoff":
         stage = shape.stage_of(rank, spec.num_layers)
         end = spec.num_layers if stage.end_layer is None else stage.end_layer
@@ -86,8 +96,9 @@ class KVHandoff:
         writes = spec.writes(tp_rank, shape.tp)
         layers = (stage.start_layer, end)
         announces = rank == 0 and shape.world_size > 1
+        dp = shape.dp > 1
         return cls(
-            kv, spec, layers, units, writes, rank == 0, announces, transport, secret, shape.dp > 1
+            kv, spec, layers, units, writes, rank == 0, announces, transport, secret, dp, board
         )
 
     def transport_to(self, pool: KVPool) -> str:
@@ -171,8 +182,10 @@ class KVHandoff:
                     tuple(map(tuple, chunk_pages)),
                     chunk_first,
                 )
-            except ValueError as e:  # rank 0 reached it: the decode worker's byte count tells
+            except ValueError as e:  # rank 0 reached it
                 log.warning("request %s: %s", rid, e)
+                if self.board is not None:
+                    self.board.post(rid, f"KV transfer failed on a rank: {e}")
 
     def on_layer(self, layer: int, out) -> None:
         """After global layer `layer` of this rank's part of step `out` wrote its KV."""
@@ -218,6 +231,8 @@ class KVHandoff:
             self.results[rid] = error
         elif error:
             log.warning("request %s: %s", rid, error)
+            if self.board is not None:
+                self.board.post(rid, error)
 
     def _step_slots(self, out) -> dict:
         """Source and destination slots of every pushed request's tokens not sent yet, up to
@@ -263,15 +278,19 @@ class KVHandoff:
         data-parallel ranks, another rank's request is complete: its target is forgotten
         here and, with the next plan, on the other ranks."""
         if request_id in self.results:
+            posted = None if self.board is None else self.board.take(request_id)
             if self.data_parallel and self.announces:  # the other ranks hold its target too
                 self._gone.append(request_id)
-            return self.results.pop(request_id)
+            return self.results.pop(request_id) or posted
         completed = self.data_parallel and request_id in self.targets  # by its rank
+        posted = None if self.board is None else self.board.take(request_id)
         self.drop(request_id)
-        return None if completed else "no KV target"
+        return posted if completed else "no KV target"
 
     def drop(self, request_id: str) -> None:
         """Rank 0: forgets a request (cancelled, failed); the other ranks with the next plan."""
+        if self.board is not None:  # what a rank posted for it, if any, goes too
+            self.board.take(request_id)
         self.results.pop(request_id, None)
         self.errors.pop(request_id, None)
         self._sent.pop(request_id, None)
