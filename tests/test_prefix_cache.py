@@ -114,7 +114,7 @@ def test_a_name_moves_from_a_free_page_to_its_content_computed_again():
     again = cache.allocate(1)  # a request that did not start on it computes it again
     cache.register(again[0], 7)
     assert cache.match([7], S + 1) == again
-    assert cache.allocate(1) == [2] and cache.allocate(1) == old  # nothing evicted: unnamed
+    assert cache.allocate(1) == old and cache.allocate(1) == [2]  # unnamed: blank, first out
     assert cache.match([7], S + 1) == again and cache.stats.evicted_pages == 0
     assert cache.drain_events() == ([7], []) and cache.stats.cached_pages == 1
 

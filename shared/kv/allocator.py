@@ -73,8 +73,15 @@ class PageAllocator:
     def is_free(self, page: int) -> bool:
         return page in self._kept or page in self._blank
 
+    def unkeep(self, page: int) -> None:
+        """A kept free page no longer holds anything named: it goes out with the blank ones."""
+        if page in self._kept:
+            del self._kept[page]
+            self._blank[page] = None
+
     def free(self, pages: list[int], keep: Container[int] = ()) -> None:
-        """`pages` are free again; those in `keep` hold KV a prefix cache names."""
+        """`pages` are free again; those in `keep` hold KV a prefix cache names (a container
+        read when they are released: after the quarantine, if they wait in it)."""
         for page in pages:
             if page not in self._used:
                 raise ValueError(f"KV page {page} freed twice or never allocated")

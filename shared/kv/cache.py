@@ -35,13 +35,13 @@ class KVCache:
         if self.shm_path is not None and self.device.type != "cpu":
             raise ValueError(f"a KV pool in shared memory is a CPU pool, not one on {device}")
         nbytes = math.prod(shape) * spec.dtype.itemsize
-        if self.shm_path is not None and not fits_in(self.shm_path.parent, nbytes):
+        free = None if self.shm_path is None else free_bytes(self.shm_path.parent)
+        if free is not None and nbytes > free:
             # The file is sparse: a page the filesystem had no room for would be a SIGBUS at
             # the first KV write into it, mid-step. So: an error now, or where the pool may
             # live in process memory (a decode worker's own rank: its KV servers write into
             # it in-process), there, and a prefill worker on this host reaches it over TCP
             # (KVHandoff.transport_to looks for the file).
-            free = free_bytes(self.shm_path.parent)
             what = (
                 f"a KV pool of {nbytes / 2**20:.0f} MiB does not fit the {free / 2**20:.0f} "
                 f"MiB free in {self.shm_path.parent} (a container's /dev/shm is 64 MiB unless "
@@ -78,19 +78,14 @@ class KVCache:
             self.shm_path.unlink()
 
 
-def free_bytes(folder: Path) -> int:
-    """Bytes an unprivileged process can still write in `folder`'s filesystem."""
-    stat = os.statvfs(folder)
-    return stat.f_bavail * stat.f_frsize
-
-
-def fits_in(folder: Path, nbytes: int) -> bool:
-    """Whether a file of `nbytes` fits `folder`'s filesystem now (True where it cannot be
-    asked: creating the file then says what is wrong)."""
+def free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged process can still write in `folder`'s filesystem; None where it
+    cannot be asked (creating a file there then says what is wrong)."""
     try:
-        return nbytes <= free_bytes(folder)
+        stat = os.statvfs(folder)
     except OSError:
-        return True
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def map_pool(path: str | Path, spec: KVSpec) -> torch.Tensor:

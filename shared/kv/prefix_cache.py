@@ -84,7 +84,7 @@ class PrefixCache:
                 del self._holders[page]
                 released.append(page)
         if released:
-            self.allocator.free(released, keep={p for p in released if p in self._hash_of})
+            self.allocator.free(released, keep=self._hash_of)  # the named ones
 
     def mark_launched(self) -> None:
         self.allocator.mark_launched()
@@ -148,7 +148,8 @@ class PrefixCache:
         if named is not None:
             if named in self._holders:
                 return
-            del self._hash_of[named]  # stays among the free pages, unnamed
+            del self._hash_of[named]
+            self.allocator.unkeep(named)  # free (or in quarantine): now a blank page
             self._page_of[page_hash], self._hash_of[page] = page, page_hash
             return
         self._page_of[page_hash] = page

@@ -277,20 +277,22 @@ class KVHandoff:
         place (on this rank; the decode worker checks the others' byte counts over TCP). With
         data-parallel ranks, another rank's request is complete: its target is forgotten
         here and, with the next plan, on the other ranks."""
+        posted = None if self.board is None else self.board.take(request_id)
         if request_id in self.results:
-            posted = None if self.board is None else self.board.take(request_id)
             if self.data_parallel and self.announces:  # the other ranks hold its target too
                 self._gone.append(request_id)
             return self.results.pop(request_id) or posted
         completed = self.data_parallel and request_id in self.targets  # by its rank
-        posted = None if self.board is None else self.board.take(request_id)
-        self.drop(request_id)
+        self._forget(request_id)
         return posted if completed else "no KV target"
 
     def drop(self, request_id: str) -> None:
         """Rank 0: forgets a request (cancelled, failed); the other ranks with the next plan."""
         if self.board is not None:  # what a rank posted for it, if any, goes too
             self.board.take(request_id)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
         self.results.pop(request_id, None)
         self.errors.pop(request_id, None)
         self._sent.pop(request_id, None)
