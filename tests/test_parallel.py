@@ -9,6 +9,7 @@ from shared.engine.batch import build_batch
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.plan import decode_plan, encode_plan
+from shared.engine.request import FinishReason
 from shared.engine.shard import build_shard
 from shared.errors import InvalidRequestError
 from shared.models.config import ModelConfig
@@ -171,5 +172,25 @@ def test_abort_while_in_flight_frees_pages_and_emits_nothing(model4, reference):
                 outputs.setdefault(s.request.request_id, []).extend(s.new_token_ids)
         assert outputs["0"] == refs[0] and "1" not in outputs
         assert engine.num_pages_used == 0
+    finally:
+        engine.close()
+
+
+def test_a_tp_rank_killed_mid_decode_fails_the_step_not_the_worker(model4, caplog):
+    """Rank 1 (a child of rank 0, so a zombie until reaped) killed between decode steps: rank
+    0's next shared-memory collective finds it gone within the wait's first looks (not after
+    its 300 s timeout), the step's requests finish with an error, their pages go back."""
+    engine = new_engine(model4, dtype="bfloat16", tp=2, allow_oversubscribe=True)
+    try:
+        assert engine.model.model.fused is not None  # decode steps in one call, all-reducing
+        requests = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate([[5, 6], [7]])]
+        engine.step()
+        (child,) = engine.executor.ranks.procs
+        child.kill()
+        while engine.has_unfinished():
+            engine.step()
+        assert all(r.finish_reason == FinishReason.ERROR for r in requests)
+        assert engine.num_pages_used == 0
+        assert "rank 1's process is gone" in caplog.text
     finally:
         engine.close()

@@ -73,20 +73,21 @@ def test_every_collective_equals_gloo_s(tmp_path, size, slot_bytes):
         )
 
 
-def _gone(rank: int, port: int, out_dir) -> None:
+def _gone(rank: int, port: int, collective: str, out_dir) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=30))
     shm = shm_group.open_group(store, "coll", rank, 2)
     if rank == 1:
         return  # exits: rank 0 waits for it in vain
     try:
-        shm.all_reduce(torch.ones(4))
+        getattr(shm, collective)(torch.ones(4))
     except RuntimeError as e:
         (out_dir / "error").write_text(str(e))
 
 
-def test_a_peer_that_is_gone_fails_the_waiting_rank(tmp_path):
-    mp.spawn(_gone, args=(free_port(), tmp_path), nprocs=2)
-    assert "rank 1's process is gone" in (tmp_path / "error").read_text()
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather_last_dim"])  # C, Python
+def test_a_peer_that_is_gone_fails_the_waiting_rank(tmp_path, collective):
+    mp.spawn(_gone, args=(free_port(), collective, tmp_path), nprocs=2)
+    assert "step 1: rank 1's process is gone" in (tmp_path / "error").read_text()
 
 
 def test_gloo_alone_where_asked(monkeypatch):

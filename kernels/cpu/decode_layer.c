@@ -69,6 +69,7 @@ typedef struct {
     void *xp; /* linear_scratch */
     float *scores;
     moe_scratch moe;
+    shm_reduce *tp; /* the tensor-parallel group's all-reduce (all_reduce.c), or NULL: one rank */
 } step_args;
 
 /* NoPE: q and k out of qkv (n rows, row stride qkv_size) into q_out (n, nh, hd) and k_out
@@ -123,8 +124,11 @@ static void swiglu_team(const bf16 *gate_up, const bf16 *down, int64_t F, const 
 
 /* Inside the region: layer L on x (n, H) -> out (n, H); residual as the op-by-op layer keeps
  * it (first: residual is x and is only normalised; later: residual += x first). Its K/V pools:
- * k_pool, v_pool (P*S, nkv, hd), its mask's pages. */
-static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x, bf16 *residual,
+ * k_pool, v_pool (P*S, nkv, hd), its mask's pages. Under tensor parallelism (S->tp) the
+ * attention's output projection and the MLP leave this rank's partial sums, all-reduced where
+ * the op-by-op layers all-reduce them. Returns 0, or a failed all-reduce's status (on every
+ * thread alike). */
+static int64_t layer_team(const decode_layer *L, const step_args *S, const bf16 *x, bf16 *residual,
                        int first, bf16 *out, bf16 *k_pool, bf16 *v_pool) {
     int64_t n = S->n, H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
@@ -139,18 +143,21 @@ static void layer_team(const decode_layer *L, const step_args *S, const bf16 *x,
                                A->table_stride, A->context_lens, n, nh, nkv, hd, S->page_size,
                                A->window, L->scale, S->attn, S->span[L->mask], S->scores);
     linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
+    if (S->tp != NULL && all_reduce_team_bf16(S->tp, S->o, n * H) != 0) return S->tp->error;
     rms_norm_team_bf16(S->o, H, S->xn, H, residual, L->post_norm, n, 1, H, L->eps);
     if (L->router == NULL) {
         swiglu_team(L->gate_up, L->down, L->intermediate, S, H, out);
-        return;
-    }
-    moe_team_bf16(S->xn, L->router, L->w13, L->w2, n, H, L->intermediate, L->experts, L->top_k,
-                  (int)L->scoring, (int)L->renormalize, out, &S->moe, S->xp);
-    if (L->shared_gate_up == NULL) return;
-    swiglu_team(L->shared_gate_up, L->shared_down, L->shared_intermediate, S, H, S->o);
+    } else {
+        moe_team_bf16(S->xn, L->router, L->w13, L->w2, n, H, L->intermediate, L->experts,
+                      L->top_k, (int)L->scoring, (int)L->renormalize, out, &S->moe, S->xp);
+        if (L->shared_gate_up != NULL) {
+            swiglu_team(L->shared_gate_up, L->shared_down, L->shared_intermediate, S, H, S->o);
 #pragma omp for /* out = shared + routed, as the op-by-op layer adds them */
-    for (int64_t i = 0; i < n * H; i++)
-        out[i] = f32_to_bf16(bf16_to_f32(S->o[i]) + bf16_to_f32(out[i]));
+            for (int64_t i = 0; i < n * H; i++)
+                out[i] = f32_to_bf16(bf16_to_f32(S->o[i]) + bf16_to_f32(out[i]));
+        }
+    }
+    return S->tp == NULL ? 0 : all_reduce_team_bf16(S->tp, out, n * H);
 }
 
 /* The MoE layers' scratch for n rows (moe.c's layout, sized for the widest of them) in one
@@ -187,15 +194,17 @@ static void *moe_alloc(const decode_layer *layers, int64_t count, int64_t n, moe
  * are k_pools[i] and v_pools[i]; it reads masks[layers[i].mask] (num_masks of them, at most
  * MAX_MASKS), pages of page_size tokens. rope_cs (n, hd): each row's cosines then sines for
  * ROPE_PAIRS layers; temperature (n,): each row's factor on q for layers that ask; NULL where
- * no layer needs them. out must not be x. Returns 0, -1 when scratch memory cannot be
- * allocated, -2 for too many masks. */
+ * no layer needs them. tp: the tensor-parallel group's all-reduce (n * hidden bf16 fit its
+ * slots), or NULL for one rank. out must not be x. Returns 0, -1 when scratch memory cannot be
+ * allocated, -2 for too many masks, -3 when an all-reduce failed (tp->error says why). */
 int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
                           bf16 *residual, int first, bf16 *out, int64_t n,
                           const int64_t *positions, const float *rope_cs,
                           const float *temperature, bf16 *const *k_pools, bf16 *const *v_pools,
                           const step_mask *masks, int64_t num_masks, int64_t page_size,
-                          int threads) {
+                          shm_reduce *tp, int threads) {
     if (num_masks < 1 || num_masks > MAX_MASKS) return -2;
+    if (tp != NULL) tp->error = 0;
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t F = 0, q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
@@ -211,7 +220,7 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
     bf16 *xn = grow_workspace(per_row * n);
     int64_t widest = H > q_size ? H : q_size, scores = 0;
     step_args S = {.n = n, .page_size = page_size, .positions = positions, .rope_cs = rope_cs,
-                   .temperature = temperature, .masks = masks};
+                   .temperature = temperature, .masks = masks, .tp = tp};
     for (int64_t m = 0; m < num_masks; m++) { /* each mask's split; scratch for the largest */
         const step_mask *A = &masks[m];
         int64_t max_len = max_attended(A->context_lens, n, A->window);
@@ -237,13 +246,14 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
         const bf16 *in = x;
         for (int64_t i = 0; i < count; i++) {
             bf16 *to = (count - 1 - i) % 2 == 0 ? out : spare;
-            layer_team(&layers[i], &S, in, residual, first && i == 0, to, k_pools[i],
-                       v_pools[i]);
+            if (layer_team(&layers[i], &S, in, residual, first && i == 0, to, k_pools[i],
+                           v_pools[i]) != 0)
+                break; /* a peer is gone: every thread leaves alike */
             in = to;
         }
         linear_team_done();
     }
     free(S.scores);
     free(moe_block);
-    return 0;
+    return tp != NULL && tp->error != 0 ? -3 : 0;
 }

@@ -11,6 +11,7 @@ import ctypes
 import torch
 
 from kernels.cpu import library
+from kernels.cpu.all_reduce import ShmReduce, failure
 
 _POINTERS = (
     "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down",
@@ -77,13 +78,16 @@ def decode_layers(
     page_size: int,
     rope_cs: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
+    tp: ShmReduce | None = None,
 ) -> torch.Tensor:
     """The layers of `specs` (a DecodeLayerSpec array), one new token a row: x (T, H) ->
     the last layer's output (T, H); residual (T, H) updated in place as the op-by-op layers
     do (first: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd)
     are at pools[0][i] and pools[1][i]; it attends as masks[spec.mask] says; new tokens at
     positions (T,) int64. rope_cs (T, hd) float32: each row's cosines then sines (interleaved
-    RoPE layers); temperature (T,) float32: each row's factor on q (layers that ask)."""
+    RoPE layers); temperature (T,) float32: each row's factor on q (layers that ask). tp: the
+    tensor-parallel group's all-reduce (one rank's layers: None); x's bytes must fit its
+    slots. RuntimeError where a peer is gone or late."""
     if not (x.is_contiguous() and residual.is_contiguous()):
         raise ValueError("decode layers: x and residual must be contiguous")
     for name, t, shape in (("rope_cs", rope_cs, 2), ("temperature", temperature, 1)):
@@ -92,6 +96,8 @@ def decode_layers(
             and t.is_contiguous()
         ):  # fmt: skip
             raise ValueError(f"decode layers: {name} must be contiguous float32, a row a token")
+    if tp is not None and x.numel() * x.element_size() > tp.slot_bytes:
+        raise ValueError(f"decode layers: {tuple(x.shape)} rows exceed an all-reduce's slot")
     if not 1 <= len(masks) <= MAX_MASKS:
         raise ValueError(f"decode layers: {len(masks)} masks (1 to {MAX_MASKS})")
     out = torch.empty_like(x)
@@ -100,8 +106,10 @@ def decode_layers(
         positions.data_ptr(), None if rope_cs is None else rope_cs.data_ptr(),
         None if temperature is None else temperature.data_ptr(), pools[0],
         pools[1], (StepMask * len(masks))(*masks), len(masks), page_size,
-        torch.get_num_threads(),
+        None if tp is None else ctypes.byref(tp), torch.get_num_threads(),
     )  # fmt: skip
+    if status == -3:
+        raise RuntimeError(f"decode layers: {failure(tp)}")
     if status != 0:
         raise MemoryError("decode layers: no memory for their activations")
     return out

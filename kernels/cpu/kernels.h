@@ -1,8 +1,8 @@
 /* What the kernel files share: the bfloat16 type, decode attention's work split, and the
  * bfloat16 team kernels (rms_norm.c, rope.c, kv_write.c, attention.c, silu_mul.c,
- * linear_bf16.c, moe.c) that decode_layer.c runs in one parallel region. A team kernel splits its
- * loops over the enclosing region's threads (orphaned `omp for`s, each ending at a barrier),
- * or runs alone outside a region. */
+ * linear_bf16.c, moe.c, all_reduce.c) that decode_layer.c runs in one parallel region. A team
+ * kernel splits its loops over the enclosing region's threads (orphaned `omp for`s, each
+ * ending at a barrier), or runs alone outside a region. */
 #ifndef TISON_KERNELS_H
 #define TISON_KERNELS_H
 #include <stdint.h>
@@ -114,6 +114,25 @@ typedef struct {
 void moe_team_bf16(const bf16 *x, const bf16 *router, const bf16 *w13, const bf16 *w2,
                    int64_t n, int64_t H, int64_t I, int64_t E, int64_t k, int scoring,
                    int renormalize, bf16 *out, const moe_scratch *M, void *xp);
+/* all_reduce.c: the all-reduce of a tensor-parallel group of same-host ranks through shared
+ * memory, filled by shared/parallel/shm_group.py (its mapping, its step protocol): `size`
+ * ranks' step counters and flags, a line of `line` int64s each, and their pids; two sets
+ * (alternate steps) of `size` slots of slot_bytes; `step` the last step this rank published;
+ * the signals of _shm_sync.c through pointers (post, wait); `error`: the failed step's status
+ * (wait's: -1 - r, rank r's process gone; -1 - size, timed out; or -2 - size, a peer's part
+ * went to its process group), else 0. all_reduce_team: x summed over the ranks in place (0,
+ * or the status, on every team thread alike). */
+typedef struct {
+    int64_t *lines;
+    const int64_t *pids;
+    uint8_t *slots;
+    int64_t line, slot_bytes, rank, size, step, error;
+    double timeout_s;
+    void (*post)(int64_t *counter, int64_t step);
+    int64_t (*wait)(const int64_t *counters, int64_t stride, const int64_t *pids, int64_t size,
+                    int64_t step, double timeout_s);
+} shm_reduce;
+int64_t all_reduce_team_bf16(shm_reduce *G, bf16 *x, int64_t count);
 /* linear_bf16.c: y (M, N) = x (M, K; row stride xs) w (N, K)^T + bias, on AMX tiles where
  * the build has them, else on the vector units; scratch: linear_scratch(M, K), the calling
  * thread's, shared by the team. linear_team_done: each team thread once its linears are done. */

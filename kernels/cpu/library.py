@@ -1,10 +1,10 @@
 """The C CPU kernels as one library: every source here built for the CPU's tier (isa.py) on
 first use, flags in the cache key (kernels/build.py), loaded with ctypes. The op wrappers
 (norm.py, rope.py, activation.py, argmax.py, token_mask.py, attention.py, linear.py,
-decode_layer.py) check dtype, shape and strides and pass addresses to its functions. The layers
-call them for CPU tensors of float32 or bfloat16 when `usable(x)`; elsewhere (another device, no
-C compiler) the layers keep their torch code, which is also the reference the kernel tests
-compare against."""
+decode_layer.py, all_reduce.py) check dtype, shape and strides and pass addresses to its
+functions. The layers call them for CPU tensors of float32 or bfloat16 when `usable(x)`;
+elsewhere (another device, no C compiler) the layers keep their torch code, which is also the
+reference the kernel tests compare against."""
 
 import ctypes
 import logging
@@ -33,6 +33,7 @@ _SIGNATURES = {
     "tk_rms_norm": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int]),
     "tk_rope": (None, [_ptr, _i64, _ptr, _i64, *[_i64] * 4, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
     "tk_silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
+    "tk_all_reduce": (_i64, [_ptr, _ptr, _i64, _int]),
     "tk_argmax": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_token_mask": (_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "tk_paged_attention": (
@@ -47,7 +48,7 @@ _BF16_ONLY = {  # linear_bf16.c, decode_layer.c
     "tk_decode_layers_bf16": (
         _int,
         [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64]
-        + [_i64, _int],
+        + [_i64, _ptr, _int],
     ),
 }
 _lock = threading.Lock()

@@ -29,7 +29,10 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
         help="share of each GPU for weights, activations and the KV pool (default 0.9)",
     )  # fmt: skip
     parser.add_argument(
-        "--enforce-eager", action="store_true", help="decode without CUDA graphs (debugging)"
+        "--enforce-eager",
+        action="store_true",
+        help="decode op by op: without CUDA graphs, and on a CPU without the fused decoder "
+        "(debugging)",
     )
     parser.add_argument(
         "--resident-codec", action="store_true",

@@ -18,7 +18,7 @@ class UpConfig:
     # (--device cuda:FIRST), else they share the visible GPUs (each its part of the memory)
     gpus: int = 0
     gpu_memory_utilization: float = 0.9  # of each GPU, for the workers on it together
-    enforce_eager: bool = False  # every worker: decode without CUDA graphs
+    enforce_eager: bool = False  # every worker: decode op by op (no graphs, no fused call)
     resident_codec: bool = False  # every worker: layer weights stay compressed on the device
     host: str = "127.0.0.1"
     port: int = 8000

@@ -34,7 +34,7 @@ class WorkerConfig:
     dtype: str = "auto"
     device: str = "auto"  # EngineConfig.device: cpu | cuda | cuda:N | auto
     gpu_memory_utilization: float = 0.9  # EngineConfig's: each GPU's share for this worker
-    enforce_eager: bool = False  # decode without CUDA graphs (EngineConfig.decode_graphs off)
+    enforce_eager: bool = False  # decode op by op (EngineConfig.decode_graphs off)
     resident_codec: bool = False  # EngineConfig's: layer weights stay compressed on the device
     nats_url: str = "nats://127.0.0.1:4222"
     nats: NatsClientOptions | None = None  # credentials and TLS; None: from the environment

@@ -65,6 +65,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # decode steps replayed from captured CUDA graphs (shared/engine/graphs.py): auto (on CUDA),
     # on (also on the CPU, through the same static buffers: how the tests check them), off
+    # (eager: on the CPU also without the fused decoder's one call, layer by layer, op by op)
     decode_graphs: str = "auto"
     attention_backend: str = "auto"  # auto (by device and dtype) | cpu_kernels | cuda | torch
     # chunked layers (Llama 4) keep only their chunk's KV, in page groups of the one pool

@@ -139,8 +139,9 @@ def build_shard(
             sliced=tp.size > 1,
         )
     model = load_model(
-        config.model_dir, cfg, dtype, tp, stage, device, attention, weights, config.resident_codec
-    )
+        config.model_dir, cfg, dtype, tp, stage, device, attention, weights,
+        config.resident_codec, fused_decode=config.decode_graphs != "off",
+    )  # fmt: skip
     loaded = time.perf_counter()
     source = f"from {weights.source}" if weights is not None else "from disk"
     fused = getattr(getattr(model, "model", None), "fused", None)  # decode_layer.py's

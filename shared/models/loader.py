@@ -32,6 +32,7 @@ def load_model(
     attention: AttentionBackend | None = None,  # None: the model's default for the CPU
     weights=None,  # a checkpoint to read instead of the folder's (shared/peer's PeerCheckpoint)
     resident_codec: bool = False,  # the layers' linear weights stay encoded (models/resident.py)
+    fused_decode: bool = True,  # CPU bf16: decode steps in one C call where the layers fit
 ) -> nn.Module:
     """The model's parameters and buffers are made on `device`; the checkpoint's tensors are
     copied there as they are read. `weights` is closed once loaded, as the folder's is."""
@@ -53,7 +54,7 @@ def load_model(
     finally:
         checkpoint.close()
     if dtype == torch.bfloat16 and device.type == "cpu":
-        prepare_cpu_linears(model)
+        prepare_cpu_linears(model, fused_decode)
     return model.eval()
 
 

@@ -16,8 +16,9 @@ from shared.models.layers.linear import LinearBase
 from shared.models.layers.moe import FusedMoE
 
 
-def prepare_cpu_linears(model: nn.Module) -> None:
-    """For a bf16 CPU model: every linear layer and the LM head (an untied one, for oneDNN)."""
+def prepare_cpu_linears(model: nn.Module, fused_decode: bool = True) -> None:
+    """For a bf16 CPU model: every linear layer and the LM head (an untied one, for oneDNN);
+    then, with fused_decode, the decoder stacks' fused decode call."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     kernels = library.usable(torch.zeros(1, dtype=torch.bfloat16))
     onednn = cpu_linear.onednn_bf16()
@@ -40,7 +41,7 @@ def prepare_cpu_linears(model: nn.Module) -> None:
                 torch.empty(0, dtype=module.weight.dtype), requires_grad=False
             )
     for module in model.modules():  # decoder stacks whose linears all take the C linear
-        if hasattr(module, "prepare_fused_decode"):
+        if fused_decode and hasattr(module, "prepare_fused_decode"):
             module.prepare_fused_decode()
 
 

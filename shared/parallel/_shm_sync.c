@@ -6,6 +6,8 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/types.h>
 #include <time.h>
 
@@ -27,9 +29,27 @@ static inline void relax(void) {
 #endif
 }
 
+/* Whether process pid is gone: no such process, or one that has exited and waits for its
+ * parent to reap it (a zombie: rank 0 is the parent of the other ranks, and kill() still
+ * finds a zombie), as /proc tells where there is one. */
+static int gone(int64_t pid) {
+    if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+    char path[64], stat[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return 0;
+    size_t n = fread(stat, 1, sizeof stat - 1, f);
+    fclose(f);
+    stat[n] = 0;
+    const char *end = strrchr(stat, ')'); /* "pid (comm) S ...": comm may hold spaces */
+    return end != NULL && (end[2] == 'Z' || end[2] == 'X');
+}
+
 /* Until the counter of every rank r < size (at counters + r * stride) reaches `step`: 0; or
- * -1 - r when rank r's process (pids[r]) is gone before, or -1 - size after timeout_s. Spins a
- * little (a peer a few microseconds behind), then yields the core between looks, then naps. */
+ * -1 - r when rank r's process (pids[r]) is gone (or a zombie) before, or -1 - size after
+ * timeout_s. Spins a little (a peer a few microseconds behind), then yields the core between
+ * looks, then naps 20 us at a time, and after a third of a second or so 1 ms (an idle rank
+ * waiting for its next step plan, plan_channel.py). */
 int64_t tison_shm_wait(const int64_t *counters, int64_t stride, const int64_t *pids, int64_t size,
                        int64_t step, double timeout_s) {
     const double start = now_s();
@@ -41,12 +61,12 @@ int64_t tison_shm_wait(const int64_t *counters, int64_t stride, const int64_t *p
             }
             if (i < 65536) {
                 sched_yield(); /* another rank may need this core */
-            } else { /* a long wait (another rank's prompt): look every 20 us */
-                const struct timespec nap = {0, 20000};
+            } else { /* a long wait (another rank's prompt): look every 20 us, then 1 ms */
+                const struct timespec nap = {0, i < 65536 + 16384 ? 20000 : 1000000};
                 nanosleep(&nap, NULL);
             }
             if (i % 4096 == 0) {
-                if (kill((pid_t)pids[r], 0) != 0 && errno == ESRCH) return -1 - r;
+                if (gone(pids[r])) return -1 - r;
                 if (now_s() - start > timeout_s) return -1 - size;
             }
         }

@@ -24,22 +24,27 @@ import os
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from kernels.build import build_library
+from kernels.cpu import all_reduce
+from kernels.cpu.all_reduce import ShmReduce
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "TISON_CPU_COLLECTIVES"  # shm (default) | gloo
 SLOT_BYTES = 8 << 20  # a rank's part of one step
 TIMEOUT_S = 300.0  # a collective waiting longer has lost a peer
-_LINE = 8  # int64s a cache line: each rank's counter and flag on a line of its own
+LINE = 8  # int64s a cache line: each rank's counter and flag on a line of its own
 _lib: list = []  # [the loaded _shm_sync library, or None], once tried
+T = TypeVar("T")
 
 
-def _sync_library():
+def sync_library():
     if not _lib:
         source = Path(__file__).with_name("_shm_sync.c")
         try:
@@ -63,28 +68,28 @@ class ShmGroup:
 
     def __init__(self, path: Path, rank: int, size: int, create: bool):
         self.rank, self.size = rank, size
-        header = size * _LINE * 8 + math.ceil(size / _LINE) * _LINE * 8  # counters, pids
-        total = header + 2 * size * SLOT_BYTES
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create and hasattr(os, "posix_fallocate"):  # a full /dev/shm fails here
-                os.posix_fallocate(fd, 0, total)  # not by a fault mid-step
-            elif create:
-                os.ftruncate(fd, total)
-            self._map = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
-        memory = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._lines = memory[: size * _LINE * 8].view(torch.int64).view(size, _LINE)
-        self._pids = memory[size * _LINE * 8 : header].view(torch.int64)
-        self._pids[rank] = os.getpid()
-        self._slots = memory[header:].view(2, size, SLOT_BYTES)
-        self._step = 0
-        self._lib = _sync_library()
+        self._map, self._lines, self._pids, slots = shared_lines(
+            path, rank, size, 2 * size * SLOT_BYTES, create
+        )
+        self._slots = torch.frombuffer(self._map, dtype=torch.uint8)[slots:]
+        self._slots = self._slots.view(2, size, SLOT_BYTES)
+        lib = sync_library()
+        # the step counter's owner, which the C all-reduce advances too
+        self.c = ShmReduce(
+            self._lines.data_ptr(), self._pids.data_ptr(), self._slots.data_ptr(), LINE,
+            SLOT_BYTES, rank, size, 0, 0, TIMEOUT_S,
+            ctypes.cast(lib.tison_shm_post, ctypes.c_void_p),
+            ctypes.cast(lib.tison_shm_wait, ctypes.c_void_p),
+        )  # fmt: skip
+        self._lib = lib
 
     def all_reduce(self, x: torch.Tensor) -> bool:
         """x summed over the ranks in place (in float32 for a bf16 x, in rank order, the same
-        bits on every rank)."""
+        bits on every rank): by the C kernels (all_reduce.c, as the fused decoder) where they
+        take x."""
+        if all_reduce.takes(x, SLOT_BYTES):
+            all_reduce.all_reduce(self.c, x)
+            return True
         parts = self._exchange(x)
         if parts is None:
             return False
@@ -141,23 +146,22 @@ class ShmGroup:
 
     def _next(self) -> torch.Tensor:
         """(size, SLOT_BYTES) the slots of the next step."""
-        return self._slots[(self._step + 1) % 2]
+        return self._slots[(self.c.step + 1) % 2]
 
     def _sync(self, fits: bool) -> bool:
         """Publishes this rank's next step (and whether its part fit), waits for every rank's;
         whether every part fit."""
-        self._step += 1
-        flag = 1 + self._step % 2  # a flag a parity: a peer a step ahead keeps this one
+        step = self.c.step = self.c.step + 1
+        flag = 1 + step % 2  # a flag a parity: a peer a step ahead keeps this one
         line = self._lines[self.rank]
         line[flag] = 1 if fits else 0  # read by the peers once they see the step (release below)
-        self._lib.tison_shm_post(line.data_ptr(), self._step)
+        self._lib.tison_shm_post(line.data_ptr(), step)
         status = self._lib.tison_shm_wait(
-            self._lines.data_ptr(), _LINE, self._pids.data_ptr(), self.size, self._step, TIMEOUT_S
+            self._lines.data_ptr(), LINE, self._pids.data_ptr(), self.size, step, TIMEOUT_S
         )
         if status < 0:
-            peer = -1 - status
-            why = "timed out" if peer == self.size else f"rank {peer}'s process is gone"
-            raise RuntimeError(f"shared-memory collective, step {self._step}: {why}")
+            self.c.error = status
+            raise RuntimeError(all_reduce.failure(self.c))
         return bool(self._lines[:, flag].all())
 
     @staticmethod
@@ -168,31 +172,61 @@ class ShmGroup:
         return data.view(n, *like.shape[1:])
 
 
-def open_group(store, prefix: str, rank: int, size: int) -> ShmGroup | None:
-    """The ranks' shared-memory group, made over the TCPStore all of them use (call on every
-    rank, in the same order as their process groups); None where TISON_CPU_COLLECTIVES=gloo or
-    the sync library cannot be built (every rank alike: rank 0 decides)."""
+def shared_lines(path: Path, rank: int, size: int, extra: int, create: bool):
+    """The mapping of `path` (made with create, its memory taken now: a full /dev/shm fails
+    here, not by a fault mid-step): a line of int64s for each of `size` ranks (counters and
+    flags), their pids (this rank's set), then `extra` bytes. Returns (mapping, lines (size,
+    LINE), pids (size,), the offset of the extra bytes)."""
+    header = size * LINE * 8 + math.ceil(size / LINE) * LINE * 8
+    total = header + extra
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, total)
+        elif create:
+            os.ftruncate(fd, total)
+        mapping = mmap.mmap(fd, total)
+    finally:
+        os.close(fd)
+    memory = torch.frombuffer(mapping, dtype=torch.uint8)
+    lines = memory[: size * LINE * 8].view(torch.int64).view(size, LINE)
+    pids = memory[size * LINE * 8 : header].view(torch.int64)
+    pids[rank] = os.getpid()
+    return mapping, lines, pids, header
+
+
+def rendezvous(store, prefix: str, rank: int, size: int, make: Callable[[Path, bool], T]):
+    """make(path, create) on every rank (call on every rank, in the same order as their process
+    groups): rank 0 creates a /dev/shm file, the others open it, and it is unlinked once all
+    have it mapped. None on every rank alike (rank 0 decides) where TISON_CPU_COLLECTIVES=gloo,
+    the sync library cannot be built, or /dev/shm has no room."""
     key = f"{prefix}/shm"
     if rank == 0:
-        path = ""
-        if os.environ.get(ENV_VAR, "shm") != "gloo" and _sync_library() is not None:
+        path, made = "", None
+        if os.environ.get(ENV_VAR, "shm") != "gloo" and sync_library() is not None:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-            path = str(base / f"tison-coll-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            path = str(base / f"tison-{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
-                group = ShmGroup(Path(path), 0, size, create=True)
+                made = make(Path(path), True)
             except OSError as e:  # /dev/shm too small (a container's 64 MiB default)
-                log.warning("shared-memory collectives: %s; the ranks use gloo", e)
+                log.warning("shared memory for %s: %s; the ranks use gloo", prefix, e)
                 Path(path).unlink(missing_ok=True)
                 path = ""
         store.set(key, path)
         if path:
             store.wait([f"{prefix}/mapped{r}" for r in range(1, size)])
             os.unlink(path)  # each rank holds its mapping: nothing is left behind
-            return group
-        return None
+        return made
     path = store.get(key).decode()
     if not path:
         return None
-    group = ShmGroup(Path(path), rank, size, create=False)
+    made = make(Path(path), False)
     store.set(f"{prefix}/mapped{rank}", "1")
-    return group
+    return made
+
+
+def open_group(store, prefix: str, rank: int, size: int) -> ShmGroup | None:
+    """The ranks' shared-memory group, made over the TCPStore all of them use (rendezvous)."""
+    return rendezvous(
+        store, prefix, rank, size, lambda path, create: ShmGroup(path, rank, size, create)
+    )

@@ -1,11 +1,13 @@
 """A stage's decoder layers, for decode steps, in one C call (kernels/cpu/decode_layer.py), on
-every CPU tier. It takes steps whose rows all decode, bfloat16, one tensor-parallel rank (no
-all-reduce inside) and linears on the C linear (kernels/cpu/linear.py); layers may attend with
-different masks (global, sliding, chunked; each page group of capped chunked layers counts as
-one: up to MAX_MASKS), each layer on its own view of the pool; RoPE by tables, on interleaved
-pairs (Llama 4) or none (NoPE, with or without Llama 4's query temperature); an MLP is dense or
-routed experts with softmax top-k (Mixtral, Qwen3-MoE) or Llama 4's sigmoid top-1 beside a
-shared expert (not expert parallelism); everything else stays op by op."""
+every CPU tier. It takes steps whose rows all decode, bfloat16, linears on the C linear
+(kernels/cpu/linear.py), on one tensor-parallel rank or on several whose group all-reduces
+through shared memory (the C all-reduce then runs inside the call, where the op-by-op layers
+all-reduce); layers may attend with different masks (global, sliding, chunked; each page group
+of capped chunked layers counts as one: up to MAX_MASKS), each layer on its own view of the
+pool; RoPE by tables, on interleaved pairs (Llama 4) or none (NoPE, with or without Llama 4's
+query temperature); an MLP is dense or routed experts with softmax top-k (Mixtral, Qwen3-MoE)
+or Llama 4's sigmoid top-1 beside a shared expert (not expert parallelism); everything else
+stays op by op."""
 
 import ctypes
 from collections.abc import Callable
@@ -21,22 +23,35 @@ from shared.models.layer_attention import AttentionMask
 from shared.models.layers.attention import StepMetadata
 from shared.models.layers.moe import SIGMOID, SOFTMAX
 from shared.models.layers.rotary import InterleavedRotaryEmbedding, RotaryEmbedding
+from shared.parallel.group import TPGroup
 
 
 def _experts_fit(experts) -> bool:
-    """Whether decode_layer.c runs these FusedMoE experts: on the C linear, on one rank (no
-    all-reduce, no expert parallelism), softmax routing with each output weighted, or sigmoid
+    """Whether decode_layer.c runs these FusedMoE experts: on the C linear, each rank all
+    experts (no expert parallelism), softmax routing with each output weighted, or sigmoid
     top-1 with the weight on the input (Llama 4)."""
     softmax = experts.scoring == SOFTMAX and not experts.apply_weights_on_input
     sigmoid = experts.scoring == SIGMOID and experts.apply_weights_on_input
     return (
         experts.c_linear
         and experts.ep is None
-        and experts.tp.size == 1
         and (softmax or sigmoid)
         and experts.w13.is_contiguous()
         and experts.w2.is_contiguous()
     )
+
+
+def _tp_group(modules, o, mlp_reduces: bool) -> "TPGroup | None | bool":
+    """The tensor-parallel group a layer's modules split over: None for one rank; False where
+    the fused call cannot all-reduce for them: several groups, a group without shared memory,
+    or partial sums not all-reduced where decode_layer.c does (o's output, the MLP's)."""
+    groups = {id(g): g for m in modules if (g := getattr(m, "tp", None)) is not None}
+    groups = [g for g in groups.values() if g.size > 1]
+    if not groups:
+        return None
+    if len(groups) > 1 or groups[0].shm is None or not (o.reduce and mlp_reduces):
+        return False
+    return groups[0]
 
 
 def _rope_kind(rotary) -> int | None:
@@ -54,12 +69,14 @@ def _rope_kind(rotary) -> int | None:
 class LayerPart:
     """One layer's part of a FusedDecoder: its spec, the tensors the spec points into, and
     what the step must give it: its rotary embedding (tables to check, or pairs' cos/sin to
-    compute), its query temperature (positions (T,) -> (T, 1, 1) float32) or None."""
+    compute), its query temperature (positions (T,) -> (T, 1, 1) float32) or None, and the
+    tensor-parallel group it all-reduces over (None: one rank)."""
 
     spec: DecodeLayerSpec
     tensors: list[torch.Tensor]
     rotary: RotaryEmbedding | InterleavedRotaryEmbedding | None
     temperature: Callable[[torch.Tensor], torch.Tensor] | None = None
+    tp: TPGroup | None = None
 
 
 def layer_spec(
@@ -68,25 +85,29 @@ def layer_spec(
     norm_after_rope=False, temperature=None,
 ) -> LayerPart | None:  # fmt: skip
     """One decoder layer's part, or None where the fused call cannot run it (a linear not on
-    the C linear, more than one tensor-parallel rank, an unsupported head shape, rotation or
-    routing). rotary: tables, interleaved pairs or None (NoPE); q_norm and k_norm (modules
-    with weight and eps) before the rotation, or after with norm_after_rope (Llama 4's L2
-    norms, weights of ones); temperature: NoPE layers' factor on q. Its MLP: gate_up and down
-    (dense), or router (H -> E) and experts (a FusedMoE), beside `shared` (a dense MLP with
-    gate_up_proj and down_proj) or not."""
+    the C linear, tensor-parallel ranks it cannot all-reduce for, an unsupported head shape,
+    rotation or routing). rotary: tables, interleaved pairs or None (NoPE); q_norm and k_norm
+    (modules with weight and eps) before the rotation, or after with norm_after_rope (Llama
+    4's L2 norms, weights of ones); temperature: NoPE layers' factor on q. Its MLP: gate_up and
+    down (dense), or router (H -> E) and experts (a FusedMoE), beside `shared` (a dense MLP
+    with gate_up_proj and down_proj) or not: under TP then both leave partial sums whose sum
+    the layer all-reduces (Llama 4's)."""
     moe = experts is not None
     linears = (qkv, o, router) if moe else (qkv, o, gate_up, down)
-    if shared is not None:
+    if shared is None:
+        mlp_reduces = experts.reduce if moe else down.reduce
+    else:
         linears += (shared.gate_up_proj, shared.down_proj)
+        mlp_reduces = not (experts.reduce or shared.down_proj.reduce)
     rope = _rope_kind(rotary)
-    if (moe and not _experts_fit(experts)) or rope is None:
+    tp = _tp_group(linears + ((experts,) if moe else ()), o, mlp_reduces)
+    if (moe and not _experts_fit(experts)) or rope is None or tp is False:
         return None
     if temperature is not None and rope != c.ROPE_NONE:  # decode_layer.c: NoPE layers only
         return None
     if not (
         all(getattr(m, "c_linear", False) for m in linears)
         and all(getattr(m, "bias", None) is None for m in linears if m is not qkv)
-        and all(getattr(m, "tp", None) is None or m.tp.size == 1 for m in linears)
         and attn.kernel_ok
         and input_norm.weight.dtype == torch.bfloat16
     ):
@@ -116,7 +137,7 @@ def layer_spec(
         input_norm.eps, input_norm.eps if q_norm is None else q_norm.eps, attn.scale,
     )  # fmt: skip
     tensors = [t for t in tensors if t is not None]
-    return LayerPart(spec, tensors, rotary, temperature)
+    return LayerPart(spec, tensors, rotary, temperature, tp)
 
 
 class FusedDecoder:
@@ -135,22 +156,29 @@ class FusedDecoder:
         self.pairs = next((r for r in rotaries if isinstance(r, InterleavedRotaryEmbedding)), None)
         # the NoPE layers' factor: one function of the position for all (one model config)
         self.temperature = next((p.temperature for p in parts if p.temperature), None)
+        self.tp = next((p.tp for p in parts), None)  # every layer's (build checks); None: one rank
         self._pools: tuple = ()  # (the KV cache, its layers' K and V pool addresses)
 
     @classmethod
     def build(cls, parts: list, masks: list[AttentionMask]) -> "FusedDecoder | None":
         """A FusedDecoder of these layers (each layer's part, or None, and mask), or None where
         one call cannot take them: a layer that cannot run fused, more than MAX_MASKS masks,
-        or interleaved RoPE of more than one embedding (the step gives one cos/sin)."""
+        layers of different tensor-parallel groups, or interleaved RoPE of more than one
+        embedding (the step gives one cos/sin)."""
         if not parts or any(part is None for part in parts) or len(set(masks)) > MAX_MASKS:
+            return None
+        if len({id(part.tp) for part in parts}) > 1:
             return None
         pairs = {id(p.rotary) for p in parts if isinstance(p.rotary, InterleavedRotaryEmbedding)}
         return cls(parts, masks) if len(pairs) <= 1 else None
 
-    @staticmethod
-    def max_rows() -> int:
-        """The most rows a fused step takes (the C linear's, which beats F.linear up to there)."""
-        return linear_max_rows()
+    def max_rows(self) -> int:
+        """The most rows a fused step takes: the C linear's (which beats F.linear up to there),
+        and under TP as many as an all-reduce's slot holds."""
+        rows = linear_max_rows()
+        if self.tp is not None:
+            rows = min(rows, self.tp.shm.c.slot_bytes // (self.specs[0].hidden * 2))
+        return rows
 
     def takes(self, x: torch.Tensor, meta: StepMetadata) -> bool:
         """Whether this step can run fused: every row decodes (a prompt's tokens too, as
@@ -184,7 +212,7 @@ class FusedDecoder:
             residual = x
         out = decode_layers(
             self.specs, x, residual, first, positions, self._pools_of(kv), masks,
-            metas[0].decode.page_size, cs, temperature,
+            metas[0].decode.page_size, cs, temperature, None if self.tp is None else self.tp.shm.c,
         )  # fmt: skip
         return out, residual
 
