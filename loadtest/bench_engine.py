@@ -9,11 +9,12 @@ ran at; --isa runs it at a lower tier (as TISON_CPU_ISA does). `--model-kind moe
 Mixtral-shaped mixture of experts of the same size instead, against its active-bytes roofline
 (the experts a step's tokens chose, roofline.py). Once both models are built, the process's
 objects are frozen out of the garbage collector's view, as a worker's are. `--tp`, `--ep` and
-`--dp` run Tison's engine at that shape, each rank on `--threads` threads (the roofline stays
-the one-rank model's bytes a step).
+`--dp` run Tison's engine at that shape, its ranks sharing the `--threads` that transformers
+and the probe run on (threads / ranks each, as an unpinned engine does; the roofline stays the
+one-rank model's bytes a step). `--enforce-eager` decodes op by op (no fused decoder call).
 
     python -m loadtest.bench_engine [--isa avx2] [--model-kind moe] [--threads 2] [--out f.json]
-    python -m loadtest.bench_engine --model-kind moe --dp 2 --threads 1
+    python -m loadtest.bench_engine --model-kind moe --tp 2 [--enforce-eager]
 """
 
 import argparse
@@ -145,17 +146,27 @@ def hf_prefill(model, batch: int, prompt_len: int) -> float:
         return batch * prompt_len / (time.perf_counter() - t)
 
 
-def measure_round(engine, hf, prompt_len: int, new_tokens: int, flip: bool) -> dict:
+def measure_round(
+    engine, hf, prompt_len: int, new_tokens: int, flip: bool, threads: tuple[int, int]
+) -> dict:
     """One round of every measure, Tison and transformers back to back (transformers first
     when `flip`, so rounds alternate A, B / B, A), each decode pair between two bandwidth
-    readings: {name: (tison, transformers, GB/s around it or None for prefill)}."""
+    readings: {name: (tison, transformers, GB/s around it or None for prefill)}. threads:
+    Tison's rank 0's, then transformers' and the probe's."""
     p, n = prompt_len, new_tokens
+
+    def on(count: int, fn, *args):
+        torch.set_num_threads(count)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(threads[1])
 
     def pair(ours, theirs, *args):
         if flip:
             b = theirs(*args)
-            return ours(*args), b
-        return ours(*args), theirs(*args)
+            return on(threads[0], ours, *args), b
+        return on(threads[0], ours, *args), theirs(*args)
 
     result: dict[str, tuple] = {}
     for batch in (1, 32):
@@ -211,6 +222,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="Tison's tensor-parallel ranks")
     ap.add_argument("--ep", action="store_true", help="... holding whole experts")
     ap.add_argument("--dp", type=int, default=1, help="Tison's data-parallel attention ranks")
+    ap.add_argument("--enforce-eager", action="store_true", help="Tison decodes op by op")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     fields = MODELS[args.model_kind]
@@ -234,16 +246,19 @@ def main() -> None:
             ep=args.ep,
             dp=args.dp,
             allow_oversubscribe=True,
+            decode_graphs="off" if args.enforce_eager else "auto",
         )
         engine = LLMEngine(config)
         tison_decode(engine, 1, 8, 4)  # warm-up
+        threads = (torch.get_num_threads(), args.threads)  # rank 0's share, all
+        torch.set_num_threads(args.threads)
         hf_dtype, hf, trial = fastest_hf(folders, args.prompt_len)
         # as a worker does once its engine is built (services/runtime.py freeze_heap): a full
         # garbage collection of both models' objects would stall a step by ~80 ms, for either
         gc.collect()
         gc.freeze()
         rounds = [
-            measure_round(engine, hf, args.prompt_len, args.new_tokens, flip=i % 2 == 1)
+            measure_round(engine, hf, args.prompt_len, args.new_tokens, i % 2 == 1, threads)
             for i in range(args.rounds)
         ]
     facts = env_report()
@@ -254,7 +269,11 @@ def main() -> None:
         f"fused decoder {'on' if engine.model.model.fused is not None else 'off'}; torch "
         f"{torch.__version__} at {facts['torch_cpu_capability']}, oneDNN bf16 "
         f"{'yes' if facts['onednn_bf16'] else 'no'}; {args.threads} threads"
-        + (f" a rank of tp={args.tp}{' ep' if args.ep else ''} dp={args.dp}" if shaped else "")
+        + (
+            f", {threads[0]} a rank of tp={args.tp}{' ep' if args.ep else ''} dp={args.dp}"
+            if shaped
+            else ""
+        )
     )
     print(
         f"Model: {args.model_kind} ({hf.num_parameters() / 1e6:.0f}M parameters); "

@@ -24,7 +24,7 @@ from shared.kv.cache import KVCache
 from shared.kv.chunk_cache import GroupedKVCache
 from shared.kv.spec import KVSpec
 from shared.models.config import ModelConfig
-from shared.parallel.comm import PLAN, RESULT, RankComm
+from shared.parallel.comm import RESULT, RankComm
 from shared.parallel.cores import pin, rank_cores
 from shared.parallel.group import SINGLE
 from shared.parallel.pipeline import WHOLE_MODEL
@@ -86,9 +86,11 @@ class RankExecutor:
         comm: RankComm,
         ranks: RankProcesses,
         handoff: KVHandoff | None = None,
+        threads: int | None = None,  # this process's torch threads before rank 0 took its share
     ):
         self.runner, self.comm, self.ranks = runner, comm, ranks
         self.handoff = handoff
+        self._threads = threads
         shape = comm.shape
         self.depth = shape.pp
         self.last_rank = shape.rank_of(shape.pp - 1, 0)
@@ -106,8 +108,7 @@ class RankExecutor:
         extras = self.handoff.plan_extras(out) if self.handoff is not None else None
         shipped = None if masks is None or self.depth == 1 else masks.result()
         plan = encode_plan(next(self._ids), out, extras, shipped)
-        for rank in range(1, self.comm.shape.world_size):
-            self.comm.send_bytes(plan, rank, PLAN)
+        self.comm.send_plan(plan)
         self._pending.append(_run(self.runner, out, masks))
 
     def collect(self) -> StepResult:
@@ -127,6 +128,8 @@ class RankExecutor:
     def close(self) -> None:
         self.ranks.stop(self.comm, encode_stop())
         _close(self.runner, self.handoff)
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
 
 
 def _close(runner: ModelRunner, handoff: KVHandoff | None) -> None:
@@ -224,17 +227,26 @@ def start_executor(
         hook = None if handoff is None else handoff.on_layer
         runner = stage_runner(config, cfg, model, kv, num_pages, hook=hook)
         return LocalExecutor(runner, handoff)
-    ranks = RankProcesses(config, num_pages, torch.get_num_threads(), kv_groups)
-    comm = None
+    # unpinned ranks share this process's threads (torch's: one a physical core by default),
+    # rank 0 too until it closes; each taking all of them, the ranks' teams would fight for
+    # the cores, and a team whose thread is preempted stalls at every barrier (a decode step
+    # at tp=2 ran 10x slower)
+    previous = torch.get_num_threads()
+    threads = previous if config.cpus else max(1, previous // shape.world_size)
+    torch.set_num_threads(threads)
+    ranks = comm = None
     try:
+        ranks = RankProcesses(config, num_pages, threads, kv_groups)
         comm = ranks.join()
         stage = shape.stage_of(0, cfg.num_layers)
         model, kv = build_shard(config, cfg, comm.tp, stage, num_pages, 0, kv_groups)
         ranks.wait_ready()
     except BaseException:
-        ranks.stop(comm, encode_stop())
+        if ranks is not None:
+            ranks.stop(comm, encode_stop())
+        torch.set_num_threads(previous)
         raise
     handoff = rank_handoff(config, spec, kv, 0, ranks.store)
     hook = None if handoff is None else handoff.on_layer
     runner = stage_runner(config, cfg, model, kv, num_pages, comm.tp, stage, comm, hook, comm.dp)
-    return RankExecutor(runner, comm, ranks, handoff)
+    return RankExecutor(runner, comm, ranks, handoff, previous)

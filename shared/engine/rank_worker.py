@@ -20,7 +20,7 @@ from shared.engine.ranks import SECRET_ENV
 from shared.engine.runner import ModelRunner
 from shared.engine.shard import build_shard, model_kv_spec
 from shared.models.config import ModelConfig
-from shared.parallel.comm import PLAN, RESULT, RankComm, open_store
+from shared.parallel.comm import RESULT, RankComm, open_store
 from shared.parallel.cores import pin, rank_cores
 from shared.sampling.token_mask import ready
 from shared.transfer.handoff import KVHandoff
@@ -62,7 +62,7 @@ def serve(runner: ModelRunner, comm: RankComm, handoff: KVHandoff | None = None)
     KV targets from each plan before its step."""
     replies = runner.samples and comm.rank != 0
     while True:
-        plan = decode_plan(comm.recv_bytes(0, PLAN))
+        plan = decode_plan(comm.recv_plan())
         if plan.stop:
             break
         if handoff is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import shared
 from shared.engine.config import EngineConfig
 from shared.errors import ProcessStartError
-from shared.parallel.comm import PLAN, RankComm, open_store
+from shared.parallel.comm import RankComm, open_store
 from shared.proc import die_with_parent
 
 READY_TIMEOUT_S = 600.0
@@ -88,8 +88,7 @@ class RankProcesses:
         """Asks every child to exit (if joined), then kills those still running."""
         if comm is not None:
             try:
-                for rank in range(1, self.world_size):
-                    comm.send_bytes(stop_plan, rank, PLAN)
+                comm.send_plan(stop_plan)
             except Exception:  # a rank already gone: the kill below covers it
                 pass
         deadline = time.monotonic() + timeout_s

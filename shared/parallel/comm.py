@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shared.parallel.group import SINGLE, TPGroup, process_group
+from shared.parallel.plan_channel import open_channel
 from shared.parallel.shape import ParallelConfig
 from shared.parallel.shm_group import ShmGroup, open_group
 
@@ -43,6 +44,8 @@ class RankComm:
         self.device = torch.device(device)
         world = dist.PrefixStore("world", store)
         self.world = process_group(world, rank, shape.world_size, "cpu", IDLE_TIMEOUT)
+        # rank 0's step plans to the others (plan_channel.py); None: over self.world
+        self.plans = open_channel(store, rank, shape.world_size)
         self.hidden = self.world  # stage -> next stage: on the device's backend
         if self.device.type != "cpu" and shape.pp > 1:
             hidden = dist.PrefixStore("hidden", store)
@@ -68,6 +71,17 @@ class RankComm:
         """A group's shared-memory collectives, for CPU ranks (all of a worker's are on one
         host)."""
         return open_group(store, "coll", rank, size) if self.device.type == "cpu" else None
+
+    def send_plan(self, plan: bytes) -> None:
+        """Rank 0: a step plan to every other rank, through shared memory where it fits."""
+        if self.plans is None or not self.plans.send(plan):
+            for rank in range(1, self.shape.world_size):
+                self.send_bytes(plan, rank, PLAN)
+
+    def recv_plan(self) -> bytes:
+        """Rank r > 0: rank 0's next step plan."""
+        plan = None if self.plans is None else self.plans.recv()
+        return self.recv_bytes(0, PLAN) if plan is None else plan
 
     def send_bytes(self, data: bytes, dst: int, tag: int) -> None:
         self._send(self.world, torch.tensor([len(data)], dtype=torch.int64), dst, tag)
