@@ -8,10 +8,11 @@ minutes) by a C read probe (membw.c) on the same threads. It prints the CPU tier
 ran at; --isa runs it at a lower tier (as TISON_CPU_ISA does). `--model-kind moe` runs a
 Mixtral-shaped mixture of experts of the same size instead, against its active-bytes roofline
 (the experts a step's tokens chose, roofline.py). Once both models are built, the process's
-objects are frozen out of the garbage collector's view, as a worker's are. `--tp`, `--ep` and
-`--dp` run Tison's engine at that shape, its ranks sharing the `--threads` that transformers
-and the probe run on (threads / ranks each, as an unpinned engine does; the roofline stays the
-one-rank model's bytes a step). `--enforce-eager` decodes op by op (no fused decoder call).
+objects are frozen out of the garbage collector's view, as a worker's are. `--tp`, `--pp`,
+`--ep` and `--dp` run Tison's engine at that shape, its ranks sharing the `--threads` that
+transformers and the probe run on (threads / ranks each, as an unpinned engine does; the
+roofline stays the one-rank model's bytes a step). `--enforce-eager` decodes op by op (no fused
+decoder call).
 
     python -m loadtest.bench_engine [--isa avx2] [--model-kind moe] [--threads 2] [--out f.json]
     python -m loadtest.bench_engine --model-kind moe --tp 2 [--enforce-eager]
@@ -220,6 +221,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="paired rounds (A, B / B, A ...)")
     ap.add_argument("--model-kind", default="dense", choices=sorted(MODELS))
     ap.add_argument("--tp", type=int, default=1, help="Tison's tensor-parallel ranks")
+    ap.add_argument("--pp", type=int, default=1, help="Tison's pipeline stages")
     ap.add_argument("--ep", action="store_true", help="... holding whole experts")
     ap.add_argument("--dp", type=int, default=1, help="Tison's data-parallel attention ranks")
     ap.add_argument("--enforce-eager", action="store_true", help="Tison decodes op by op")
@@ -243,6 +245,7 @@ def main() -> None:
             kv_cache_bytes=2 << 30,
             enable_prefix_caching=False,
             tp=args.tp,
+            pp=args.pp,
             ep=args.ep,
             dp=args.dp,
             allow_oversubscribe=True,
@@ -262,18 +265,14 @@ def main() -> None:
             for i in range(args.rounds)
         ]
     facts = env_report()
-    shaped = args.tp * args.dp > 1
+    ranks = f"tp={args.tp} pp={args.pp}{' ep' if args.ep else ''} dp={args.dp}"
+    ranks = f", {threads[0]} a rank of {ranks}" if args.tp * args.pp * args.dp > 1 else ""
     print(
         f"CPU: {facts['cpu']}, tier {facts['tier']} (of {', '.join(facts['tiers_runnable'])});"
         f" linear {facts['linear_kernel']}, other kernels at {facts['kernels_built_for']}, "
         f"fused decoder {'on' if engine.model.model.fused is not None else 'off'}; torch "
         f"{torch.__version__} at {facts['torch_cpu_capability']}, oneDNN bf16 "
-        f"{'yes' if facts['onednn_bf16'] else 'no'}; {args.threads} threads"
-        + (
-            f", {threads[0]} a rank of tp={args.tp}{' ep' if args.ep else ''} dp={args.dp}"
-            if shaped
-            else ""
-        )
+        f"{'yes' if facts['onednn_bf16'] else 'no'}; {args.threads} threads{ranks}"
     )
     print(
         f"Model: {args.model_kind} ({hf.num_parameters() / 1e6:.0f}M parameters); "

@@ -24,7 +24,7 @@ from shared.kv.cache import KVCache
 from shared.kv.chunk_cache import GroupedKVCache
 from shared.kv.spec import KVSpec
 from shared.models.config import ModelConfig
-from shared.parallel.comm import RESULT, RankComm
+from shared.parallel.comm import RankComm
 from shared.parallel.cores import pin, rank_cores
 from shared.parallel.group import SINGLE
 from shared.parallel.pipeline import WHOLE_MODEL
@@ -91,9 +91,7 @@ class RankExecutor:
         self.runner, self.comm, self.ranks = runner, comm, ranks
         self.handoff = handoff
         self._threads = threads
-        shape = comm.shape
-        self.depth = shape.pp
-        self.last_rank = shape.rank_of(shape.pp - 1, 0)
+        self.depth = comm.shape.pp
         self._ids = itertools.count()
         self._pending: deque[StepResult] = deque()
         self.last_stage_busy_s = 0.0  # the last stage's seconds of work, as it last reported
@@ -114,7 +112,7 @@ class RankExecutor:
     def collect(self) -> StepResult:
         result = self._pending.popleft()
         if self.depth > 1:  # the samples and prompt logprobs come from the last stage
-            reply = decode_result(self.comm.recv_bytes(self.last_rank, RESULT))
+            reply = decode_result(self.comm.recv_result())
             result.sample_index, result.samples = reply.sample_index, reply.samples
             result.prompt_logprobs = reply.prompt_logprobs
             self.last_stage_busy_s = reply.busy_s

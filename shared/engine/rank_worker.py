@@ -20,7 +20,7 @@ from shared.engine.ranks import SECRET_ENV
 from shared.engine.runner import ModelRunner
 from shared.engine.shard import build_shard, model_kv_spec
 from shared.models.config import ModelConfig
-from shared.parallel.comm import RESULT, RankComm, open_store
+from shared.parallel.comm import RankComm, open_store
 from shared.parallel.cores import pin, rank_cores
 from shared.sampling.token_mask import ready
 from shared.transfer.handoff import KVHandoff
@@ -71,7 +71,7 @@ def serve(runner: ModelRunner, comm: RankComm, handoff: KVHandoff | None = None)
         index, samples, prompt = runner.execute(plan.scheduler_output(), plan.rows, masks)
         if replies:
             reply = encode_result(plan.micro_batch, index, samples, runner.busy_s, prompt)
-            comm.send_bytes(reply, 0, RESULT)
+            comm.send_result(reply)
     comm.flush()
 
 

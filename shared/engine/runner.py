@@ -17,7 +17,7 @@ from shared.engine.scheduler import SchedulerOutput
 from shared.kv.cache import KVCache
 from shared.models.layer_attention import distinct_masks
 from shared.models.layers.moe import FusedMoE
-from shared.parallel.comm import HIDDEN, RankComm
+from shared.parallel.comm import RankComm
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 from shared.sampling.batch import SamplingBatch, SamplingRow
@@ -142,13 +142,11 @@ class ModelRunner:
         return self.dp.all_gather_rows(hidden, sizes)
 
     def _recv_hidden(self, num_tokens: int):
-        src = self.comm.rank - self.comm.shape.tp  # same TP rank, previous stage
-        both = self.comm.recv_tensor((2, num_tokens, self.hidden_size), self.dtype, src, HIDDEN)
+        both = self.comm.recv_hidden((2, num_tokens, self.hidden_size), self.dtype)
         return both[0], both[1]  # (T, H) hidden, (T, H) residual
 
     def _send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        dst = self.comm.rank + self.comm.shape.tp
-        self.comm.send_tensor(torch.stack([hidden, residual]), dst, HIDDEN)  # (2, T, H)
+        self.comm.send_hidden(torch.stack([hidden, residual]))  # (2, T, H)
 
 
 def _sampling_row(req) -> SamplingRow:

@@ -4,9 +4,10 @@ group of all ranks. Groups are ProcessGroup objects built over a loopback TCPSto
 process-global default group, so one process may hold several engines (tests) one after
 another. Messages are msgpack bytes or tensors, never pickle. The TP and DP groups' backend
 follows the device (group.process_group), and on CPUs their collectives go through shared
-memory first (shm_group.py); the world group carries the msgpack plans, CPU bytes,
-so it is gloo on every device; hidden states between stages go on a group of the device's
-backend (NCCL between GPUs: they never visit host memory)."""
+memory first (shm_group.py). Step plans and results, CPU bytes, go through rings in shared
+memory first (shm_ring.py), then the world group, gloo on every device; hidden states between
+stages through a ring too between CPU ranks, and on a group of the device's backend between
+GPUs (NCCL: they never visit host memory)."""
 
 import time
 from datetime import timedelta
@@ -15,12 +16,18 @@ import torch
 import torch.distributed as dist
 
 from shared.parallel.group import SINGLE, TPGroup, process_group
-from shared.parallel.plan_channel import open_channel
 from shared.parallel.shape import ParallelConfig
 from shared.parallel.shm_group import ShmGroup, open_group
+from shared.parallel.shm_ring import open_ring
 
 PLAN, HIDDEN, RESULT = 1, 2, 3  # message tags: rank 0 -> all, stage -> next stage, last -> 0
 IDLE_TIMEOUT = timedelta(days=30)  # ranks wait for the next plan as long as the worker lives
+# shm_ring.py's rings: messages a writer may run ahead of its readers, besides P micro-batches,
+# and each kind's slot (larger messages go over gloo)
+RING_SLOTS = 4
+PLAN_BYTES = 512 << 10  # a plan of a batch's new prompts (~60k tokens)
+HIDDEN_BYTES = 2 << 20  # (2, T, H) hidden states and residual: 32 bf16 rows of 16k
+RESULT_BYTES = 256 << 10  # samples (and a few prompts' logprobs)
 
 
 def open_store(host: str, port: int, world_size: int, is_master: bool) -> dist.TCPStore:
@@ -44,8 +51,7 @@ class RankComm:
         self.device = torch.device(device)
         world = dist.PrefixStore("world", store)
         self.world = process_group(world, rank, shape.world_size, "cpu", IDLE_TIMEOUT)
-        # rank 0's step plans to the others (plan_channel.py); None: over self.world
-        self.plans = open_channel(store, rank, shape.world_size)
+        self._open_rings(store)
         self.hidden = self.world  # stage -> next stage: on the device's backend
         if self.device.type != "cpu" and shape.pp > 1:
             hidden = dist.PrefixStore("hidden", store)
@@ -67,21 +73,84 @@ class RankComm:
         self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
         self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
 
+    def _open_rings(self, store) -> None:
+        """This rank's rings (shm_ring.py; None: the messages go over gloo): rank 0's step plans
+        to every rank, a CPU stage's hidden states to the next stage's rank of the same TP rank,
+        the last stage's results to rank 0. Each opens after the one it waits on (stage s's
+        from stage s - 1 first), so that their rendezvous never wait in a circle."""
+        shape, rank = self.shape, self.rank
+        slots = shape.pp + RING_SLOTS
+        everyone = tuple(range(shape.world_size))
+        self._plans = open_ring(store, "step plan", everyone, rank, slots, PLAN_BYTES)
+        self._from_previous = self._to_next = self._results = None
+        tp = shape.tp
+        stage = rank // tp % shape.pp  # (--dp ranks: each a whole model, stage 0)
+        if self.device.type == "cpu" and stage > 0:
+            pair = (rank - tp, rank)
+            self._from_previous = open_ring(
+                store, f"hidden states of rank {rank - tp}", pair, rank, slots, HIDDEN_BYTES
+            )
+        if self.device.type == "cpu" and stage < shape.pp - 1:
+            pair = (rank, rank + tp)
+            self._to_next = open_ring(
+                store, f"hidden states of rank {rank}", pair, rank, slots, HIDDEN_BYTES
+            )
+        last = shape.rank_of(shape.pp - 1, 0)
+        if shape.pp > 1 and rank in (0, last):
+            self._results = open_ring(store, "step result", (last, 0), rank, slots, RESULT_BYTES)
+
     def _shm(self, store, rank: int, size: int) -> ShmGroup | None:
         """A group's shared-memory collectives, for CPU ranks (all of a worker's are on one
         host)."""
         return open_group(store, "coll", rank, size) if self.device.type == "cpu" else None
 
     def send_plan(self, plan: bytes) -> None:
-        """Rank 0: a step plan to every other rank, through shared memory where it fits."""
-        if self.plans is None or not self.plans.send(plan):
+        """Rank 0: a step plan to every other rank."""
+        if not _through(self._plans, plan):
             for rank in range(1, self.shape.world_size):
                 self.send_bytes(plan, rank, PLAN)
 
     def recv_plan(self) -> bytes:
         """Rank r > 0: rank 0's next step plan."""
-        plan = None if self.plans is None else self.plans.recv()
+        plan = self._from(self._plans)
         return self.recv_bytes(0, PLAN) if plan is None else plan
+
+    def send_result(self, result: bytes) -> None:
+        """The last stage's TP rank 0: a step's result to rank 0."""
+        if not _through(self._results, result):
+            self.send_bytes(result, 0, RESULT)
+
+    def recv_result(self) -> bytes:
+        """Rank 0: the last stage's next step result."""
+        result = self._from(self._results)
+        last = self.shape.rank_of(self.shape.pp - 1, 0)
+        return self.recv_bytes(last, RESULT) if result is None else result
+
+    def send_hidden(self, x: torch.Tensor) -> None:
+        """A tensor on this rank's device (hidden states) to the next stage's rank of this TP
+        rank."""
+        x = x.contiguous()
+        ring = self._to_next  # CPU ranks only: a tensor on the CPU
+        if ring is None or not ring.send(x.view(-1).view(torch.uint8).numpy()):
+            self._send(self.hidden, x, self.rank + self.shape.tp, HIDDEN)
+
+    def recv_hidden(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """What the previous stage's rank of this TP rank sent with send_hidden."""
+        data = self._from(self._from_previous)
+        if data is not None:
+            return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        return self._recv(self.hidden, out, self.rank - self.shape.tp, HIDDEN)
+
+    def _from(self, ring) -> bytes | None:
+        """The ring's next message (None: no ring, or it comes over gloo), its wait counted."""
+        if ring is None:
+            return None
+        start = time.perf_counter()
+        try:
+            return ring.recv()
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def send_bytes(self, data: bytes, dst: int, tag: int) -> None:
         self._send(self.world, torch.tensor([len(data)], dtype=torch.int64), dst, tag)
@@ -91,15 +160,6 @@ class RankComm:
         header = self._recv(self.world, torch.empty(1, dtype=torch.int64), src, tag)
         out = torch.empty(int(header[0]), dtype=torch.uint8)
         return self._recv(self.world, out, src, tag).numpy().tobytes()
-
-    def send_tensor(self, x: torch.Tensor, dst: int, tag: int) -> None:
-        """A tensor on this rank's device (hidden states) to rank dst."""
-        self._send(self.hidden, x.contiguous(), dst, tag)
-
-    def recv_tensor(self, shape, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        """What send_tensor sent, on this rank's device."""
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        return self._recv(self.hidden, out, src, tag)
 
     def _recv(self, group, out: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         start = time.perf_counter()
@@ -116,3 +176,8 @@ class RankComm:
         for work, _ in self._sends:
             work.wait()
         self._sends = []
+
+
+def _through(ring, message) -> bool:
+    """Whether the ring took the message (False: no ring, or send it over gloo now)."""
+    return ring is not None and ring.send(message)
