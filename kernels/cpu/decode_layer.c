@@ -128,8 +128,8 @@ static void swiglu_team(const bf16 *gate_up, const bf16 *down, int64_t F, const 
  * attention's output projection and the MLP leave this rank's partial sums, all-reduced where
  * the op-by-op layers all-reduce them. Returns 0, or a failed all-reduce's status (on every
  * thread alike). */
-static int64_t layer_team(const decode_layer *L, const step_args *S, const bf16 *x, bf16 *residual,
-                       int first, bf16 *out, bf16 *k_pool, bf16 *v_pool) {
+static int64_t layer_team(const decode_layer *L, const step_args *S, const bf16 *x,
+                          bf16 *residual, int first, bf16 *out, bf16 *k_pool, bf16 *v_pool) {
     int64_t n = S->n, H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int64_t q_size = nh * hd, qkv_size = (nh + 2 * nkv) * hd;
     const step_mask *A = &S->masks[L->mask];
