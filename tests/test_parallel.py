@@ -9,9 +9,10 @@ from shared.engine.batch import build_batch
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.plan import decode_plan, encode_plan
+from shared.engine.ranks import RankProcesses
 from shared.engine.request import FinishReason
 from shared.engine.shard import build_shard
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, ProcessStartError
 from shared.models.config import ModelConfig
 from shared.parallel.group import TPGroup
 from shared.parallel.shape import ParallelConfig
@@ -194,3 +195,19 @@ def test_a_tp_rank_killed_mid_decode_fails_the_step_not_the_worker(model4, caplo
         assert "rank 1's process is gone" in caplog.text
     finally:
         engine.close()
+
+
+def test_a_rank_gone_while_the_groups_connect_fails_the_start(model4, monkeypatch):
+    """Rank 1 killed once it joined, before rank 0 makes its groups: the engine's start fails
+    naming it, instead of rank 0 waiting in gloo's connect for ever (IDLE_TIMEOUT)."""
+    joined = RankProcesses._wait_keys
+
+    def joined_then_killed(self, prefix):
+        joined(self, prefix)
+        if prefix == "joined":
+            self.procs[0].kill()
+            self.procs[0].wait()
+
+    monkeypatch.setattr(RankProcesses, "_wait_keys", joined_then_killed)
+    with pytest.raises(ProcessStartError, match="rank 1 exited"):
+        new_engine(model4, tp=2, allow_oversubscribe=True)

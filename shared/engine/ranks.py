@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import shared
@@ -61,28 +63,52 @@ class RankProcesses:
         ]
 
     def join(self) -> RankComm:
-        """Rank 0's groups, once every child has connected."""
-        self._wait_keys("joined", READY_TIMEOUT_S)
-        return RankComm(self.store, 0, self.shape, self.device)
+        """Rank 0's groups, once every child has connected. They are made on a thread of their
+        own while this one watches the children: a child that dies meanwhile fails the start
+        naming it, at once, not after gloo's connect gives up (up to the store's 120 s, then
+        with an error about a socket)."""
+        self._wait_keys("joined")
+        made: Future = Future()
+
+        def make() -> None:
+            try:
+                made.set_result(RankComm(self.store, 0, self.shape, self.device))
+            except BaseException as e:  # raised on the watching thread
+                made.set_exception(e)
+
+        threading.Thread(target=make, name="rank-groups", daemon=True).start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                return made.result(timeout=0.02)
+            except TimeoutError:
+                self._check_children("joined their groups", deadline)
+            except Exception:  # a child gone is why: say so
+                self._check_children("joined their groups", deadline)
+                raise
 
     def wait_ready(self) -> None:
         """Until every child has loaded its shard; raises if one failed or exited."""
-        self._wait_keys("ready", READY_TIMEOUT_S)
+        self._wait_keys("ready")
         for rank in range(1, self.world_size):
             status = self.store.get(f"ready{rank}").decode()
             if status != "ok":
                 raise ProcessStartError(f"rank {rank} failed to start: {status}")
 
-    def _wait_keys(self, prefix: str, timeout_s: float) -> None:
+    def _wait_keys(self, prefix: str) -> None:
         keys = [f"{prefix}{rank}" for rank in range(1, self.world_size)]
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.store.check(keys):
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.poll() is not None:
-                    raise ProcessStartError(f"rank {rank} exited with code {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise ProcessStartError(f"ranks not {prefix} after {timeout_s:.0f} s")
+            self._check_children(prefix, deadline)
             time.sleep(0.02)
+
+    def _check_children(self, what: str, deadline: float) -> None:
+        """ProcessStartError where a child has exited, or the deadline (monotonic) passed."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise ProcessStartError(f"rank {rank} exited with code {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise ProcessStartError(f"ranks not {what} after {READY_TIMEOUT_S:.0f} s")
 
     def stop(self, comm: RankComm | None, stop_plan: bytes, timeout_s: float = 10.0) -> None:
         """Asks every child to exit (if joined), then kills those still running."""
