@@ -38,7 +38,8 @@ def open_store(host: str, port: int, world_size: int, is_master: bool) -> dist.T
 
 
 class RankComm:
-    """One rank's groups. Sends are asynchronous: rank 0 never waits for a busy later stage."""
+    """One rank's groups and rings. Sends do not wait for their receiver (a ring's writer only
+    once it is RING_SLOTS + P messages ahead): rank 0 never waits for a busy later stage."""
 
     def __init__(
         self,
