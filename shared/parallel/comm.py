@@ -52,12 +52,13 @@ class RankComm:
         self.device = torch.device(device)
         world = dist.PrefixStore("world", store)
         self.world = process_group(world, rank, shape.world_size, "cpu", IDLE_TIMEOUT)
-        self._open_rings(store)
+        # (a --dp rank is stage 0 of a whole model of its own)
+        stage, tp_rank = rank // shape.tp % shape.pp, rank % shape.tp
+        self._open_rings(store, stage)
         self.hidden = self.world  # stage -> next stage: on the device's backend
         if self.device.type != "cpu" and shape.pp > 1:
             hidden = dist.PrefixStore("hidden", store)
             self.hidden = process_group(hidden, rank, shape.world_size, device, IDLE_TIMEOUT)
-        stage, tp_rank = divmod(rank, shape.tp)
         group = shm = None
         if shape.tp > 1:
             tp_store = dist.PrefixStore(f"tp{stage}", store)
@@ -74,7 +75,7 @@ class RankComm:
         self._sends: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
         self.wait_s = 0.0  # seconds blocked receiving: this rank's idle time (benchmarks)
 
-    def _open_rings(self, store) -> None:
+    def _open_rings(self, store, stage: int) -> None:
         """This rank's rings (shm_ring.py; None: the messages go over gloo): rank 0's step plans
         to every rank, a CPU stage's hidden states to the next stage's rank of the same TP rank,
         the last stage's results to rank 0. Each opens after the one it waits on (stage s's
@@ -85,7 +86,6 @@ class RankComm:
         self._plans = open_ring(store, "step plan", everyone, rank, slots, PLAN_BYTES)
         self._from_previous = self._to_next = self._results = None
         tp = shape.tp
-        stage = rank // tp % shape.pp  # (--dp ranks: each a whole model, stage 0)
         if self.device.type == "cpu" and stage > 0:
             pair = (rank - tp, rank)
             self._from_previous = open_ring(
@@ -111,7 +111,7 @@ class RankComm:
             for rank in range(1, self.shape.world_size):
                 self.send_bytes(plan, rank, PLAN)
 
-    def recv_plan(self) -> bytes:
+    def recv_plan(self) -> bytes | bytearray:
         """Rank r > 0: rank 0's next step plan."""
         plan = self._from(self._plans)
         return self.recv_bytes(0, PLAN) if plan is None else plan
@@ -121,7 +121,7 @@ class RankComm:
         if not _through(self._results, result):
             self.send_bytes(result, 0, RESULT)
 
-    def recv_result(self) -> bytes:
+    def recv_result(self) -> bytes | bytearray:
         """Rank 0: the last stage's next step result."""
         result = self._from(self._results)
         last = self.shape.rank_of(self.shape.pp - 1, 0)
@@ -139,11 +139,11 @@ class RankComm:
         """What the previous stage's rank of this TP rank sent with send_hidden."""
         data = self._from(self._from_previous)
         if data is not None:
-            return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+            return torch.frombuffer(data, dtype=dtype).view(shape)
         out = torch.empty(shape, dtype=dtype, device=self.device)
         return self._recv(self.hidden, out, self.rank - self.shape.tp, HIDDEN)
 
-    def _from(self, ring) -> bytes | None:
+    def _from(self, ring) -> bytearray | None:
         """The ring's next message (None: no ring, or it comes over gloo), its wait counted."""
         if ring is None:
             return None

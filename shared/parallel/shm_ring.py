@@ -56,13 +56,17 @@ class ShmRing:
         self._publish(n)
         return fits
 
-    def recv(self) -> bytes | None:
-        """Member r > 0: the next message, or None where it comes over the process group."""
+    def recv(self) -> bytearray | None:
+        """Member r > 0: the next message (a copy of its own, one copy out of the slot), or
+        None where it comes over the process group."""
         n = self._sent + 1
         self._wait(n, self._lines, self._pids, 1, n, 0)
-        at = self._ring + (n - 1) % self.slots * self.slot_bytes
-        (length,) = _LENGTH.unpack_from(self._map, at)
-        data = None if length < 0 else self._map[at + _LENGTH.size : at + _LENGTH.size + length]
+        at = self._ring + (n - 1) % self.slots * self.slot_bytes + _LENGTH.size
+        (length,) = _LENGTH.unpack_from(self._map, at - _LENGTH.size)
+        data = None
+        if length >= 0:
+            with memoryview(self._map) as ring:
+                data = bytearray(ring[at : at + length])
         self._publish(n)  # its slot is free again: the message is copied out
         return data
 
