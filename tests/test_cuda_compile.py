@@ -4,14 +4,18 @@ as errors: a cubin per architecture (ptxas runs, so register and shared-memory l
 it takes ~1.4x the time of -ptx alone), and for sm_90 a whole object instead, its host side
 through g++ -Wall -Wextra -Werror. Also that no kernel includes a header from outside
 kernels/cuda: NVRTC and the CPU emulation (tests/gpu/cuda_host.h) compile the same source
-without the CUDA toolkit's headers. Skipped where nvcc is not on PATH; a build that passed is
-not repeated while nothing it reads changes (pytest's cache: --cache-clear repeats them)."""
+without the CUDA toolkit's headers. Skipped where nvcc is not on PATH. The selected builds run
+at once, one nvcc a core (one after another they took ~65 s of a 2-core CI host's run); a build
+that passed is not repeated while nothing it reads changes (pytest's cache: --cache-clear
+repeats them, and under -p no:cacheprovider every build runs)."""
 
 import functools
 import hashlib
+import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -26,24 +30,54 @@ OBJECT_ARCH = "sm_90"  # H100/H200: the one architecture also built as a host ob
 _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^">]+)[">]', re.MULTILINE)
 
 
-def _nvcc(cache, source, out, *args: str) -> None:
-    """Compiles, unless this very command passed on these very sources before (pytest's cache,
-    keyed by nvcc's version, the flags, the file and the headers beside it)."""
-    command = [NVCC, *FLAGS, *args, "-o", str(out), str(source)]
-    digest = hashlib.sha256(_nvcc_version().encode() + " ".join(command[1:-2]).encode())
+def _command(source, arch: str, out_dir) -> list[str]:
+    """nvcc's command line for one source at one architecture, its output in out_dir."""
+    if arch == OBJECT_ARCH:  # the whole object: device code, then the host side's g++
+        out, args = f"{source.stem}.{arch}.o", ("-c", f"-arch={arch}", "-Xcompiler=" + HOST_FLAGS)
+    else:
+        out, args = f"{source.stem}.{arch}.cubin", ("-cubin", f"-arch={arch}")
+    return [NVCC, *FLAGS, *args, "-o", str(out_dir / out), str(source)]
+
+
+def _cache_key(command: list[str], source) -> str:
+    """Keyed by nvcc's version, the flags, the file and the headers beside it."""
+    digest = hashlib.sha256(_nvcc_version().encode() + " ".join(command[1:-3]).encode())
     for path in (source, *sorted(runtime.HERE.glob("*.cuh")), *sorted(runtime.HERE.glob("*.h"))):
         digest.update(path.read_bytes())
-    key = f"tison/cuda_compile/{source.name}/{digest.hexdigest()[:24]}"
-    if cache.get(key, False):
-        return
+    return f"tison/cuda_compile/{source.name}/{digest.hexdigest()[:24]}"
+
+
+def _run(command: list[str]) -> str | None:
+    """None when the build passes, else the end of nvcc's errors."""
     done = subprocess.run(command, capture_output=True)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-4000:]
-    cache.set(key, True)
+    return None if done.returncode == 0 else done.stderr.decode(errors="replace")[-4000:]
 
 
 @functools.cache
 def _nvcc_version() -> str:
     return subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def builds(request, tmp_path_factory) -> dict:
+    """(source, arch) -> None or nvcc's errors, for every test_kernel_compiles case this
+    session selected: built on all cores at once, or known to pass from pytest's cache."""
+    cases = [
+        (item.callspec.params["source"], item.callspec.params["arch"])
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_kernel_compiles"
+    ]
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    out_dir = tmp_path_factory.mktemp("cuda_builds")
+    commands = {case: _command(*case, out_dir) for case in cases}
+    keys = {case: _cache_key(command, case[0]) for case, command in commands.items()}
+    todo = [case for case in cases if cache is None or not cache.get(keys[case], False)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        errors = dict(zip(todo, pool.map(_run, [commands[case] for case in todo])))
+    for case in todo:
+        if errors[case] is None and cache is not None:
+            cache.set(keys[case], True)
+    return {case: errors.get(case) for case in cases}
 
 
 def test_there_are_kernels_and_architectures():
@@ -54,12 +88,9 @@ def test_there_are_kernels_and_architectures():
 @needs_nvcc
 @pytest.mark.parametrize("arch", runtime.ARCHS)
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
-def test_kernel_compiles(source, arch, tmp_path, cache):
-    if arch == OBJECT_ARCH:  # the whole object: device code, then the host side's g++
-        out, args = tmp_path / "kernel.o", ("-c", f"-arch={arch}", "-Xcompiler=" + HOST_FLAGS)
-    else:
-        out, args = tmp_path / "kernel.cubin", ("-cubin", f"-arch={arch}")
-    _nvcc(cache, source, out, *args)
+def test_kernel_compiles(source, arch, builds):
+    error = builds[(source, arch)]
+    assert error is None, error
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
