@@ -178,9 +178,9 @@ def count_fused_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     original = FusedDecoder.__call__
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         calls.append(args[1].shape[0])
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedDecoder, "__call__", counted)
     return calls

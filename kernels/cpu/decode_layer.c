@@ -195,14 +195,16 @@ static void *moe_alloc(const decode_layer *layers, int64_t count, int64_t n, moe
  * MAX_MASKS), pages of page_size tokens. rope_cs (n, hd): each row's cosines then sines for
  * ROPE_PAIRS layers; temperature (n,): each row's factor on q for layers that ask; NULL where
  * no layer needs them. tp: the tensor-parallel group's all-reduce (n * hidden bf16 fit its
- * slots), or NULL for one rank. out must not be x. Returns 0, -1 when scratch memory cannot be
+ * slots), or NULL for one rank. final_norm (hidden,), or NULL: out is then the model's final
+ * RMSNorm (final_eps) of the last layer's output plus residual, residual that sum, as the last
+ * stage's norm does op by op. out must not be x. Returns 0, -1 when scratch memory cannot be
  * allocated, -2 for too many masks, -3 when an all-reduce failed (tp->error says why). */
 int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
                           bf16 *residual, int first, bf16 *out, int64_t n,
                           const int64_t *positions, const float *rope_cs,
                           const float *temperature, bf16 *const *k_pools, bf16 *const *v_pools,
                           const step_mask *masks, int64_t num_masks, int64_t page_size,
-                          shm_reduce *tp, int threads) {
+                          shm_reduce *tp, const bf16 *final_norm, float final_eps, int threads) {
     if (num_masks < 1 || num_masks > MAX_MASKS) return -2;
     if (tp != NULL) tp->error = 0;
     const decode_layer *L = layers;
@@ -244,13 +246,16 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
     {
         /* outputs alternate between out and spare so that the last one lands in out */
         const bf16 *in = x;
-        for (int64_t i = 0; i < count; i++) {
+        int failed = 0;
+        for (int64_t i = 0; i < count && !failed; i++) {
             bf16 *to = (count - 1 - i) % 2 == 0 ? out : spare;
-            if (layer_team(&layers[i], &S, in, residual, first && i == 0, to, k_pools[i],
-                           v_pools[i]) != 0)
-                break; /* a peer is gone: every thread leaves alike */
+            /* a peer is gone: every thread leaves alike */
+            failed = layer_team(&layers[i], &S, in, residual, first && i == 0, to, k_pools[i],
+                                v_pools[i]) != 0;
             in = to;
         }
+        if (final_norm != NULL && !failed) /* in place: a row is read whole before written */
+            rms_norm_team_bf16(out, H, out, H, residual, final_norm, n, 1, H, final_eps);
         linear_team_done();
     }
     free(S.scores);

@@ -79,6 +79,7 @@ def decode_layers(
     rope_cs: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
     tp: ShmReduce | None = None,
+    final_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The layers of `specs` (a DecodeLayerSpec array), one new token a row: x (T, H) ->
     the last layer's output (T, H); residual (T, H) updated in place as the op-by-op layers
@@ -87,7 +88,9 @@ def decode_layers(
     positions (T,) int64. rope_cs (T, hd) float32: each row's cosines then sines (interleaved
     RoPE layers); temperature (T,) float32: each row's factor on q (layers that ask). tp: the
     tensor-parallel group's all-reduce (one rank's layers: None); x's bytes must fit its
-    slots. RuntimeError where a peer is gone or late."""
+    slots. final_norm (weight (H,) bf16, eps): the model's last RMSNorm in the same call, as
+    the last stage runs it op by op: the output is norm(last layer's output + residual), and
+    residual that sum. RuntimeError where a peer is gone or late."""
     if not (x.is_contiguous() and residual.is_contiguous()):
         raise ValueError("decode layers: x and residual must be contiguous")
     for name, t, shape in (("rope_cs", rope_cs, 2), ("temperature", temperature, 1)):
@@ -100,13 +103,19 @@ def decode_layers(
         raise ValueError(f"decode layers: {tuple(x.shape)} rows exceed an all-reduce's slot")
     if not 1 <= len(masks) <= MAX_MASKS:
         raise ValueError(f"decode layers: {len(masks)} masks (1 to {MAX_MASKS})")
+    norm, eps = final_norm if final_norm is not None else (None, 0.0)
+    if norm is not None and not (
+        norm.dtype == torch.bfloat16 and norm.shape == (x.shape[1],) and norm.is_contiguous()
+    ):
+        raise ValueError("decode layers: final_norm must be a contiguous bf16 (hidden,) weight")
     out = torch.empty_like(x)
     status = library.kernel("tk_decode_layers_bf16")(
         specs, len(specs), x.data_ptr(), residual.data_ptr(), first, out.data_ptr(), x.shape[0],
         positions.data_ptr(), None if rope_cs is None else rope_cs.data_ptr(),
         None if temperature is None else temperature.data_ptr(), pools[0],
         pools[1], (StepMask * len(masks))(*masks), len(masks), page_size,
-        None if tp is None else ctypes.byref(tp), torch.get_num_threads(),
+        None if tp is None else ctypes.byref(tp), None if norm is None else norm.data_ptr(), eps,
+        torch.get_num_threads(),
     )  # fmt: skip
     if status == -3:
         raise RuntimeError(f"decode layers: {failure(tp)}")

@@ -194,10 +194,17 @@ class FusedDecoder:
         return True
 
     def __call__(
-        self, positions, x: torch.Tensor, residual: torch.Tensor | None, kv: KVCache, meta
+        self,
+        positions,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: KVCache,
+        meta,
+        final_norm: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the layers op by op: x (T, H), residual (T, H) or None (first layer) ->
-        (last layer's output, residual), residual updated in place (x itself when None)."""
+        (last layer's output, residual), residual updated in place (x itself when None).
+        final_norm (weight, eps): the last stage's RMSNorm too (decode_layers')."""
         for rotary in self.tables:
             rotary.check(positions)
         metas = [meta.of(mask) for mask in self.masks]
@@ -213,6 +220,7 @@ class FusedDecoder:
         out = decode_layers(
             self.specs, x, residual, first, positions, self._pools_of(kv), masks,
             metas[0].decode.page_size, cs, temperature, None if self.tp is None else self.tp.shm.c,
+            final_norm,
         )  # fmt: skip
         return out, residual
 
