@@ -8,12 +8,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.models.layers.moe_ep import ExpertParallel, token_slices
 from shared.parallel.group import TPGroup, process_group
 
 from services_harness import free_port
+from spawning import spawn
 
 E, H, K = 4, 8, 2
 
@@ -72,7 +72,7 @@ CASES = [(7, K, False), (1, K, False), (6, 1, True), (0, K, False)]
 
 
 def test_two_ranks_compute_what_one_rank_with_every_expert_does(tmp_path):
-    mp.spawn(_rank, args=(free_port(), CASES, tmp_path), nprocs=2)
+    spawn(_rank, args=(free_port(), CASES, tmp_path), nprocs=2)
     for rank in range(2):
         for (num_tokens, k, on_input), out in zip(CASES, torch.load(tmp_path / f"rank{rank}.pt")):
             expected = reference(num_tokens, k, on_input)
@@ -84,7 +84,7 @@ OWN_CASES = [(7, K, False, 4), (5, K, False, 5), (6, 1, True, 0), (3, K, False, 
 
 
 def test_data_parallel_ranks_get_their_own_tokens_rows(tmp_path):
-    mp.spawn(_rank, args=(free_port(), OWN_CASES, tmp_path, True), nprocs=2)
+    spawn(_rank, args=(free_port(), OWN_CASES, tmp_path, True), nprocs=2)
     for rank in range(2):
         outs = torch.load(tmp_path / f"rank{rank}.pt")
         for (num_tokens, k, on_input, split), out in zip(OWN_CASES, outs):

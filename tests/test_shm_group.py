@@ -11,12 +11,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.parallel import shm_group
 from shared.parallel.group import TPGroup, process_group
 
 from services_harness import free_port
+from spawning import spawn
 
 
 def inputs(rank: int, size: int, rows: int):
@@ -62,7 +62,7 @@ def _rank(rank: int, size: int, port: int, slot_bytes: int, out_dir) -> None:
     "slot_bytes", [shm_group.SLOT_BYTES, 64], ids=["in slots", "too large: gloo"]
 )
 def test_every_collective_equals_gloo_s(tmp_path, size, slot_bytes):
-    mp.spawn(_rank, args=(size, free_port(), slot_bytes, tmp_path), nprocs=size)
+    spawn(_rank, args=(size, free_port(), slot_bytes, tmp_path), nprocs=size)
     for rank in range(size):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert results["shm"] == results["gloo"]
@@ -86,7 +86,7 @@ def _gone(rank: int, port: int, collective: str, out_dir) -> None:
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather_last_dim"])  # C, Python
 def test_a_peer_that_is_gone_fails_the_waiting_rank(tmp_path, collective):
-    mp.spawn(_gone, args=(free_port(), collective, tmp_path), nprocs=2)
+    spawn(_gone, args=(free_port(), collective, tmp_path), nprocs=2)
     assert "step 1: rank 1's process is gone" in (tmp_path / "error").read_text()
 
 

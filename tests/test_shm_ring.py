@@ -14,13 +14,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.parallel import comm as comm_module
 from shared.parallel.comm import RankComm
 from shared.parallel.shape import ParallelConfig
 
 from services_harness import free_port
+from spawning import spawn
 
 SLOT = 4096  # the tests' slots: small, so that some messages go over gloo
 SLOTS = 1 + comm_module.RING_SLOTS  # a ring's slots at P = 1
@@ -72,7 +72,7 @@ def _rank(rank: int, size: int, port: int, out_dir, gloo: bool, pp: int) -> None
     "size,gloo,pp", [(2, False, 1), (3, False, 1), (2, True, 1), (2, False, 2), (2, True, 2)]
 )
 def test_every_message_arrives_once_in_order(tmp_path, size, gloo, pp):
-    mp.spawn(_rank, args=(size, free_port(), tmp_path, gloo, pp), nprocs=size)
+    spawn(_rank, args=(size, free_port(), tmp_path, gloo, pp), nprocs=size)
     for rank in range(1, size):
         assert set(json.loads((tmp_path / f"rank{rank}.json").read_text())) == {True}
     if pp > 1:
@@ -92,5 +92,5 @@ def _gone(rank: int, port: int, out_dir) -> None:
 
 
 def test_a_reader_that_is_gone_fails_the_writer_once_the_ring_is_full(tmp_path):
-    mp.spawn(_gone, args=(free_port(), tmp_path), nprocs=2)
+    spawn(_gone, args=(free_port(), tmp_path), nprocs=2)
     assert (tmp_path / "error").read_text() == f"step plan {SLOTS + 1}: rank 1's process is gone"
