@@ -2,10 +2,7 @@
 this CPU has), and the portable sources compile for aarch64 with a cross-compiler: no x86
 intrinsic outside its guard. Running each tier is test_library.py's job (tiers.py)."""
 
-import os
 import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,24 +10,19 @@ import torch
 from kernels.cpu import isa, library
 from shared.codec import native
 
-from compilers import needs_compiler
+from compilers import needs_compiler, run_at_once
 
 CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
 
 
 def compile_objects(compiler: str, flags: list[str], tmp_path) -> tuple[int, str]:
-    """Compiles (no link) every kernel source with these flags, a compiler process a source
-    and one a core at once (one after another they took ~20 s of the suite on 2 cores) ->
-    (the worst return code, every source's errors)."""
+    """Compiles (no link) every kernel source with these flags, a compiler process a source,
+    at once (one after another they took ~20 s of the suite on 2 cores) -> (the worst return
+    code, every source's errors)."""
     cmd = [compiler, "-O2", "-std=gnu11", "-fopenmp", "-fPIC", "-ffp-contract=off", *flags]
     cmd += ["-Werror=implicit-function-declaration", "-c"]
-
-    def run(source) -> subprocess.CompletedProcess:
-        return subprocess.run([*cmd, str(source)], cwd=tmp_path, capture_output=True, text=True)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = list(pool.map(run, library.SOURCES))
-    return max(r.returncode for r in results), "".join(r.stderr for r in results)
+    results = run_at_once([[*cmd, str(source)] for source in library.SOURCES], cwd=tmp_path)
+    return max(r.returncode for r in results), b"".join(r.stderr for r in results).decode()
 
 
 @pytest.mark.skipif(not isa.is_x86(), reason="the tiers' flags are x86-64 flags")

@@ -11,15 +11,15 @@ repeats them, and under -p no:cacheprovider every build runs)."""
 
 import functools
 import hashlib
-import os
 import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kernels.cuda import runtime
+
+from compilers import run_at_once
 
 SOURCES = sorted(runtime.HERE.glob("*.cu"))
 NVCC = shutil.which("nvcc")
@@ -47,12 +47,6 @@ def _cache_key(command: list[str], source) -> str:
     return f"tison/cuda_compile/{source.name}/{digest.hexdigest()[:24]}"
 
 
-def _run(command: list[str]) -> str | None:
-    """None when the build passes, else the end of nvcc's errors."""
-    done = subprocess.run(command, capture_output=True)
-    return None if done.returncode == 0 else done.stderr.decode(errors="replace")[-4000:]
-
-
 @functools.cache
 def _nvcc_version() -> str:
     return subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
@@ -72,12 +66,18 @@ def builds(request, tmp_path_factory) -> dict:
     commands = {case: _command(*case, out_dir) for case in cases}
     keys = {case: _cache_key(command, case[0]) for case, command in commands.items()}
     todo = [case for case in cases if cache is None or not cache.get(keys[case], False)]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        errors = dict(zip(todo, pool.map(_run, [commands[case] for case in todo])))
-    for case in todo:
-        if errors[case] is None and cache is not None:
+    done = dict(zip(todo, run_at_once([commands[case] for case in todo])))
+    for case, result in done.items():
+        if result.returncode == 0 and cache is not None:
             cache.set(keys[case], True)
-    return {case: errors.get(case) for case in cases}
+    return {case: _errors(done.get(case)) for case in cases}
+
+
+def _errors(result: subprocess.CompletedProcess | None) -> str | None:
+    """None where a build passed (or passed before), else the end of nvcc's errors."""
+    if result is None or result.returncode == 0:
+        return None
+    return result.stderr.decode(errors="replace")[-4000:]
 
 
 def test_there_are_kernels_and_architectures():
