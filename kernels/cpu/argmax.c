@@ -21,6 +21,17 @@ static int64_t NAME(row_argmax)(const T *row, int64_t d) {
     }
     any_nan = nan != 0;
     best = _mm512_reduce_max_ps(top);
+#elif defined(__AVX2__)
+    __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) {
+        __m256 v = LOAD8(row + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        top = _mm256_max_ps(top, v);
+    }
+    any_nan = _mm256_movemask_ps(nan) != 0;
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    best = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
 #endif
     for (; i < d; i++) {
         float v = LOAD(row[i]);
@@ -36,6 +47,12 @@ static int64_t NAME(row_argmax)(const T *row, int64_t d) {
     __m512 wanted = _mm512_set1_ps(best);
     for (; at + LANES <= d; at += LANES) {
         __mmask16 hit = _mm512_cmp_ps_mask(LOAD16(row + at), wanted, _CMP_EQ_OQ);
+        if (hit) return at + __builtin_ctz(hit);
+    }
+#elif defined(__AVX2__)
+    __m256 wanted = _mm256_set1_ps(best);
+    for (; at + 8 <= d; at += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(LOAD8(row + at), wanted, _CMP_EQ_OQ));
         if (hit) return at + __builtin_ctz(hit);
     }
 #endif

@@ -32,6 +32,13 @@ static inline float sum_lanes(const float *acc) { /* pairwise: vectorizes, short
     return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
+#if defined(__AVX2__)
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const bf16 *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
 #if defined(__AVX512F__)
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const bf16 *p) {
