@@ -43,23 +43,27 @@ MOE_LOGPROB_TOL = 0.1  # nats: its routing weights round at other places than to
 ROWS_PREFILL_TOL = 0.1  # nats: prompts' KV from the C kernels as rows, or oneDNN and SDPA
 
 
-def generate(model_dir, fused: bool, threads: int, prompts: list[list[int]], **options) -> list:
-    """Token ids and top-3 logprobs of greedy requests for the prompts, the second half of them
-    joining after the others decode (options: the engine's)."""
+def generate(
+    model_dir, fused: bool, threads: int, prompts: list[list[int]], params=None, **options
+) -> list:
+    """Token ids and logprobs of requests for the prompts, the second half of them joining after
+    the others decode (params: each prompt's, by default greedy with top-3 logprobs; options:
+    the engine's)."""
     engine = new_engine(model_dir, dtype="bfloat16", **options)
     assert engine.model.model.fused is not None, "every layer's linears run on the C linear"
     if not fused:
         engine.model.model.fused = None
-    params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
+    params = params or [greedy] * len(prompts)
     half = len(prompts) // 2
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts[:half])]
+        requests = [engine.add_request(str(i), prompts[i], params[i]) for i in range(half)]
         for _ in range(6):
             engine.step()
         requests += [
-            engine.add_request(str(i + half), p, params) for i, p in enumerate(prompts[half:])
+            engine.add_request(str(i), prompts[i], params[i]) for i in range(half, len(prompts))
         ]
         run_all(engine)
     finally:
@@ -109,6 +113,38 @@ def test_fused_experts_give_the_op_by_op_tokens(
         tiny_model_factory, monkeypatch, MOE_VARIANTS[variant], threads, tier
     )
     assert_same_tokens(fused, op_by_op)
+
+
+@pytest.mark.parametrize("tier", tier_params(emulated_amx=True))
+@pytest.mark.parametrize("variant", ["llama", "tied embeddings", "llama 4"])
+def test_fused_head_samples_the_op_by_op_tokens(tiny_model_factory, monkeypatch, variant, tier):
+    """The final norm, the LM head and the argmax in the fused call (LlamaForCausalLM.
+    decode_logits): while the first half of the requests, plain greedy, decode alone, the
+    call's argmax gives their tokens; once the others join (sampling at random with a seed,
+    greedy with logprobs, prompts as decode rows of which only the last samples) the sampler
+    takes the call's logits. Every token and logprob is the op-by-op one."""
+    use_tier(tier, monkeypatch)
+    family, overrides, options = (*VARIANTS[variant], {})[:3]
+    model_dir = tiny_model_factory(family, **overrides)
+    prompts = make_prompts()
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    drawn = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12) for i in range(2)]
+    scored = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    params = [plain] * 4 + [drawn[0], scored, drawn[1], plain]
+    heads: list[bool] = []  # a fused call's head: argmax (True) or logits only (False)
+    original = FusedDecoder.__call__
+
+    def counted(self, *args):
+        if len(args) > 6 and args[6] is not None:
+            heads.append(args[6].tokens is not None)
+        return original(self, *args)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counted)
+    fused = generate(model_dir, True, 2, prompts, params, **options)
+    assert True in heads and False in heads
+    heads.clear()
+    assert generate(model_dir, False, 2, prompts, params, **options) == fused
+    assert not heads
 
 
 @pytest.mark.parametrize("tier", tier_params(emulated_amx=True))
@@ -223,3 +259,32 @@ def test_a_step_of_short_prompts_runs_fused_and_writes_their_kv(tiny_model_facto
         assert tokens == ref_tokens
         gaps = [abs(ours.logprob - ref.logprob) for ours, ref in zip(logprobs, ref_logprobs)]
         assert max(gaps) < ROWS_PREFILL_TOL
+
+
+def test_decode_layers_names_what_is_wrong_with_a_head():
+    """decode_layers checks its LM head before the C call reads any of it."""
+    from kernels.cpu.decode_layer import DecodeLayerSpec, LMHead, StepMask, decode_layers
+
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    weight = torch.zeros(100, 64, dtype=torch.bfloat16)
+    logits = torch.zeros(2, 100, dtype=torch.bfloat16)
+    norm = (torch.ones(64, dtype=torch.bfloat16), 1e-5)
+
+    def call(head, final_norm=norm):
+        positions = torch.zeros(2, dtype=torch.long)
+        specs = (DecodeLayerSpec * 1)()
+        decode_layers(specs, x, x.clone(), False, positions, ((), ()), [StepMask()], 16,
+                      final_norm=final_norm, head=head)  # fmt: skip
+
+    with pytest.raises(ValueError, match="the LM head needs final_norm"):
+        call(LMHead(weight, None, logits), None)
+    with pytest.raises(ValueError, match=r"head's weight must be contiguous bf16 \(V, 64\)"):
+        call(LMHead(weight[:, :32], None, logits))
+    with pytest.raises(ValueError, match="head's logits"):
+        call(LMHead(weight, None, logits.float()))
+    with pytest.raises(ValueError, match="head's logits"):
+        call(LMHead(weight, torch.tensor([1]), logits))  # one row picked: logits (1, 100)
+    with pytest.raises(ValueError, match="head's rows"):
+        call(LMHead(weight, torch.tensor([0, 1], dtype=torch.int32), logits))
+    with pytest.raises(ValueError, match="head's tokens"):
+        call(LMHead(weight, None, logits, torch.zeros(3, dtype=torch.long)))

@@ -42,11 +42,12 @@ def long_prompts(seed: int = 0) -> list[list[int]]:
     return make_prompts([rows + 1, rows + 4, rows + 9, rows + 20], seed=seed)
 
 
-def generate(model_dir, prompts, **options) -> list:
-    """Greedy token ids and top-3 logprobs, in bf16, the second half of the prompts joining
-    after the first half decoded a few steps (steps of prompts between fused ones)."""
+def generate(model_dir, prompts, params=None, **options) -> list:
+    """Greedy token ids and top-3 logprobs (or as params says), in bf16, the second half of
+    the prompts joining after the first half decoded a few steps (steps of prompts between
+    fused ones)."""
     engine = new_engine(model_dir, dtype="bfloat16", allow_oversubscribe=True, **options)
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    params = params or SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
     half = len(prompts) // 2
     try:
         fused = engine.model.model.fused
@@ -84,6 +85,17 @@ def test_tp2_pp2_fused_gives_the_op_by_op_bits(tiny_model_factory):
     prompts = long_prompts(seed=1)
     fused = generate(model_dir, prompts, tp=2, pp=2)
     assert fused == generate(model_dir, prompts, tp=2, pp=2, decode_graphs="off")
+
+
+def test_pp2_fused_head_gives_the_op_by_op_bits(tiny_model_factory):
+    """Two stages of one rank each: the last stage's fused call takes the first's hidden states
+    on through the final norm, the LM head and the argmax of greedy requests without logprobs
+    (LlamaForCausalLM.decode_logits, with the stage's hidden and residual)."""
+    model_dir = tiny_model_factory("llama", num_hidden_layers=4, **LONG)
+    prompts = long_prompts(seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    fused = generate(model_dir, prompts, params, pp=2)
+    assert fused == generate(model_dir, prompts, params, pp=2, decode_graphs="off")
 
 
 def test_gloo_alone_stays_op_by_op(tiny_llama, monkeypatch):

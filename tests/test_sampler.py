@@ -15,6 +15,7 @@ from shared.sampling.sampler import (
     SamplingRow,
     request_stop_token_ids,
     sample,
+    sample_greedy,
 )
 
 EOS = 3
@@ -90,6 +91,35 @@ def test_greedy_rows_of_a_mixed_batch_take_the_argmax():
 
 
 # --- penalties ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params, output, plain",
+    [
+        ({"temperature": 0}, (), True),
+        ({"temperature": 0, "min_tokens": 2}, (5, 6), True),  # min_tokens reached
+        ({"temperature": 0, "min_tokens": 2, "ignore_eos": True}, (), None),  # no stop tokens
+        ({"temperature": 0.7}, (), False),
+        ({"temperature": 0, "logprobs": 0}, (), False),
+        ({"temperature": 0, "logit_bias": {9: 50}}, (), False),
+        ({"temperature": 0, "repetition_penalty": 1.5}, (), False),
+        ({"temperature": 0, "frequency_penalty": 1.0}, (), False),
+        ({"temperature": 0, "presence_penalty": -1.0}, (), False),
+        ({"temperature": 0, "min_tokens": 2}, (5,), False),  # EOS still masked
+    ],
+)
+def test_plain_greedy_rows_are_those_whose_token_is_the_argmax(params, output, plain):
+    """SamplingRow.plain_greedy (the runner then takes the argmax with no SamplingBatch, and
+    the fused call's argmax on CPU): what sample gives for such a row is the argmax; each
+    setting that changes the logits or returns them makes a row not plain."""
+    stop = frozenset() if plain is None else frozenset({EOS})
+    row = _row(prompt=(9, 9), output=output, stop=stop, **params)
+    assert row.plain_greedy == (plain is not False)
+    logits = _logits(4, 16)
+    logits[:, EOS] = logits[:, 9] = logits.max() + 1  # EOS and 9 tie as the argmax: EOS first
+    if row.plain_greedy:
+        rows = [row] * 4
+        assert sample_greedy(logits).token_ids.tolist() == _tokens(logits, rows)
 
 
 def _reference_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

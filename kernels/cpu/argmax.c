@@ -60,9 +60,14 @@ static int64_t NAME(row_argmax)(const T *row, int64_t d) {
     return at;
 }
 
-/* out[r] = row_argmax of row r of x (n rows of d values, row stride xs). */
-void NAME(tk_argmax)(const T *x, int64_t xs, int64_t n, int64_t d, int64_t *out, int threads) {
-#pragma omp parallel for num_threads(threads) if (n * d >= PARALLEL_MIN_ELEMS)
+/* out[r] = row_argmax of row r of x (n rows of d values, row stride xs); a team kernel. */
+void NAME(argmax_team)(const T *x, int64_t xs, int64_t n, int64_t d, int64_t *out) {
+#pragma omp for
     for (int64_t r = 0; r < n; r++) out[r] = NAME(row_argmax)(x + r * xs, d);
+}
+
+void NAME(tk_argmax)(const T *x, int64_t xs, int64_t n, int64_t d, int64_t *out, int threads) {
+#pragma omp parallel num_threads(threads) if (n * d >= PARALLEL_MIN_ELEMS)
+    NAME(argmax_team)(x, xs, n, d, out);
 }
 #endif

@@ -45,6 +45,18 @@ typedef struct {
     int64_t table_stride, window;
 } step_mask;
 
+/* The LM head after the final norm: logits (m, vocab) of the normed rows `rows` (m of them;
+ * NULL: all n rows, m = n), as the op-by-op head computes them from those rows gathered, and
+ * where tokens is not NULL each row's argmax (argmax.c's, as greedy sampling takes it). */
+typedef struct {
+    const bf16 *weight; /* (vocab, hidden) */
+    int64_t vocab;
+    const int64_t *rows;
+    int64_t m;
+    bf16 *logits;
+    int64_t *tokens;
+} decode_head;
+
 #define MAX_MASKS 4
 
 static __thread bf16 *workspace; /* the caller's intermediate activations, grown, kept */
@@ -188,6 +200,21 @@ static void *moe_alloc(const decode_layer *layers, int64_t count, int64_t n, moe
     return block;
 }
 
+/* The team's LM head on out (n, H), the final norm's output: its rows gathered into `rows`
+ * scratch (m x H) where the head picks some. */
+static void head_team(const decode_head *D, const bf16 *out, int64_t H, bf16 *rows,
+                      void *scratch) {
+    const bf16 *x = out;
+    if (D->rows != NULL) {
+#pragma omp for
+        for (int64_t r = 0; r < D->m; r++)
+            memcpy(rows + r * H, out + D->rows[r] * H, sizeof(bf16) * (size_t)H);
+        x = rows;
+    }
+    linear_team(x, H, D->weight, NULL, D->m, D->vocab, H, D->logits, scratch);
+    if (D->tokens != NULL) argmax_team_bf16(D->logits, D->vocab, D->m, D->vocab, D->tokens);
+}
+
 /* `count` layers (same attention shapes) of a decode step: x (n, hidden) -> out (n, hidden),
  * which is the last layer's output; residual (n, hidden) updated as the op-by-op layers do
  * (first != 0: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd)
@@ -197,15 +224,17 @@ static void *moe_alloc(const decode_layer *layers, int64_t count, int64_t n, moe
  * no layer needs them. tp: the tensor-parallel group's all-reduce (n * hidden bf16 fit its
  * slots), or NULL for one rank. final_norm (hidden,), or NULL: out is then the model's final
  * RMSNorm (final_eps) of the last layer's output plus residual, residual that sum, as the last
- * stage's norm does op by op. out must not be x. Returns 0, -1 when scratch memory cannot be
+ * stage's norm does op by op. head, or NULL: the LM head on that output too (decode_head;
+ * needs final_norm). out must not be x. Returns 0, -1 when scratch memory cannot be
  * allocated, -2 for too many masks, -3 when an all-reduce failed (tp->error says why). */
 int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
                           bf16 *residual, int first, bf16 *out, int64_t n,
                           const int64_t *positions, const float *rope_cs,
                           const float *temperature, bf16 *const *k_pools, bf16 *const *v_pools,
                           const step_mask *masks, int64_t num_masks, int64_t page_size,
-                          shm_reduce *tp, const bf16 *final_norm, float final_eps, int threads) {
-    if (num_masks < 1 || num_masks > MAX_MASKS) return -2;
+                          shm_reduce *tp, const bf16 *final_norm, float final_eps,
+                          const decode_head *head, int threads) {
+    if (num_masks < 1 || num_masks > MAX_MASKS || (head != NULL && final_norm == NULL)) return -2;
     if (tp != NULL) tp->error = 0;
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
@@ -256,6 +285,7 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
         }
         if (final_norm != NULL && !failed) /* in place: a row is read whole before written */
             rms_norm_team_bf16(out, H, out, H, residual, final_norm, n, 1, H, final_eps);
+        if (head != NULL && !failed) head_team(head, out, H, xn, S.xp);
         linear_team_done();
     }
     free(S.scores);

@@ -7,6 +7,7 @@ runs the same kernels in the same order inside one OpenMP region, so its output 
 op-by-op output bit for bit."""
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,54 @@ class StepMask(ctypes.Structure):
     ]
 
 
+class DecodeHead(ctypes.Structure):
+    """decode_layer.c's `decode_head`: the LM head after the final norm."""
+
+    _fields_ = [
+        ("weight", ctypes.c_void_p),
+        ("vocab", ctypes.c_int64),
+        ("rows", ctypes.c_void_p),
+        ("m", ctypes.c_int64),
+        ("logits", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+    ]
+
+
+class LMHead(NamedTuple):
+    """decode_layers' LM head: logits (M, V) bf16 <- the final norm's output rows `rows` (M,)
+    int64, each in [0, T) (None: all T rows, M = T) times weight (V, H) bf16, and tokens (M,)
+    int64 <- each row's argmax (None: no argmax). logits and tokens are filled in place."""
+
+    weight: torch.Tensor
+    rows: torch.Tensor | None
+    logits: torch.Tensor
+    tokens: torch.Tensor | None = None
+
+    def spec(self, num_rows: int, hidden: int) -> DecodeHead:
+        """The C struct, once the tensors' shapes and types are checked."""
+        weight, rows, logits, tokens = self
+        m = num_rows if rows is None else len(rows)
+        shaped = weight.dim() == 2 and weight.shape[1] == hidden
+        if not (weight.dtype == torch.bfloat16 and shaped and weight.is_contiguous()):
+            raise ValueError(
+                f"decode layers: the head's weight must be contiguous bf16 (V, {hidden})"
+            )
+        want = (
+            ("rows", rows, torch.int64, (m,)),
+            ("logits", logits, torch.bfloat16, (m, weight.shape[0])),
+            ("tokens", tokens, torch.int64, (m,)),
+        )
+        for name, t, dtype, shape in want:
+            if t is not None and not (t.dtype == dtype and t.shape == shape and t.is_contiguous()):
+                raise ValueError(
+                    f"decode layers: the head's {name} must be contiguous {dtype} {shape}"
+                )
+        return DecodeHead(
+            weight.data_ptr(), weight.shape[0], None if rows is None else rows.data_ptr(), m,
+            logits.data_ptr(), None if tokens is None else tokens.data_ptr(),
+        )  # fmt: skip
+
+
 def step_mask(
     slots: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, window: int | None
 ) -> StepMask:
@@ -80,6 +129,7 @@ def decode_layers(
     temperature: torch.Tensor | None = None,
     tp: ShmReduce | None = None,
     final_norm: tuple[torch.Tensor, float] | None = None,
+    head: LMHead | None = None,
 ) -> torch.Tensor:
     """The layers of `specs` (a DecodeLayerSpec array), one new token a row: x (T, H) ->
     the last layer's output (T, H); residual (T, H) updated in place as the op-by-op layers
@@ -90,7 +140,8 @@ def decode_layers(
     tensor-parallel group's all-reduce (one rank's layers: None); x's bytes must fit its
     slots. final_norm (weight (H,) bf16, eps): the model's last RMSNorm in the same call, as
     the last stage runs it op by op: the output is norm(last layer's output + residual), and
-    residual that sum. RuntimeError where a peer is gone or late."""
+    residual that sum. head: the LM head on that output too (LMHead; needs final_norm).
+    RuntimeError where a peer is gone or late."""
     if not (x.is_contiguous() and residual.is_contiguous()):
         raise ValueError("decode layers: x and residual must be contiguous")
     for name, t, shape in (("rope_cs", rope_cs, 2), ("temperature", temperature, 1)):
@@ -108,6 +159,9 @@ def decode_layers(
         norm.dtype == torch.bfloat16 and norm.shape == (x.shape[1],) and norm.is_contiguous()
     ):
         raise ValueError("decode layers: final_norm must be a contiguous bf16 (hidden,) weight")
+    if head is not None and norm is None:
+        raise ValueError("decode layers: the LM head needs final_norm")
+    head_spec = None if head is None else head.spec(x.shape[0], x.shape[1])
     out = torch.empty_like(x)
     status = library.kernel("tk_decode_layers_bf16")(
         specs, len(specs), x.data_ptr(), residual.data_ptr(), first, out.data_ptr(), x.shape[0],
@@ -115,7 +169,7 @@ def decode_layers(
         None if temperature is None else temperature.data_ptr(), pools[0],
         pools[1], (StepMask * len(masks))(*masks), len(masks), page_size,
         None if tp is None else ctypes.byref(tp), None if norm is None else norm.data_ptr(), eps,
-        torch.get_num_threads(),
+        None if head_spec is None else ctypes.byref(head_spec), torch.get_num_threads(),
     )  # fmt: skip
     if status == -3:
         raise RuntimeError(f"decode layers: {failure(tp)}")

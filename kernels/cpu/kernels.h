@@ -1,8 +1,8 @@
 /* What the kernel files share: the bfloat16 type, decode attention's work split, and the
  * bfloat16 team kernels (rms_norm.c, rope.c, kv_write.c, attention.c, silu_mul.c,
- * linear_bf16.c, moe.c, all_reduce.c) that decode_layer.c runs in one parallel region. A team
- * kernel splits its loops over the enclosing region's threads (orphaned `omp for`s, each
- * ending at a barrier), or runs alone outside a region. */
+ * linear_bf16.c, moe.c, all_reduce.c, argmax.c) that decode_layer.c runs in one parallel
+ * region. A team kernel splits its loops over the enclosing region's threads (orphaned `omp
+ * for`s, each ending at a barrier), or runs alone outside a region. */
 #ifndef TISON_KERNELS_H
 #define TISON_KERNELS_H
 #include <stdint.h>
@@ -92,6 +92,7 @@ void rope_pairs_team_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
                           int64_t n, int64_t nh, int64_t nkv, int64_t hd, const float *cs,
                           bf16 *q_out, bf16 *k_out);
 void silu_mul_team_bf16(const bf16 *x, bf16 *out, int64_t n, int64_t d);
+void argmax_team_bf16(const bf16 *x, int64_t xs, int64_t n, int64_t d, int64_t *out);
 void kv_write_team_bf16(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride,
                         const int64_t *slots, int64_t n_new, bf16 *k_pool, bf16 *v_pool,
                         int64_t nkv, int64_t hd);

@@ -48,7 +48,7 @@ _BF16_ONLY = {  # linear_bf16.c, decode_layer.c
     "tk_decode_layers_bf16": (
         _int,
         [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64]
-        + [_i64, _ptr, _ptr, _f32, _int],
+        + [_i64, _ptr, _ptr, _f32, _ptr, _int],
     ),
 }
 _lock = threading.Lock()

@@ -21,7 +21,7 @@ from shared.parallel.comm import RankComm
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
 from shared.sampling.batch import SamplingBatch, SamplingRow
-from shared.sampling.sampler import SamplerOutput, sample
+from shared.sampling.sampler import SamplerOutput, sample, sample_greedy
 from shared.sampling.token_mask import TokenMasks
 
 
@@ -94,6 +94,18 @@ class ModelRunner:
         hidden = residual = None
         if not self.stage.is_first:
             hidden, residual = self._recv_hidden(len(batch.input_ids))
+        if self._fuses_head(out, batch):
+            rows = rows or [_sampling_row(out.scheduled[i].request) for i in batch.sample_index]
+            greedy = masks is None and all(row.plain_greedy for row in rows)
+            fused = self.model.decode_logits(
+                batch.input_ids, batch.positions, self.kv, batch.meta, batch.logits_rows, greedy,
+                hidden, residual,
+            )  # fmt: skip
+            if fused is not None:
+                logits, tokens = fused
+                if tokens is not None:
+                    return batch.sample_index, SamplerOutput(tokens, None, None, None), []
+                return batch.sample_index, self._sample(logits, rows, masks), []
         if not own.scheduled:  # --dp: other ranks' requests only
             for experts in self.experts:
                 experts.idle()
@@ -124,9 +136,31 @@ class ModelRunner:
             return sample_index, None, prompt
         if rows is None:
             rows = [_sampling_row(out.scheduled[i].request) for i in sample_index]
+        return sample_index, self._sample(logits, rows, masks), prompt
+
+    def _fuses_head(self, out: SchedulerOutput, batch) -> bool:
+        """Whether to ask the model for the step's logits (and greedy tokens) from its fused
+        decode call (decode_logits): a last stage's step that samples and scores no prompt, on
+        one tensor-parallel and data-parallel rank (the head whole), not pushing KV layer by
+        layer nor replaying a decode graph."""
+        return (
+            self.stage.is_last
+            and self.tp.size == 1
+            and self.dp.size == 1
+            and self.on_layer_done is None
+            and bool(batch.sample_index)
+            and not batch.prompt_rows
+            and (self.graphs is None or not self.graphs.fits(out))
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], masks) -> SamplerOutput:
+        """The rows' tokens from their logits (N, vocab): plain greedy rows' argmax at once,
+        else through a SamplingBatch, with the grammar rows' masks once they are filled."""
+        if masks is None and all(row.plain_greedy for row in rows):
+            return sample_greedy(logits)
         allowed = None if masks is None else masks.result()
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device, allowed)
-        return sample_index, sample(logits, sampling), prompt
+        return sample(logits, sampling)
 
     def _own(self, out: SchedulerOutput) -> SchedulerOutput:
         """The requests of the step that this data-parallel rank computes."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kernels.cpu.decode_layer import LMHead
 from shared.kv.cache import KVCache
 from shared.models.config import ModelConfig
 from shared.models.layer_attention import CHUNKED, GLOBAL, SLIDING, LayerAttention
@@ -202,6 +203,17 @@ class LlamaModel(nn.Module):
                 after_layer(i)
         return self._finish(hidden, residual)
 
+    def decode_head(self, input_ids, positions, kv: KVCache, meta, hidden, residual, head) -> bool:
+        """The last stage's decode step on to its LM head in the fused call: head (an LMHead)
+        filled as forward, the final norm and the head would fill it op by op; False, with
+        nothing computed, where that call does not take the step."""
+        if self.fused is None or not self.fused.fits(len(positions), meta):
+            return False
+        if self.stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        self.fused(positions, hidden, residual, kv, meta, (self.norm.weight, self.norm.eps), head)
+        return True
+
     def _finish(self, hidden, residual):
         """The last stage normalises; the others hand (hidden, residual) on."""
         if not self.stage.is_last:
@@ -258,3 +270,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) final hidden states of the sampled rows -> (N, vocab)."""
         return self.lm_head(hidden)
+
+    def decode_logits(
+        self, input_ids, positions, kv: KVCache, meta, rows, greedy: bool, hidden=None,
+        residual=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+        """A decode step of the last stage in one C call through the final norm, the LM head
+        and, where greedy, the argmax: (logits (N, vocab) of the final hidden states' rows
+        `rows` (N,) int64, their argmax (N,) or None), what forward then compute_logits and
+        argmax give; None, with nothing computed, where that call does not take the step (no
+        fused decoder, the head on several ranks or not on the C linear, a step it cannot
+        run). On that call the ~0.2 ms of Python between the layers' call, the head and the
+        sampler's argmax, on caches that the weights' stream has flushed, goes."""
+        head = self.lm_head
+        if head is None or head.tp.size > 1 or not getattr(head, "c_linear", False):
+            return None
+        logits = torch.empty(len(rows), head.weight.shape[0], dtype=head.weight.dtype)
+        tokens = torch.empty(len(rows), dtype=torch.int64) if greedy else None
+        filled = LMHead(head.weight, rows, logits, tokens)
+        if not self.model.decode_head(input_ids, positions, kv, meta, hidden, residual, filled):
+            return None
+        return logits, tokens

@@ -40,6 +40,21 @@ class SamplingRow:
     def greedy(self) -> bool:
         return self.params.temperature < MIN_TEMPERATURE
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes its logits (bias, penalties, stop tokens masked
+        below min_tokens) or returns them (logprobs): its token is the raw logits' argmax.
+        A grammar's masks are the step's to check (the runner's `masks`)."""
+        p = self.params
+        return (
+            self.greedy
+            and p.logprobs is None
+            and not p.logit_bias
+            and p.repetition_penalty == 1.0
+            and not (p.frequency_penalty or p.presence_penalty)
+            and (len(self.output_token_ids) >= p.min_tokens or not self.stop_token_ids)
+        )
+
 
 @dataclass(frozen=True)
 class RandomRows:

@@ -55,7 +55,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     groups = batch.random
     plain_greedy = not groups and not _changes_logits(batch)
     if plain_greedy and batch.max_num_logprobs is None:  # no float copy of the logits needed
-        return SamplerOutput(_argmax(logits), None, None, None)
+        return sample_greedy(logits)
     if not groups and batch.max_num_logprobs is None and _only_fills(batch):
         # greedy rows whose logits change only by -inf fills (grammar masks, stop tokens),
         # exact in any dtype: a copy in the logits' own (bf16: half the bytes of a float copy)
@@ -73,6 +73,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.max_num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     return _with_logprobs(raw, token_ids, batch.max_num_logprobs)
+
+
+def sample_greedy(logits: torch.Tensor) -> SamplerOutput:
+    """What `sample` gives for rows that are all SamplingRow.plain_greedy, without a grammar:
+    each row's argmax, with no SamplingBatch to build."""
+    return SamplerOutput(_argmax(logits), None, None, None)
 
 
 def _changes_logits(batch: SamplingBatch) -> bool:
@@ -154,4 +160,5 @@ __all__ = [
     "SamplingRow",
     "request_stop_token_ids",
     "sample",
+    "sample_greedy",
 ]

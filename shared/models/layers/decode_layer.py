@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import decode_layer as c
-from kernels.cpu.decode_layer import MAX_MASKS, DecodeLayerSpec, decode_layers, step_mask
+from kernels.cpu.decode_layer import MAX_MASKS, DecodeLayerSpec, LMHead, decode_layers, step_mask
 from kernels.cpu.linear import linear_max_rows
 from shared.kv.cache import KVCache
 from shared.models.layer_attention import AttentionMask
@@ -181,10 +181,14 @@ class FusedDecoder:
         return rows
 
     def takes(self, x: torch.Tensor, meta: StepMetadata) -> bool:
-        """Whether this step can run fused: every row decodes (a prompt's tokens too, as
-        shared/engine/batch.py's prefills_as_rows makes them), in order, with each mask's keys
-        from a page's start, few enough rows."""
-        if x.shape[0] > self.max_rows() or x.dtype != torch.bfloat16:
+        """Whether this step, of input x (T, H), can run fused (x bf16 and `fits`)."""
+        return x.dtype == torch.bfloat16 and self.fits(x.shape[0], meta)
+
+    def fits(self, num_rows: int, meta: StepMetadata) -> bool:
+        """Whether a step of num_rows rows can run fused: every row decodes (a prompt's tokens
+        too, as shared/engine/batch.py's prefills_as_rows makes them), in order, with each
+        mask's keys from a page's start, few enough rows."""
+        if num_rows > self.max_rows():
             return False
         for mask in self.masks:
             m = meta.of(mask)
@@ -201,10 +205,12 @@ class FusedDecoder:
         kv: KVCache,
         meta,
         final_norm: tuple[torch.Tensor, float] | None = None,
+        head: LMHead | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the layers op by op: x (T, H), residual (T, H) or None (first layer) ->
         (last layer's output, residual), residual updated in place (x itself when None).
-        final_norm (weight, eps): the last stage's RMSNorm too (decode_layers')."""
+        final_norm (weight, eps): the last stage's RMSNorm too, and head its LM head after it
+        (decode_layers')."""
         for rotary in self.tables:
             rotary.check(positions)
         metas = [meta.of(mask) for mask in self.masks]
@@ -220,7 +226,7 @@ class FusedDecoder:
         out = decode_layers(
             self.specs, x, residual, first, positions, self._pools_of(kv), masks,
             metas[0].decode.page_size, cs, temperature, None if self.tp is None else self.tp.shm.c,
-            final_norm,
+            final_norm, head,
         )  # fmt: skip
         return out, residual
 
