@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import library
-from kernels.cpu.linear import linear_max_rows
+from kernels.cpu.linear import linear_fits, linear_max_rows
 from shared.models.layers import cpu_linear, moe
 from shared.models.layers.moe import (
     DOWN,
@@ -21,6 +21,7 @@ from shared.models.layers.moe import (
     FusedMoE,
     route,
 )
+from shared.models.packing import pad_experts
 from shared.parallel.group import SINGLE, TPGroup
 
 E, H, I = 8, 64, 32  # noqa: E741
@@ -174,6 +175,38 @@ def test_bf16_c_linear_reads_only_active_experts(T, monkeypatch):
     )
     if T <= linear_max_rows():  # every expert's rows few enough for the C linear
         assert len(kernel_rows) == 2 * len(active)
+
+
+@pytest.mark.skipif(not library.usable(torch.zeros(1)), reason="no C kernels on this machine")
+def test_experts_of_an_unaligned_share_are_padded_for_the_c_linear():
+    """A TP rank's share of each expert's I (here 16 of 32) that the C linear cannot take as
+    w2's input: packing.pad_experts adds zero rows at the end of each expert's gate and up
+    halves and zero columns at the end of w2; the C linear then takes them, and the outputs
+    are the unpadded experts' (torch's, on the weights widened) within bf16's rounding. An
+    aligned share is left as it is."""
+    tp = TPGroup(1, 2, _Sum())
+    ref, _, _ = random_moe(tp=tp)
+    bf = FusedMoE(E, 2, H, I, torch.bfloat16, tp)
+    bf.w13.data.copy_(ref.w13), bf.w2.data.copy_(ref.w2)
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(5, H, generator=g).bfloat16(), torch.randn(5, E, generator=g)
+    before = bf(x, logits)
+    pad_experts(bf)
+    half, padded = I // 2, 32
+    assert bf.w13.shape == (E, 2 * padded, H) and bf.w2.shape == (E, H, padded)
+    rows = bf.w13.view(E, 2, padded, H)
+    assert torch.equal(rows[:, :, :half], ref.w13.bfloat16().view(E, 2, half, H))
+    assert torch.equal(bf.w2[..., :half], ref.w2.bfloat16())
+    assert not rows[:, :, half:].any() and not bf.w2[..., half:].any()
+    assert bf.w13.weight_loader == bf.w2.weight_loader == bf.weight_loader
+    assert linear_fits(bf.w13[0]) and linear_fits(bf.w2[0])
+    bf.c_linear = True
+    after = bf(x, logits)
+    assert (after.float() - before.float()).abs().max() < 0.02 * before.float().abs().max()
+    aligned = FusedMoE(E, 2, H, I, torch.bfloat16)
+    w13 = aligned.w13
+    pad_experts(aligned)
+    assert aligned.w13 is w13
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -1,9 +1,11 @@
-"""After loading, the CPU bf16 linears pick their kernel (see layers/cpu_linear.py): each layer
-whose weight our C linear takes is marked `c_linear` and keeps its plain weight; where oneDNN
-has bf16, the others have their weight swapped for a oneDNN-packed one; the experts of a MoE
-layer are marked when every expert's matrices fit (their few-row matmuls then read only the
-active experts). Decoder layers whose linears are all marked then run decode steps in one C
-call (layers/decode_layer.py)."""
+"""After loading, the CPU bf16 linears pick their kernel (see layers/cpu_linear.py): first each
+MLP whose intermediate size (a TP rank's share) the C linear cannot take as an input is padded
+with zeros to one it takes (dense, routed experts, shared expert: the same numbers out); then
+each layer whose weight our C linear takes is marked `c_linear` and keeps its plain weight;
+where oneDNN has bf16, the others have their weight swapped for a oneDNN-packed one; the
+experts of a MoE layer are marked when every expert's matrices fit (their few-row matmuls then
+read only the active experts). Decoder layers whose linears are all marked then run decode
+steps in one C call (layers/decode_layer.py)."""
 
 import torch
 from torch import nn
@@ -24,8 +26,10 @@ def prepare_cpu_linears(model: nn.Module, fused_decode: bool = True) -> None:
     onednn = cpu_linear.onednn_bf16()
     if kernels:
         for module in model.modules():
-            if hasattr(module, "fused_parts"):
+            if hasattr(module, "fused_parts"):  # a dense MLP, a shared expert among them
                 pad_intermediate(**module.fused_parts())
+            if isinstance(module, FusedMoE):
+                pad_experts(module)
     for module in model.modules():
         if isinstance(module, FusedMoE):
             module.c_linear = kernels and linear_fits(module.w13[0]) and linear_fits(module.w2[0])
@@ -71,6 +75,29 @@ def pad_intermediate(gate_up=None, down=None, **routed) -> None:
     _replace(down, "weight", cols)
 
 
+def pad_experts(experts: FusedMoE) -> None:
+    """Routed experts whose intermediate size I (one TP rank's share) is not a multiple of
+    LINEAR_K_ALIGN, padded as pad_intermediate pads a dense MLP: zero rows at the end of each
+    expert's gate and up halves of w13 (E, 2I, H) and zero columns at the end of its w2
+    (E, H, I). The outputs are the same numbers; the experts then run on the C linear, and
+    their layers' decode steps in one call (a Mixtral of I 14336 at tp=16: 896 a rank, fine;
+    the tests' tiny experts of 32 at tp=2: 16, padded to 32). After loading: the weight
+    loaders place the unpadded share."""
+    w13, w2 = experts.w13, experts.w2
+    if resident(experts) or w2.dtype != torch.bfloat16:
+        return
+    num, hidden, size = w2.shape
+    padded = -(-size // LINEAR_K_ALIGN) * LINEAR_K_ALIGN
+    if padded == size:
+        return
+    wide = torch.zeros(num, 2, padded, hidden, dtype=w13.dtype)
+    wide[:, :, :size] = w13.data.view(num, 2, size, hidden)
+    _replace(experts, "w13", wide.view(num, 2 * padded, hidden))
+    cols = torch.zeros(num, hidden, padded, dtype=w2.dtype)
+    cols[..., :size] = w2.data
+    _replace(experts, "w2", cols)
+
+
 def _replace(module: nn.Module, name: str, data: torch.Tensor) -> None:
     param = nn.Parameter(data, requires_grad=False)
     param.weight_loader = getattr(module, name).weight_loader
@@ -80,4 +107,5 @@ def _replace(module: nn.Module, name: str, data: torch.Tensor) -> None:
 def resident(module: nn.Module) -> bool:
     """Whether the module's weight stays encoded (models/resident.py): it is decoded anew into
     shared scratch before each use, so no packed copy of it could stay right."""
-    return getattr(module.weight, "resident", False)
+    weights = (module.w13, module.w2) if isinstance(module, FusedMoE) else (module.weight,)
+    return any(getattr(w, "resident", False) for w in weights)
