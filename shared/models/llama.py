@@ -203,16 +203,13 @@ class LlamaModel(nn.Module):
                 after_layer(i)
         return self._finish(hidden, residual)
 
-    def decode_head(self, input_ids, positions, kv: KVCache, meta, hidden, residual, head) -> bool:
-        """The last stage's decode step on to its LM head in the fused call: head (an LMHead)
-        filled as forward, the final norm and the head would fill it op by op; False, with
-        nothing computed, where that call does not take the step."""
-        if self.fused is None or not self.fused.fits(len(positions), meta):
-            return False
+    def decode_head(self, input_ids, positions, kv: KVCache, meta, hidden, residual, head) -> None:
+        """The last stage's decode step on to its LM head in the fused call, for a step that
+        the fused decoder `fits`: head (an LMHead) filled as forward, the final norm and the
+        head would fill it op by op."""
         if self.stage.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         self.fused(positions, hidden, residual, kv, meta, (self.norm.weight, self.norm.eps), head)
-        return True
 
     def _finish(self, hidden, residual):
         """The last stage normalises; the others hand (hidden, residual) on."""
@@ -282,12 +279,13 @@ class LlamaForCausalLM(nn.Module):
         fused decoder, the head on several ranks or not on the C linear, a step it cannot
         run). On that call the ~0.2 ms of Python between the layers' call, the head and the
         sampler's argmax, on caches that the weights' stream has flushed, goes."""
-        head = self.lm_head
+        head, fused = self.lm_head, self.model.fused
         if head is None or head.tp.size > 1 or not getattr(head, "c_linear", False):
+            return None
+        if fused is None or not fused.fits(len(positions), meta):
             return None
         logits = torch.empty(len(rows), head.weight.shape[0], dtype=head.weight.dtype)
         tokens = torch.empty(len(rows), dtype=torch.int64) if greedy else None
         filled = LMHead(head.weight, rows, logits, tokens)
-        if not self.model.decode_head(input_ids, positions, kv, meta, hidden, residual, filled):
-            return None
+        self.model.decode_head(input_ids, positions, kv, meta, hidden, residual, filled)
         return logits, tokens
