@@ -59,20 +59,13 @@ def pad_intermediate(gate_up=None, down=None, **routed) -> None:
     if gate_up is None or down is None or resident(gate_up) or resident(down):
         return  # routed experts (their own matrices), or weights decoded anew before each use
     size = down.weight.shape[1]
-    padded = -(-size // LINEAR_K_ALIGN) * LINEAR_K_ALIGN
+    padded = _aligned(size)
     if padded == size or down.weight.dtype != torch.bfloat16 or gate_up.weight.shape[0] != 2 * size:
         return
-    halves = gate_up.weight.data.view(2, size, -1)
-    wide = torch.zeros(2, padded, halves.shape[2], dtype=halves.dtype)
-    wide[:, :size] = halves
-    _replace(gate_up, "weight", wide.view(2 * padded, -1))
-    if gate_up.bias is not None:
-        bias = torch.zeros(2, padded, dtype=gate_up.bias.dtype)
-        bias[:, :size] = gate_up.bias.data.view(2, size)
-        _replace(gate_up, "bias", bias.view(-1))
-    cols = torch.zeros(down.weight.shape[0], padded, dtype=down.weight.dtype)
-    cols[:, :size] = down.weight.data
-    _replace(down, "weight", cols)
+    if gate_up.bias is not None:  # no family's SwiGLU has one (nor does the fused call)
+        return
+    _replace(gate_up, "weight", _halves_padded(gate_up.weight.data, padded))
+    _replace(down, "weight", _columns_padded(down.weight.data, padded))
 
 
 def pad_experts(experts: FusedMoE) -> None:
@@ -86,16 +79,32 @@ def pad_experts(experts: FusedMoE) -> None:
     w13, w2 = experts.w13, experts.w2
     if resident(experts) or w2.dtype != torch.bfloat16:
         return
-    num, hidden, size = w2.shape
-    padded = -(-size // LINEAR_K_ALIGN) * LINEAR_K_ALIGN
-    if padded == size:
+    padded = _aligned(w2.shape[2])
+    if padded == w2.shape[2]:
         return
-    wide = torch.zeros(num, 2, padded, hidden, dtype=w13.dtype)
-    wide[:, :, :size] = w13.data.view(num, 2, size, hidden)
-    _replace(experts, "w13", wide.view(num, 2 * padded, hidden))
-    cols = torch.zeros(num, hidden, padded, dtype=w2.dtype)
-    cols[..., :size] = w2.data
-    _replace(experts, "w2", cols)
+    _replace(experts, "w13", _halves_padded(w13.data, padded))
+    _replace(experts, "w2", _columns_padded(w2.data, padded))
+
+
+def _aligned(size: int) -> int:
+    """The C linear's next input size from size on."""
+    return -(-size // LINEAR_K_ALIGN) * LINEAR_K_ALIGN
+
+
+def _halves_padded(t: torch.Tensor, padded: int) -> torch.Tensor:
+    """t (..., 2I, C): gate rows, then up rows -> (..., 2 * padded, C), zero rows after each
+    half."""
+    *lead, rows, cols = t.shape
+    wide = t.new_zeros(*lead, 2, padded, cols)
+    wide[..., : rows // 2, :] = t.view(*lead, 2, rows // 2, cols)
+    return wide.view(*lead, 2 * padded, cols)
+
+
+def _columns_padded(t: torch.Tensor, padded: int) -> torch.Tensor:
+    """t (..., R, I) -> (..., R, padded), zero columns after I."""
+    wide = t.new_zeros(*t.shape[:-1], padded)
+    wide[..., : t.shape[-1]] = t
+    return wide
 
 
 def _replace(module: nn.Module, name: str, data: torch.Tensor) -> None:
