@@ -288,3 +288,30 @@ def test_decode_layers_names_what_is_wrong_with_a_head():
         call(LMHead(weight, torch.tensor([0, 1], dtype=torch.int32), logits))
     with pytest.raises(ValueError, match="head's tokens"):
         call(LMHead(weight, None, logits, torch.zeros(3, dtype=torch.long)))
+
+
+def test_decode_layers_refuses_a_token_or_position_out_of_range():
+    """The C call gathers the embedding rows and reads the rotary tables unchecked, so it
+    checks the step's token ids and positions first, before it reads a layer."""
+    from kernels.cpu.decode_layer import DecodeLayerSpec, Embedding, StepMask, decode_layers
+
+    specs = (DecodeLayerSpec * 1)()  # no weights: the call must stop before reading one
+    specs[0].hidden = 64
+    table = torch.zeros(100, 64, dtype=torch.bfloat16)
+
+    def call(ids, positions, max_positions=0, dtype=torch.long):
+        residual = torch.empty(len(ids), 64, dtype=torch.bfloat16)
+        embed = Embedding(table, torch.tensor(ids, dtype=dtype))
+        decode_layers(specs, embed, residual, True, torch.tensor(positions), (None, None),
+                      [StepMask()], 16, max_positions=max_positions)  # fmt: skip
+
+    with pytest.raises(IndexError, match="a token id outside the embedding's 100 rows"):
+        call([5, 100], [0, 1])
+    with pytest.raises(IndexError, match="a token id outside"):
+        call([-1], [0])
+    with pytest.raises(IndexError, match="a position outside the rotary tables' 8"):
+        call([5, 6], [7, 8], max_positions=8)
+    with pytest.raises(IndexError, match="a position outside"):
+        call([5], [-1], max_positions=8)
+    with pytest.raises(ValueError, match="token ids must be contiguous int64"):
+        call([5], [0], dtype=torch.int32)

@@ -57,6 +57,13 @@ typedef struct {
     int64_t *tokens;
 } decode_head;
 
+/* The first layer's input as the embedding rows of the step's tokens: table[ids[t]]. */
+typedef struct {
+    const bf16 *table; /* (vocab, hidden) */
+    int64_t vocab;
+    const int64_t *ids; /* (n,) */
+} decode_embed;
+
 #define MAX_MASKS 4
 
 static __thread bf16 *workspace; /* the caller's intermediate activations, grown, kept */
@@ -225,16 +232,26 @@ static void head_team(const decode_head *D, const bf16 *out, int64_t H, bf16 *ro
  * slots), or NULL for one rank. final_norm (hidden,), or NULL: out is then the model's final
  * RMSNorm (final_eps) of the last layer's output plus residual, residual that sum, as the last
  * stage's norm does op by op. head, or NULL: the LM head on that output too (decode_head;
- * needs final_norm). out must not be x. Returns 0, -1 when scratch memory cannot be
- * allocated, -2 for too many masks, -3 when an all-reduce failed (tp->error says why). */
+ * needs final_norm). embed, or NULL: the first layer's input is the step's tokens' embedding
+ * rows, gathered into residual (needs first; x is then unused). max_positions > 0: the rows
+ * of the layers' rotary tables, which every position must be below. out must not be x.
+ * Returns 0, -1 when scratch memory cannot be allocated, -2 for too many masks (or a head
+ * without final_norm, an embed without first), -3 when an all-reduce failed (tp->error says
+ * why), -4 for a position beyond the tables, -5 for a token id outside the embedding. */
 int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 *x,
-                          bf16 *residual, int first, bf16 *out, int64_t n,
-                          const int64_t *positions, const float *rope_cs,
-                          const float *temperature, bf16 *const *k_pools, bf16 *const *v_pools,
-                          const step_mask *masks, int64_t num_masks, int64_t page_size,
-                          shm_reduce *tp, const bf16 *final_norm, float final_eps,
-                          const decode_head *head, int threads) {
+                          const decode_embed *embed, bf16 *residual, int first, bf16 *out,
+                          int64_t n, const int64_t *positions, int64_t max_positions,
+                          const float *rope_cs, const float *temperature,
+                          bf16 *const *k_pools, bf16 *const *v_pools, const step_mask *masks,
+                          int64_t num_masks, int64_t page_size, shm_reduce *tp,
+                          const bf16 *final_norm, float final_eps, const decode_head *head,
+                          int threads) {
     if (num_masks < 1 || num_masks > MAX_MASKS || (head != NULL && final_norm == NULL)) return -2;
+    if (embed != NULL && !first) return -2;
+    for (int64_t t = 0; t < n; t++) {
+        if (max_positions > 0 && (positions[t] < 0 || positions[t] >= max_positions)) return -4;
+        if (embed != NULL && (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab)) return -5;
+    }
     if (tp != NULL) tp->error = 0;
     const decode_layer *L = layers;
     int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
@@ -276,6 +293,12 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
         /* outputs alternate between out and spare so that the last one lands in out */
         const bf16 *in = x;
         int failed = 0;
+        if (embed != NULL) {
+#pragma omp for
+            for (int64_t t = 0; t < n; t++)
+                memcpy(residual + t * H, embed->table + embed->ids[t] * H, sizeof(bf16) * H);
+            in = residual;
+        }
         for (int64_t i = 0; i < count && !failed; i++) {
             bf16 *to = (count - 1 - i) % 2 == 0 ? out : spare;
             /* a peer is gone: every thread leaves alike */

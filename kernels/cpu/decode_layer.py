@@ -69,6 +69,32 @@ class DecodeHead(ctypes.Structure):
     ]
 
 
+class DecodeEmbed(ctypes.Structure):
+    """decode_layer.c's `decode_embed`: the first layer's input as embedding rows."""
+
+    _fields_ = [("table", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("ids", ctypes.c_void_p)]
+
+
+class Embedding(NamedTuple):
+    """decode_layers' first input as the rows weight[ids]: weight (V, H) bf16, ids (T,) int64
+    (the step's tokens), gathered inside the call (F.embedding's rows)."""
+
+    weight: torch.Tensor
+    ids: torch.Tensor
+
+    def spec(self, hidden: int) -> DecodeEmbed:
+        """The C struct, once the tensors' shapes and types are checked."""
+        weight, ids = self
+        if not (
+            weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] == hidden
+            and weight.is_contiguous()
+        ):  # fmt: skip
+            raise ValueError(f"decode layers: the embedding must be contiguous bf16 (V, {hidden})")
+        if not (ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous()):
+            raise ValueError("decode layers: the token ids must be contiguous int64 (T,)")
+        return DecodeEmbed(weight.data_ptr(), weight.shape[0], ids.data_ptr())
+
+
 class LMHead(NamedTuple):
     """decode_layers' LM head: logits (M, V) bf16 <- the final norm's output rows `rows` (M,)
     int64, each in [0, T) (None: all T rows, M = T) times weight (V, H) bf16, and tokens (M,)
@@ -118,7 +144,7 @@ def step_mask(
 
 def decode_layers(
     specs: ctypes.Array,
-    x: torch.Tensor,
+    x: torch.Tensor | Embedding,
     residual: torch.Tensor,
     first: bool,
     positions: torch.Tensor,
@@ -130,18 +156,27 @@ def decode_layers(
     tp: ShmReduce | None = None,
     final_norm: tuple[torch.Tensor, float] | None = None,
     head: LMHead | None = None,
+    max_positions: int = 0,
 ) -> torch.Tensor:
     """The layers of `specs` (a DecodeLayerSpec array), one new token a row: x (T, H) ->
     the last layer's output (T, H); residual (T, H) updated in place as the op-by-op layers
-    do (first: it is x itself, the first layer's input). Layer i's K and V pools (P*S, nkv, hd)
-    are at pools[0][i] and pools[1][i]; it attends as masks[spec.mask] says; new tokens at
-    positions (T,) int64. rope_cs (T, hd) float32: each row's cosines then sines (interleaved
-    RoPE layers); temperature (T,) float32: each row's factor on q (layers that ask). tp: the
-    tensor-parallel group's all-reduce (one rank's layers: None); x's bytes must fit its
-    slots. final_norm (weight (H,) bf16, eps): the model's last RMSNorm in the same call, as
-    the last stage runs it op by op: the output is norm(last layer's output + residual), and
-    residual that sum. head: the LM head on that output too (LMHead; needs final_norm).
-    RuntimeError where a peer is gone or late."""
+    do (first: it is x itself, the first layer's input). x an Embedding: the first layer's
+    input is its rows, gathered into residual (needs first). Layer i's K and V pools
+    (P*S, nkv, hd) are at pools[0][i] and pools[1][i]; it attends as masks[spec.mask] says;
+    new tokens at positions (T,) int64, each below max_positions where that is > 0 (the rows
+    of the layers' rotary tables, which the C kernels read unchecked). rope_cs (T, hd)
+    float32: each row's cosines then sines (interleaved RoPE layers); temperature (T,)
+    float32: each row's factor on q (layers that ask). tp: the tensor-parallel group's
+    all-reduce (one rank's layers: None); x's bytes must fit its slots. final_norm (weight
+    (H,) bf16, eps): the model's last RMSNorm in the same call, as the last stage runs it op
+    by op: the output is norm(last layer's output + residual), and residual that sum. head:
+    the LM head on that output too (LMHead; needs final_norm). IndexError for a position or
+    token id out of range; RuntimeError where a peer is gone or late."""
+    embed = None
+    if isinstance(x, Embedding):
+        if not first or residual.shape != (len(x.ids), specs[0].hidden):
+            raise ValueError("decode layers: an embedding is the first layer's input (T, H)")
+        embed, x = x.spec(specs[0].hidden), residual
     if not (x.is_contiguous() and residual.is_contiguous()):
         raise ValueError("decode layers: x and residual must be contiguous")
     for name, t, shape in (("rope_cs", rope_cs, 2), ("temperature", temperature, 1)):
@@ -164,8 +199,9 @@ def decode_layers(
     head_spec = None if head is None else head.spec(x.shape[0], x.shape[1])
     out = torch.empty_like(x)
     status = library.kernel("tk_decode_layers_bf16")(
-        specs, len(specs), x.data_ptr(), residual.data_ptr(), first, out.data_ptr(), x.shape[0],
-        positions.data_ptr(), None if rope_cs is None else rope_cs.data_ptr(),
+        specs, len(specs), x.data_ptr(), None if embed is None else ctypes.byref(embed),
+        residual.data_ptr(), first, out.data_ptr(), x.shape[0], positions.data_ptr(),
+        max_positions, None if rope_cs is None else rope_cs.data_ptr(),
         None if temperature is None else temperature.data_ptr(), pools[0],
         pools[1], (StepMask * len(masks))(*masks), len(masks), page_size,
         None if tp is None else ctypes.byref(tp), None if norm is None else norm.data_ptr(), eps,
@@ -173,6 +209,10 @@ def decode_layers(
     )  # fmt: skip
     if status == -3:
         raise RuntimeError(f"decode layers: {failure(tp)}")
+    if status == -4:
+        raise IndexError(f"decode layers: a position outside the rotary tables' {max_positions}")
+    if status == -5:
+        raise IndexError(f"decode layers: a token id outside the embedding's {embed.vocab} rows")
     if status != 0:
         raise MemoryError("decode layers: no memory for their activations")
     return out

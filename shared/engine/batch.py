@@ -1,5 +1,6 @@
 """Turns a SchedulerOutput into the flat tensors of one forward pass, on the engine's device."""
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,15 @@ from shared.models.layers.attention import (
 )
 
 CPU = torch.device("cpu")
+
+
+def _ints(values: list[int], device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """torch.tensor(values, dtype, device) for int64 or int32 values, in a third of its time
+    from a list (a step builds ~6 of them; ~3 us each on a CPU otherwise)."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    t = torch.frombuffer(array("q" if dtype == torch.long else "i", values), dtype=dtype)
+    return t if device.type == "cpu" else t.to(device)
 
 
 @dataclass
@@ -72,8 +82,8 @@ def build_batch(
     by_mask = {mask: _mask_metadata(out, page_size, mask, device, as_rows) for mask in masks}
     logits_rows, sample_index, prompt_rows = output_rows(out, device)
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=_ints(ids, device),
+        positions=_ints(positions, device),
         meta=StepMetadata(by_mask),
         logits_rows=logits_rows,
         sample_index=sample_index,
@@ -96,7 +106,7 @@ def output_rows(out: SchedulerOutput, device: torch.device = CPU):
         if targets is not None:
             prompt_rows.append((i, row + targets.first - s.start, targets))
         row += s.num_tokens
-    return torch.tensor(logits_rows, dtype=torch.long, device=device), sample_index, prompt_rows
+    return _ints(logits_rows, device), sample_index, prompt_rows
 
 
 def _mask_metadata(out, page_size, mask, device, as_rows) -> AttentionMetadata:
@@ -122,7 +132,7 @@ def _mask_metadata(out, page_size, mask, device, as_rows) -> AttentionMetadata:
             prefills.append((row, s.start, s.num_tokens, pages, offset))
         row += s.num_tokens
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=_ints(slots, device),
         decode=_decode_rows(decode, row, page_size, mask, device) if decode else None,
         prefills=[_prefill_span(*p, page_size, mask, device) for p in prefills],
     )
@@ -135,20 +145,23 @@ def _decode_rows(
     mask: AttentionMask,
     device: torch.device,
 ) -> DecodeRows:
-    long, i32 = torch.long, torch.int32
+    i32 = torch.int32
     rows, contexts, tables, _ = zip(*decode)  # offsets are 0 but in a chunked group
     first_key = None
     if mask.kind == CHUNKED:  # each row's table starts at its chunk's page
         rows, contexts, tables, first_key = _chunk_pages(decode, page_size, mask)
     max_pages = max(-(-ctx // page_size) for ctx in contexts)
-    table = [t[:max_pages] + [0] * (max_pages - len(t)) for t in tables]
+    table: list[int] = []  # (B * Pmax,) each row's pages, padded with page 0
+    for t in tables:
+        table += t[:max_pages]
+        table += [0] * (max_pages - len(t))
     return DecodeRows(
-        rows=None if len(rows) == num_tokens else torch.tensor(rows, dtype=long, device=device),
-        block_table=torch.tensor(table, dtype=i32, device=device),  # (B, Pmax)
-        context_lens=torch.tensor(contexts, dtype=i32, device=device),  # (B,)
+        rows=None if len(rows) == num_tokens else _ints(list(rows), device),
+        block_table=_ints(table, device, i32).view(len(tables), max_pages),  # (B, Pmax)
+        context_lens=_ints(list(contexts), device, i32),  # (B,)
         page_size=page_size,
         window=mask.window if mask.kind != CHUNKED else None,
-        first_key=None if first_key is None else torch.tensor(first_key, dtype=i32, device=device),
+        first_key=None if first_key is None else _ints(first_key, device, i32),
     )
 
 

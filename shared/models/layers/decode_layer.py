@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import decode_layer as c
-from kernels.cpu.decode_layer import MAX_MASKS, DecodeLayerSpec, LMHead, decode_layers, step_mask
+from kernels.cpu.decode_layer import (
+    MAX_MASKS,
+    DecodeLayerSpec,
+    Embedding,
+    LMHead,
+    decode_layers,
+    step_mask,
+)
 from kernels.cpu.linear import linear_max_rows
 from shared.kv.cache import KVCache
 from shared.models.layer_attention import AttentionMask
@@ -152,11 +159,14 @@ class FusedDecoder:
             spec.mask = self.masks.index(mask)
         self._tensors = [t for part in parts for t in part.tensors]
         rotaries = {id(p.rotary): p.rotary for p in parts if p.rotary is not None}.values()
-        self.tables = [r for r in rotaries if isinstance(r, RotaryEmbedding)]
+        tables = [r for r in rotaries if isinstance(r, RotaryEmbedding)]
+        # the C call checks each position against the tables (0: no layer reads one)
+        self.max_positions = min((len(r.cos) for r in tables), default=0)
         self.pairs = next((r for r in rotaries if isinstance(r, InterleavedRotaryEmbedding)), None)
         # the NoPE layers' factor: one function of the position for all (one model config)
         self.temperature = next((p.temperature for p in parts if p.temperature), None)
         self.tp = next((p.tp for p in parts), None)  # every layer's (build checks); None: one rank
+        self.max_rows = self._max_rows()
         self._pools: tuple = ()  # (the KV cache, its layers' K and V pool addresses)
 
     @classmethod
@@ -172,7 +182,7 @@ class FusedDecoder:
         pairs = {id(p.rotary) for p in parts if isinstance(p.rotary, InterleavedRotaryEmbedding)}
         return cls(parts, masks) if len(pairs) <= 1 else None
 
-    def max_rows(self) -> int:
+    def _max_rows(self) -> int:
         """The most rows a fused step takes: the C linear's (which beats F.linear up to there),
         and under TP as many as an all-reduce's slot holds."""
         rows = linear_max_rows()
@@ -188,7 +198,7 @@ class FusedDecoder:
         """Whether a step of num_rows rows can run fused: every row decodes (a prompt's tokens
         too, as shared/engine/batch.py's prefills_as_rows makes them), in order, with each
         mask's keys from a page's start, few enough rows."""
-        if num_rows > self.max_rows():
+        if num_rows > self.max_rows:
             return False
         for mask in self.masks:
             m = meta.of(mask)
@@ -200,7 +210,7 @@ class FusedDecoder:
     def __call__(
         self,
         positions,
-        x: torch.Tensor,
+        x: torch.Tensor | Embedding,
         residual: torch.Tensor | None,
         kv: KVCache,
         meta,
@@ -209,10 +219,9 @@ class FusedDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the layers op by op: x (T, H), residual (T, H) or None (first layer) ->
         (last layer's output, residual), residual updated in place (x itself when None).
+        x an Embedding (first layer): its rows, gathered inside the call into a new residual.
         final_norm (weight, eps): the last stage's RMSNorm too, and head its LM head after it
         (decode_layers')."""
-        for rotary in self.tables:
-            rotary.check(positions)
         metas = [meta.of(mask) for mask in self.masks]
         masks = [
             step_mask(m.slot_mapping, m.decode.block_table, m.decode.context_lens, m.decode.window)
@@ -222,11 +231,14 @@ class FusedDecoder:
         temperature = None if self.temperature is None else self.temperature(positions).flatten()
         first = residual is None
         if first:
-            residual = x
+            if isinstance(x, Embedding):  # (T, H), filled by the call
+                residual = torch.empty(len(x.ids), x.weight.shape[1], dtype=x.weight.dtype)
+            else:
+                residual = x
         out = decode_layers(
             self.specs, x, residual, first, positions, self._pools_of(kv), masks,
             metas[0].decode.page_size, cs, temperature, None if self.tp is None else self.tp.shm.c,
-            final_norm, head,
+            final_norm, head, self.max_positions,
         )  # fmt: skip
         return out, residual
 
