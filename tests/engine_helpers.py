@@ -2,6 +2,7 @@
 
 import torch
 
+from kernels.cpu.decode_layer import Embedding
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.models.layers.decode_layer import FusedDecoder
@@ -173,13 +174,16 @@ def assert_logprobs_match(req, tokens: list[int], logits: torch.Tensor) -> None:
     torch.testing.assert_close(ref_at_ours, ref.topk(5, dim=-1).values, **ties)
 
 
-def count_fused_calls(monkeypatch) -> list[int]:
-    """From now on in the test, each fused decode call appends its row count to the list."""
+def count_fused_calls(monkeypatch, gathered: list[bool] | None = None) -> list[int]:
+    """From now on in the test, each fused decode call appends its row count to the list, and
+    to `gathered` whether it gathered its embedding rows itself (an Embedding input)."""
     calls: list[int] = []
     original = FusedDecoder.__call__
 
     def counted(self, *args, **kwargs):
         calls.append(len(args[0]))  # positions: one a row
+        if gathered is not None:
+            gathered.append(isinstance(args[1], Embedding))
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedDecoder, "__call__", counted)

@@ -91,9 +91,11 @@ def both_ways(
     family, overrides, options = (*model, {})[:3]
     model_dir = tiny_model_factory(family, **overrides)
     prompts = prompts or make_prompts() * copies
-    calls = count_fused_calls(monkeypatch)
+    gathered: list[bool] = []
+    calls = count_fused_calls(monkeypatch, gathered)
     fused = generate(model_dir, True, threads, prompts, **options)
     assert len(prompts) in calls, "a decode step of all requests ran fused"
+    assert all(gathered), "each fused call gathered its embedding rows"
     calls.clear()
     op_by_op = generate(model_dir, False, threads, prompts, **options)
     assert not calls
@@ -309,7 +311,7 @@ def test_decode_layers_refuses_a_token_or_position_out_of_range():
         call([5, 100], [0, 1])
     with pytest.raises(IndexError, match="a token id outside"):
         call([-1], [0])
-    with pytest.raises(IndexError, match=r"a position outside the rotary tables \(8 rows\)"):
+    with pytest.raises(IndexError, match=r"a position outside \[0, 8\) \(rotary tables\)"):
         call([5, 6], [7, 8], max_positions=8)
     with pytest.raises(IndexError, match="a position outside"):
         call([5], [-1], max_positions=8)

@@ -210,8 +210,7 @@ def decode_layers(
     if status == -3:
         raise RuntimeError(f"decode layers: {failure(tp)}")
     if status == -4:
-        rows = max_positions
-        raise IndexError(f"decode layers: a position outside the rotary tables ({rows} rows)")
+        raise IndexError(f"decode layers: a position outside [0, {max_positions}) (rotary tables)")
     if status == -5:
         raise IndexError(f"decode layers: a token id outside the embedding's {embed.vocab} rows")
     if status != 0:

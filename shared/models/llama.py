@@ -166,8 +166,6 @@ class LlamaModel(nn.Module):
         # the most rows a fused step takes (0: never fused); steps of at most this many tokens
         # give their prompt tokens as decode rows (shared/engine/batch.py's prefills_as_rows)
         self.fused_rows = 0
-        # the fused call gathers the first stage's embedding rows (the table whole on a rank)
-        self.fused_embedding = False
 
     def prepare_fused_decode(self) -> None:
         """Once the weights are final: decode steps run all layers in one C call, where each
@@ -177,15 +175,10 @@ class LlamaModel(nn.Module):
         if any(m.kind not in (GLOBAL, SLIDING, CHUNKED) for m in masks):
             return
         parts = [self.layers[i].decode_spec() for i in range(self.start, self.end)]
-        self.fused = FusedDecoder.build(parts, masks)
+        embed = self.embed_tokens  # its rows gathered in the call where it is whole, bf16
+        whole = embed is not None and embed.tp.size == 1 and embed.weight.dtype == torch.bfloat16
+        self.fused = FusedDecoder.build(parts, masks, embed.weight if whole else None)
         self.fused_rows = 0 if self.fused is None else self.fused.max_rows
-        embed = self.embed_tokens
-        self.fused_embedding = (
-            self.fused is not None
-            and embed is not None
-            and embed.tp.size == 1
-            and embed.weight.dtype == torch.bfloat16
-        )
 
     def forward(
         self, input_ids, positions, kv: KVCache, meta, hidden=None, residual=None, after_layer=None
@@ -194,9 +187,7 @@ class LlamaModel(nn.Module):
         meta: the step's StepMetadata, each layer reading its mask's part. after_layer(i) runs
         once layer i has written its KV (to stream it out; after the one call, fused)."""
         if self.stage.is_first:
-            gather = self.fused_embedding and self.fused is not None
-            gather = gather and self.fused.fits(len(input_ids), meta)
-            hidden, residual = self._embedded(input_ids, gather), None
+            hidden, residual = self._embedded(input_ids, meta), None
         if isinstance(hidden, Embedding) or (
             self.fused is not None and self.fused.takes(hidden, meta)
         ):
@@ -221,16 +212,18 @@ class LlamaModel(nn.Module):
         the fused decoder `fits`: head (an LMHead) filled as forward, the final norm and the
         head would fill it op by op."""
         if self.stage.is_first:
-            hidden, residual = self._embedded(input_ids, self.fused_embedding), None
+            hidden, residual = self._embedded(input_ids), None
         self.fused(positions, hidden, residual, kv, meta, (self.norm.weight, self.norm.eps), head)
 
-    def _embedded(self, input_ids, gather: bool):
+    def _embedded(self, input_ids, meta=None):
         """The first stage's layer input: the tokens' embedding rows, as an Embedding that the
-        fused call gathers (gather: it takes the step, and fused_embedding: the table is whole
-        on this rank; saves a module call on flushed caches, ~35 us of a batch-1 step), else
-        looked up here."""
-        if gather:
-            return Embedding(self.embed_tokens.weight, input_ids)
+        fused call gathers where its decoder holds the table (FusedDecoder.embedding) and takes
+        the step (meta None: known to; saves a module call on flushed caches, ~35 us of a
+        batch-1 step), else looked up here."""
+        fused = self.fused
+        if fused is not None and fused.embedding is not None:
+            if meta is None or fused.fits(len(input_ids), meta):
+                return Embedding(fused.embedding, input_ids)
         return self.embed_tokens(input_ids)
 
     def _finish(self, hidden, residual):

@@ -151,8 +151,15 @@ class FusedDecoder:
     """A stage's decoder layers, for decode steps: their specs, in order, the masks they attend
     with (spec.mask indexes `masks`), and the tensors the specs point into (kept alive)."""
 
-    def __init__(self, parts: list[LayerPart], masks: list[AttentionMask]):
-        """parts: each layer's (as `build` checks they fit one call), masks: each layer's."""
+    def __init__(
+        self,
+        parts: list[LayerPart],
+        masks: list[AttentionMask],
+        embedding: torch.Tensor | None = None,
+    ):
+        """parts: each layer's (as `build` checks they fit one call), masks: each layer's;
+        embedding: the first stage's whole table (V, H) bf16, whose rows the call gathers
+        (an Embedding input), or None."""
         self.specs = (DecodeLayerSpec * len(parts))(*(part.spec for part in parts))
         self.masks = list(dict.fromkeys(masks))  # distinct, in layer order
         for spec, mask in zip(self.specs, masks):
@@ -167,10 +174,13 @@ class FusedDecoder:
         self.temperature = next((p.temperature for p in parts if p.temperature), None)
         self.tp = next((p.tp for p in parts), None)  # every layer's (build checks); None: one rank
         self.max_rows = self._max_rows()
+        self.embedding = embedding
         self._pools: tuple = ()  # (the KV cache, its layers' K and V pool addresses)
 
     @classmethod
-    def build(cls, parts: list, masks: list[AttentionMask]) -> "FusedDecoder | None":
+    def build(
+        cls, parts: list, masks: list[AttentionMask], embedding: torch.Tensor | None = None
+    ) -> "FusedDecoder | None":
         """A FusedDecoder of these layers (each layer's part, or None, and mask), or None where
         one call cannot take them: a layer that cannot run fused, more than MAX_MASKS masks,
         layers of different tensor-parallel groups, or interleaved RoPE of more than one
@@ -180,7 +190,7 @@ class FusedDecoder:
         if len({id(part.tp) for part in parts}) > 1:
             return None
         pairs = {id(p.rotary) for p in parts if isinstance(p.rotary, InterleavedRotaryEmbedding)}
-        return cls(parts, masks) if len(pairs) <= 1 else None
+        return cls(parts, masks, embedding) if len(pairs) <= 1 else None
 
     def _max_rows(self) -> int:
         """The most rows a fused step takes: the C linear's (which beats F.linear up to there),
