@@ -28,8 +28,18 @@
 
 #define R 4 /* weight rows (outputs) a group */
 #define XB 16 /* rows of x a packed block (avx2's outer products) */
-#define AHEAD 16384 /* bytes: how far ahead of the weights being read to ask for more */
-/* (measured at one row of x: 4 KiB 77%, 16 KiB 81-85%, 32 KiB 68% of the probe) */
+/* Bytes: how far ahead of the weights being read the dot-product form asks for more.
+ * - AVX-512 tiers: 16 KiB (Zen 4, one row of x: 4 KiB 77%, 16 KiB 81-85%, 32 KiB 68% of the
+ *   probe).
+ * - Elsewhere: 4 KiB. On Zen 3 (avx2), whole decode steps at batch 1 took 3% (dense), 7% (MoE)
+ *   and 10% (Llama 4) less than at 16 KiB; 2 KiB and 8 KiB were slower than 4. */
+#if defined(__AVX512F__)
+#define AHEAD 16384
+#else
+#define AHEAD 4096
+#endif
+/* outer_group's (avx2, WIDE_ROWS rows of x on): at 4 KiB, batch-32 steps took 2-4% longer */
+#define OUTER_AHEAD 16384
 
 #if defined(__AVX512BF16__)
 #define MB 4 /* rows of x a block */
@@ -369,7 +379,7 @@ static void outer_group(const bf16 *w, const bf16 *bias, const float *xp, int64_
     float sums[blocks][NR * XB] __attribute__((aligned(32))); /* [block][r][row of the block] */
     for (int64_t b = 0; b < blocks; b++)
         for (int i = 0; i < NR * XB; i++) sums[b][i] = 0.0f;
-    const char *ahead = (const char *)(w + n0 * K) + AHEAD; /* the group's rows lie in a row */
+    const char *ahead = (const char *)(w + n0 * K) + OUTER_AHEAD; /* the rows lie in a row */
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int r = 0; r < NR; r++)
@@ -467,10 +477,19 @@ static inline void any_group(const bf16 *w, const bf16 *bias, const void *xv, in
     group(w, bias, xv, xstride, M, N, K, n0, y);
 }
 
-/* Asks for the AHEAD bytes from `from` (not past `end`): where a thread's run of groups
- * starts, before group's own prefetch, AHEAD bytes ahead of it, takes over. */
-static inline void prefetch_from(const char *from, const char *end) {
-    for (const char *p = from; p < from + AHEAD && p < end; p += 64) __builtin_prefetch(p, 0, 1);
+/* Asks for the `ahead` bytes from `from` (not past `end`): where a thread's run of groups
+ * starts, before the groups' own prefetch, that far ahead of them, takes over. */
+static inline void prefetch_from(const char *from, const char *end, int64_t ahead) {
+    for (const char *p = from; p < from + ahead && p < end; p += 64) __builtin_prefetch(p, 0, 1);
+}
+
+/* The distance a group of M rows of x asks ahead (AHEAD, OUTER_AHEAD). */
+static inline int64_t ahead_of(int wide) {
+    (void)wide;
+#if defined(OUTER)
+    if (wide) return OUTER_AHEAD;
+#endif
+    return AHEAD;
 }
 
 /* Outputs a group for M rows. */
@@ -495,7 +514,8 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         if (g != previous + 1) /* a thread's first group */
-            prefetch_from((const char *)(w + g * size * K), (const char *)(w + N * K));
+            prefetch_from((const char *)(w + g * size * K), (const char *)(w + N * K),
+                          ahead_of(wide));
         previous = g;
         any_group(w, bias, xv, xstride, M, N, K, g * size, y, wide);
     }
@@ -529,7 +549,8 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
         const int64_t part = u / count, a = u % count, e = active[a], first = start[e];
         const int64_t g0 = groups * part / T, g1 = groups * (part + 1) / T;
         const bf16 *we = w + e * w_stride;
-        prefetch_from((const char *)(we + g0 * size * K), (const char *)(we + N * K));
+        prefetch_from((const char *)(we + g0 * size * K), (const char *)(we + N * K),
+                      ahead_of(wide));
         for (int64_t g = g0; g < g1; g++)
             any_group(we, NULL, rows_at(xv, xstride, first, a, K, wide), xstride,
                       start[e + 1] - first, N, K, g * size, y + first * N, wide);
