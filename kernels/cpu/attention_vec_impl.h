@@ -59,7 +59,13 @@ static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *rest
                 }
 #endif
             }
-            VSTORE_FIRST(scores + j * score_stride, VMUL(VSUMS(dots), VSET1(scale)), count);
+            /* a whole block by a plain store: AVX2's masked store is slow on AMD (with it, a
+             * hot call at 256-2048 positions took 3-4% longer on Zen 3) */
+            VEC sc = VMUL(VSUMS(dots), VSET1(scale));
+            if (count == W)
+                VSTORE(scores + j * score_stride, sc);
+            else
+                VSTORE_FIRST(scores + j * score_stride, sc, count);
         }
     }
 }
