@@ -31,8 +31,8 @@
 /* Bytes: how far ahead of the weights being read the dot-product form asks for more.
  * - AVX-512 tiers: 16 KiB (Zen 4, one row of x: 4 KiB 77%, 16 KiB 81-85%, 32 KiB 68% of the
  *   probe).
- * - Elsewhere: 4 KiB. On Zen 3 (avx2), whole decode steps at batch 1 took 3% (dense), 7% (MoE)
- *   and 10% (Llama 4) less than at 16 KiB; 2 KiB and 8 KiB were slower than 4. */
+ * - Elsewhere: 4 KiB. On Zen 3 (avx2), whole decode steps at batch 1 took 4% (dense), 7% (MoE)
+ *   and 9% (Llama 4) less than at 16 KiB; 2 KiB and 8 KiB were slower than 4. */
 #if defined(__AVX512F__)
 #define AHEAD 16384
 #else
@@ -483,7 +483,7 @@ static inline void prefetch_from(const char *from, const char *end, int64_t ahea
     for (const char *p = from; p < from + ahead && p < end; p += 64) __builtin_prefetch(p, 0, 1);
 }
 
-/* The distance a group of M rows of x asks ahead (AHEAD, OUTER_AHEAD). */
+/* How far ahead the groups ask for their weights: outer_group's (wide) OUTER_AHEAD, else AHEAD. */
 static inline int64_t ahead_of(int wide) {
     (void)wide;
 #if defined(OUTER)
