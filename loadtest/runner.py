@@ -64,6 +64,15 @@ class Load:
         return np.cumsum(gaps).tolist()
 
 
+async def sleep_until(deadline: float) -> None:
+    """Return no earlier than `deadline` on time.perf_counter()'s clock. One asyncio.sleep is
+    not enough: uvloop rounds a delay to whole milliseconds (under 0.5 ms: no wait at all) and
+    counts it from the loop's cached time, which lags while callbacks run, so a sleep can end
+    early, and a request would be sent before its arrival time."""
+    while (delay := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(delay)
+
+
 @dataclass(frozen=True)
 class RunOutput:
     """The requests sent in one run and its wall time."""
@@ -124,8 +133,7 @@ async def run_load(
         try:
             async with asyncio.timeout(max_duration_s), asyncio.TaskGroup() as tasks:
                 for i, offset in enumerate(offsets):
-                    if (delay := start + offset - time.perf_counter()) > 0:
-                        await asyncio.sleep(delay)
+                    await sleep_until(start + offset)
                     tasks.create_task(one(i))
         except TimeoutError:
             pass
@@ -210,8 +218,7 @@ async def run_sessions(
         try:
             async with asyncio.timeout(max_duration_s), asyncio.TaskGroup() as tasks:
                 for i, offset in enumerate(offsets):
-                    if (delay := start + offset - time.perf_counter()) > 0:
-                        await asyncio.sleep(delay)
+                    await sleep_until(start + offset)
                     tasks.create_task(capped(i))
         except TimeoutError:
             pass
