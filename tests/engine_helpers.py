@@ -6,6 +6,7 @@ from kernels.cpu.decode_layer import Embedding
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.models.layers.decode_layer import FusedDecoder
+from shared.models.layers.fused_call import FusedCall
 from shared.models.layers.moe import FusedMoE
 from shared.sampling.params import SamplingParams
 
@@ -175,10 +176,11 @@ def assert_logprobs_match(req, tokens: list[int], logits: torch.Tensor) -> None:
 
 
 def count_fused_calls(monkeypatch, gathered: list[bool] | None = None) -> list[int]:
-    """From now on in the test, each fused decode call appends its row count to the list, and
-    to `gathered` whether it gathered its embedding rows itself (an Embedding input)."""
+    """From now on in the test, each fused decode call (a FusedDecoder's, or a decode-only
+    step's FusedCall over the persistent inputs) appends its row count to the list, and to
+    `gathered` whether it gathered its embedding rows itself (an Embedding input)."""
     calls: list[int] = []
-    original = FusedDecoder.__call__
+    original, persistent = FusedDecoder.__call__, FusedCall.__call__
 
     def counted(self, *args, **kwargs):
         calls.append(len(args[0]))  # positions: one a row
@@ -186,8 +188,22 @@ def count_fused_calls(monkeypatch, gathered: list[bool] | None = None) -> list[i
             gathered.append(isinstance(args[1], Embedding))
         return original(self, *args, **kwargs)
 
+    def counted_persistent(self, num_rows, *args):
+        calls.append(num_rows)
+        if gathered is not None:
+            gathered.append(True)  # the call's input is always its ids' embedding rows
+        return persistent(self, num_rows, *args)
+
     monkeypatch.setattr(FusedDecoder, "__call__", counted)
+    monkeypatch.setattr(FusedCall, "__call__", counted_persistent)
     return calls
+
+
+def op_by_op(engine: LLMEngine) -> None:
+    """Every step of `engine` from now on runs its layers op by op: neither its fused decoder
+    nor the one call of decode-only steps (the runner's persistent inputs)."""
+    engine.model.model.fused = None
+    engine.runner.decode = None
 
 
 def assert_data_parallel(engine: LLMEngine, dp: int) -> None:

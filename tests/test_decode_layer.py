@@ -9,10 +9,11 @@ import torch
 
 from kernels.cpu.linear import linear_max_rows
 from shared.models.layers.decode_layer import FusedDecoder
+from shared.models.layers.fused_call import FusedCall
 from shared.sampling.params import SamplingParams
 
 from compilers import needs_compiler
-from engine_helpers import count_fused_calls, make_prompts, new_engine, run_all
+from engine_helpers import count_fused_calls, make_prompts, new_engine, op_by_op, run_all
 from tiers import tier_params, use_tier
 
 pytestmark = needs_compiler
@@ -52,7 +53,7 @@ def generate(
     engine = new_engine(model_dir, dtype="bfloat16", **options)
     assert engine.model.model.fused is not None, "every layer's linears run on the C linear"
     if not fused:
-        engine.model.model.fused = None
+        op_by_op(engine)
     greedy = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
     params = params or [greedy] * len(prompts)
     half = len(prompts) // 2
@@ -121,10 +122,11 @@ def test_fused_experts_give_the_op_by_op_tokens(
 @pytest.mark.parametrize("variant", ["llama", "tied embeddings", "llama 4"])
 def test_fused_head_samples_the_op_by_op_tokens(tiny_model_factory, monkeypatch, variant, tier):
     """The final norm, the LM head and the argmax in the fused call (LlamaForCausalLM.
-    decode_logits): while the first half of the requests, plain greedy, decode alone, the
-    call's argmax gives their tokens; once the others join (sampling at random with a seed,
-    greedy with logprobs, prompts as decode rows of which only the last samples) the sampler
-    takes the call's logits. Every token and logprob is the op-by-op one."""
+    decode_logits, and decode-only steps' FusedCall): while the first half of the requests,
+    plain greedy, decode alone, the call's argmax gives their tokens; once the others join
+    (sampling at random with a seed, greedy with logprobs, prompts as decode rows of which
+    only the last samples) the sampler takes the call's logits. Every token and logprob is
+    the op-by-op one."""
     use_tier(tier, monkeypatch)
     family, overrides, options = (*VARIANTS[variant], {})[:3]
     model_dir = tiny_model_factory(family, **overrides)
@@ -134,14 +136,19 @@ def test_fused_head_samples_the_op_by_op_tokens(tiny_model_factory, monkeypatch,
     scored = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     params = [plain] * 4 + [drawn[0], scored, drawn[1], plain]
     heads: list[bool] = []  # a fused call's head: argmax (True) or logits only (False)
-    original = FusedDecoder.__call__
+    original, persistent = FusedDecoder.__call__, FusedCall.__call__
 
     def counted(self, *args):
         if len(args) > 6 and args[6] is not None:
             heads.append(args[6].tokens is not None)
         return original(self, *args)
 
+    def counted_persistent(self, num_rows, strides, greedy):
+        heads.append(greedy)
+        return persistent(self, num_rows, strides, greedy)
+
     monkeypatch.setattr(FusedDecoder, "__call__", counted)
+    monkeypatch.setattr(FusedCall, "__call__", counted_persistent)
     fused = generate(model_dir, True, 2, prompts, params, **options)
     assert True in heads and False in heads
     heads.clear()

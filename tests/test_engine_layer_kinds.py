@@ -16,6 +16,7 @@ from engine_helpers import (
     hf_greedy,
     make_prompts,
     new_engine,
+    op_by_op,
     run_all,
     run_staggered,
 )
@@ -86,7 +87,7 @@ def test_mixed_bfloat16_layers_decode_fused_as_op_by_op(mixed, monkeypatch):
         engine = new_engine(model_dir, dtype="bfloat16")
         assert len(engine.model.model.fused.masks) == 2
         if not fused:
-            engine.model.model.fused = None
+            op_by_op(engine)
         calls = count_fused_calls(monkeypatch)
         requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
         run_all(engine)

@@ -179,7 +179,12 @@ def stage_runner(
 ) -> ModelRunner:
     """A rank's runner, with decode graphs where config asks for them and they apply (not with
     data-parallel ranks: a step's rows differ by rank)."""
-    runner = ModelRunner(model, kv, cfg.vocab_size, tp, stage, comm, hook, dp=dp)
+    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    max_pages = -(-max_len // config.page_size)
+    runner = ModelRunner(
+        model, kv, cfg.vocab_size, tp, stage, comm, hook, dp=dp,
+        decode_rows=config.max_num_seqs, max_pages=max_pages,
+    )  # fmt: skip
     masks = runner.masks  # the stage's distinct masks
     if not config.uses_graphs or hook is not None or isinstance(kv, GroupedKVCache):
         return runner
@@ -190,10 +195,8 @@ def stage_runner(
     if why is not None:
         log.info("decode graphs: off (%s); decoding eagerly", why)
         return runner
-    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     hidden = None if stage.is_first else (cfg.hidden_size, kv.spec.dtype)
     sizes = graph_sizes(config.max_num_seqs)
-    max_pages = -(-max_len // config.page_size)
     graphs = DecodeGraphs(model, kv, masks, sizes, max_pages, num_pages, hidden)
     if kv.device.type == "cuda":
         try:

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 import torch
 
 from shared.engine.batch import build_batch, output_rows
+from shared.engine.decode_inputs import DecodeInputs
 from shared.engine.graphs import DecodeGraphs
 from shared.engine.prompt_logprobs import PromptLogprobChunk, score_prompts
 from shared.engine.scheduler import SchedulerOutput
@@ -20,7 +21,7 @@ from shared.models.layers.moe import FusedMoE
 from shared.parallel.comm import RankComm
 from shared.parallel.group import SINGLE, TPGroup
 from shared.parallel.pipeline import WHOLE_MODEL, PPStage
-from shared.sampling.batch import SamplingBatch, SamplingRow
+from shared.sampling.batch import SamplingBatch, SamplingRow, plain_greedy
 from shared.sampling.sampler import SamplerOutput, sample, sample_greedy
 from shared.sampling.token_mask import TokenMasks
 
@@ -37,6 +38,8 @@ class ModelRunner:
         on_layer_done: Callable[[int, SchedulerOutput], None] | None = None,
         graphs: DecodeGraphs | None = None,  # decode-only steps replay these (graphs.py)
         dp: TPGroup = SINGLE,  # the data-parallel ranks (--dp)
+        decode_rows: int = 0,  # rows of the persistent decode inputs (0: none)
+        max_pages: int = 0,  # the most pages a request's block table holds
     ):
         self.model = model
         self.kv = kv
@@ -56,6 +59,19 @@ class ModelRunner:
         self.on_layer_done = on_layer_done
         self.graphs = None if on_layer_done is not None else graphs
         self.busy_s = 0.0  # seconds in execute, less those blocked on the previous stage
+        self.decode = self._persistent_decode(decode_rows, max_pages)
+
+    def _persistent_decode(self, rows: int, max_pages: int) -> DecodeInputs | None:
+        """Decode-only steps' inputs, written in place for the model's one C call through its
+        LM head (its decode_call), where this rank runs such steps whole: one stage, one
+        tensor- and data-parallel rank, no KV pushed layer by layer; else None."""
+        stage, ranks = self.stage, self.tp.size * self.dp.size
+        if not rows or ranks > 1 or not (stage.is_first and stage.is_last):
+            return None
+        if self.on_layer_done is not None or self.device.type != "cpu":
+            return None
+        call = self.model.decode_call(self.kv, rows, max_pages)
+        return None if call is None else DecodeInputs(call, self.kv.spec.page_size)
 
     @property
     def samples(self) -> bool:
@@ -86,6 +102,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None, masks):
+        if self.decode is not None and self.graphs is None:
+            decoded = self._decode_step(out, rows, masks)
+            if decoded is not None:
+                return decoded
         max_rows = getattr(getattr(self.model, "model", None), "fused_rows", 0)
         own = out if self.dp.size == 1 else self._own(out)
         batch = build_batch(own, self.kv.spec.page_size, self.masks, self.device, max_rows)
@@ -137,6 +157,28 @@ class ModelRunner:
         if rows is None:
             rows = [_sampling_row(out.scheduled[i].request) for i in sample_index]
         return sample_index, self._sample(logits, rows, masks), prompt
+
+    def _decode_step(self, out: SchedulerOutput, rows: list[SamplingRow] | None, masks):
+        """A decode-only step through the persistent inputs (self.decode) and the model's one
+        call to its logits and, where every row is plain greedy, their argmax; None, with
+        nothing computed, where out is not such a step."""
+        num_rows = self.decode.fill(out.scheduled)
+        if not num_rows:
+            return None
+        requests = [s.request for s in out.scheduled]
+        if rows is not None:
+            greedy = all(row.plain_greedy for row in rows)
+        else:
+            greedy = all(
+                plain_greedy(r.params, len(r.output_token_ids), r.stop_token_ids) for r in requests
+            )
+        greedy = greedy and masks is None
+        logits, tokens = self.decode.call(num_rows, self.decode.strides, greedy)
+        index = list(range(num_rows))
+        if tokens is not None:
+            return index, SamplerOutput(tokens, None, None, None), []
+        rows = rows or [_sampling_row(req) for req in requests]
+        return index, self._sample(logits, rows, masks), []
 
     def _fuses_head(self, out: SchedulerOutput, batch) -> bool:
         """Whether to ask the model for the step's logits (and greedy tokens) from its fused

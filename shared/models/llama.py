@@ -16,6 +16,7 @@ from shared.models.layers.attention import AttentionMetadata, PagedAttention
 from shared.models.layers.attention_backend import AttentionBackend, select_backend
 from shared.models.layers.decode_layer import FusedDecoder, layer_spec
 from shared.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shared.models.layers.fused_call import FusedCall
 from shared.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -282,6 +283,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) final hidden states of the sampled rows -> (N, vocab)."""
         return self.lm_head(hidden)
+
+    def decode_call(self, kv: KVCache, rows: int, max_pages: int) -> FusedCall | None:
+        """The whole model's decode steps in one C call over persistent inputs, for up to
+        `rows` rows with tables up to `max_pages` wide (FusedCall); None where decode_logits
+        could not take them: no fused decoder, the embedding or the head not whole on this
+        rank or the head not on the C linear."""
+        head, fused = self.lm_head, self.model.fused
+        if head is None or head.tp.size > 1 or not getattr(head, "c_linear", False):
+            return None
+        if fused is None or fused.embedding is None or fused.tp is not None:
+            return None
+        norm = self.model.norm
+        rows = min(rows, fused.max_rows)
+        return FusedCall(fused, kv, rows, max_pages, (norm.weight, norm.eps), head.weight)
 
     def decode_logits(
         self, input_ids, positions, kv: KVCache, meta, rows, greedy: bool, hidden=None,

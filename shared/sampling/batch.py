@@ -26,6 +26,21 @@ def request_stop_token_ids(params: SamplingParams, eos_token_ids: Iterable[int])
     return frozenset((*eos, *params.stop_token_ids))
 
 
+def plain_greedy(p: SamplingParams, num_output: int, stop_token_ids: frozenset[int]) -> bool:
+    """Whether a request with num_output tokens so far samples greedily with nothing that
+    changes its logits (bias, penalties, stop tokens masked below min_tokens) or returns them
+    (logprobs): its token is the raw logits' argmax. A grammar's masks are the step's to check
+    (the runner's `masks`)."""
+    return (
+        p.temperature < MIN_TEMPERATURE
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not (p.frequency_penalty or p.presence_penalty)
+        and (num_output >= p.min_tokens or not stop_token_ids)
+    )
+
+
 @dataclass(frozen=True)
 class SamplingRow:
     """One request's sampling state for this step; the engine builds one per scheduled request."""
@@ -42,18 +57,7 @@ class SamplingRow:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with nothing that changes its logits (bias, penalties, stop tokens masked
-        below min_tokens) or returns them (logprobs): its token is the raw logits' argmax.
-        A grammar's masks are the step's to check (the runner's `masks`)."""
-        p = self.params
-        return (
-            self.greedy
-            and p.logprobs is None
-            and not p.logit_bias
-            and p.repetition_penalty == 1.0
-            and not (p.frequency_penalty or p.presence_penalty)
-            and (len(self.output_token_ids) >= p.min_tokens or not self.stop_token_ids)
-        )
+        return plain_greedy(self.params, len(self.output_token_ids), self.stop_token_ids)
 
 
 @dataclass(frozen=True)

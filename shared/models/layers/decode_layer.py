@@ -246,13 +246,13 @@ class FusedDecoder:
             else:
                 residual = x
         out = decode_layers(
-            self.specs, x, residual, first, positions, self._pools_of(kv), masks,
+            self.specs, x, residual, first, positions, self.pools_of(kv), masks,
             metas[0].decode.page_size, cs, temperature, None if self.tp is None else self.tp.shm.c,
             final_norm, head, self.max_positions,
         )  # fmt: skip
         return out, residual
 
-    def _pools_of(self, kv) -> tuple[ctypes.Array, ctypes.Array]:
+    def pools_of(self, kv) -> tuple[ctypes.Array, ctypes.Array]:
         """Each layer's K and V pool addresses in kv (its layer(i) views), kept per pool."""
         if not self._pools or self._pools[0] is not kv:
             layers = [kv.layer(i) for i in range(len(self.specs))]  # (2, P, S, nkv, hd) each
