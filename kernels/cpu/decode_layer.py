@@ -26,6 +26,7 @@ _SIZES = (
 ROPE_NONE, ROPE_TABLES, ROPE_PAIRS = 0, 1, 2  # decode_layer.c's ROPE_*
 ROUTE_SOFTMAX, ROUTE_SIGMOID = 0, 1  # kernels.h's ROUTE_*
 MAX_MASKS = 4  # decode_layer.c's
+_ROWS = 7  # the row count's place among tk_decode_layers_bf16's arguments
 
 
 class DecodeLayerSpec(ctypes.Structure):
@@ -273,17 +274,14 @@ class DecodeCall:
         self._tokens = self._head.tokens
         self.masks = (StepMask * len(masks))(*masks)  # their table_stride: each step's
         self._max_positions = max_positions
-        self._before = (
+        self._args = [  # tk_decode_layers_bf16's, its row count and threads set per step
             specs, len(specs), self.residual.data_ptr(), ctypes.byref(self._embed),
-            self.residual.data_ptr(), True, self.out.data_ptr(),
-        )  # fmt: skip
-        self._after = (
-            positions.data_ptr(), max_positions,
-            None if rope_cs is None else rope_cs.data_ptr(),
+            self.residual.data_ptr(), True, self.out.data_ptr(), 0, positions.data_ptr(),
+            max_positions, None if rope_cs is None else rope_cs.data_ptr(),
             None if temperature is None else temperature.data_ptr(), pools[0], pools[1],
             self.masks, len(masks), page_size, None, norm.data_ptr(), eps,
-            ctypes.byref(self._head),
-        )  # fmt: skip
+            ctypes.byref(self._head), 0,
+        ]  # fmt: skip
         self._tensors = (ids, positions, rope_cs, temperature, embedding, head, norm)  # alive
 
     def __call__(self, num_rows: int, strides: Sequence[int], greedy: bool) -> None:
@@ -296,7 +294,7 @@ class DecodeCall:
             mask.table_stride = stride
         self._head.m = num_rows
         self._head.tokens = self._tokens if greedy else None
-        status = library.kernel("tk_decode_layers_bf16")(
-            *self._before, num_rows, *self._after, torch.get_num_threads()
-        )
+        args = self._args
+        args[_ROWS], args[-1] = num_rows, torch.get_num_threads()
+        status = library.kernel("tk_decode_layers_bf16")(*args)
         _check(status, None, self._max_positions, self._embed)

@@ -93,6 +93,10 @@ class ModelRunner:
         busy_s (a stage's utilisation: its forward work, not the Python around the steps)."""
         start, waited = time.perf_counter(), self._waited_s()
         try:
+            if self.decode is not None and self.graphs is None:
+                decoded = self._decode_step(out, rows, masks)  # no autograd state to guard
+                if decoded is not None:
+                    return decoded
             return self._execute(out, rows, masks)
         finally:
             self.busy_s += time.perf_counter() - start - (self._waited_s() - waited)
@@ -102,10 +106,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput, rows: list[SamplingRow] | None, masks):
-        if self.decode is not None and self.graphs is None:
-            decoded = self._decode_step(out, rows, masks)
-            if decoded is not None:
-                return decoded
         max_rows = getattr(getattr(self.model, "model", None), "fused_rows", 0)
         own = out if self.dp.size == 1 else self._own(out)
         batch = build_batch(own, self.kv.spec.page_size, self.masks, self.device, max_rows)
