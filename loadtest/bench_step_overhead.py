@@ -1,6 +1,6 @@
 """What a decode step costs beyond its fused C call, in this process: the engine's Python
-(scheduling, the batch's tensors, the runner, the model's module chain, the update) and the
-torch calls around the one C call that runs every layer, the LM head and the greedy argmax.
+(scheduling, writing the step's rows into the persistent inputs, the runner, the update) and
+the calls around the one C call that runs every layer, the LM head and the greedy argmax.
 Decode steps of bench_engine's model are timed whole, and the fused call inside each by a
 wrapper on its C function (~0.3 us); the difference is what a batch-1 step's roofline share
 loses to the host side. That Python runs on the caches the weights' stream has just flushed,
