@@ -7,6 +7,7 @@ bit, with requests joining, leaving and sampling every way."""
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from shared.engine.request import Request
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, SLIDING, AttentionMask
 from shared.models.layers.fused_call import FusedCall
+from shared.models.layers.rotary import InterleavedRotaryEmbedding
 from shared.sampling.params import SamplingParams
 
 from compilers import needs_compiler
@@ -107,6 +109,20 @@ def test_steps_it_cannot_take_change_nothing():
     assert DecodeInputs(misaligned, PAGE).fill([decoding(rng, 5, 8, 1)]) == 0
     after = [t.clone() for t in (call.ids, call.positions, *call.slots, *call.tables)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_cos_sin_into_gives_cos_sin_rows_bits():
+    """The rows' RoPE pairs as the persistent call computes them (numpy around torch's cos and
+    sin) are cos_sin_rows' bits, odd widths (torch's vector loop and scalar tail) included."""
+    for head_dim, factor, interleaved in ((64, 1.0, True), (20, 0.7, True), (20, 1.0, False)):
+        rope = InterleavedRotaryEmbedding(head_dim, 500000.0, None, interleaved, factor)
+        for n in (1, 3, 8, 17, 40):
+            positions = np.random.default_rng(n).integers(0, 10_000_000, n)
+            want = rope.cos_sin_rows(torch.from_numpy(positions))
+            out = np.full((48, want.shape[1]), np.nan, dtype=np.float32)
+            rope.cos_sin_into(positions, out)
+            assert torch.equal(torch.from_numpy(out[:n]), want)
+            assert np.isnan(out[n:]).all()
 
 
 VARIANTS = {

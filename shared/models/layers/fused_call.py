@@ -58,7 +58,9 @@ class FusedCall:
             kv.spec.page_size, final_norm, head, self._cs, self._temperatures,
             fused.max_positions,
         )  # fmt: skip
-        self._tokens = self._call.tokens.numpy()
+        self._tokens, self._positions = self._call.tokens.numpy(), self.positions.numpy()
+        self._cs_rows = None if self._cs is None else self._cs.numpy()
+        self._temperature_rows = None if self._temperatures is None else self._temperatures.numpy()
 
     @property
     def rows(self) -> int:
@@ -71,9 +73,10 @@ class FusedCall:
         logits' argmax (T,) int64); else (logits (T, V) bf16, valid until the next call,
         None)."""
         if self._cs is not None:
-            self._cs[:num_rows] = self._pairs.cos_sin_rows(self.positions[:num_rows])
+            self._pairs.cos_sin_into(self._positions[:num_rows], self._cs_rows)
         if self._temperatures is not None:
-            self._temperatures[:num_rows] = self._temperature(self.positions[:num_rows]).flatten()
+            factors = self._temperature(self.positions[:num_rows]).numpy()  # (T, 1, 1)
+            self._temperature_rows[:num_rows] = factors.ravel()
         self._call(num_rows, strides, greedy)
         if greedy:  # a copy: the tokens outlive the step
             return None, torch.from_numpy(self._tokens[:num_rows].copy())

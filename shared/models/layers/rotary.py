@@ -3,6 +3,7 @@ one (Llama 4, DeepSeek), with llama3, linear and YaRN scaling, as transformers c
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -167,6 +168,24 @@ class InterleavedRotaryEmbedding(nn.Module):
         the fused decoder (decode_layer.c's ROPE_PAIRS) takes them."""
         cos, sin = self._cos_sin_of(positions)
         return torch.cat([cos[:, 0], sin[:, 0]], -1)
+
+    def cos_sin_into(self, positions: np.ndarray, out: np.ndarray) -> None:
+        """cos_sin_rows of positions (T,) int64 written into out[:T] (float32), bit for bit,
+        in two torch calls instead of ~8 (~0.1 ms of a decode step on flushed caches): the
+        products and the copies in numpy (one float32 rounding each, as torch's), cos and sin
+        in torch, over the same contiguous (T, hd/2) layout (its vector loop and its scalar
+        tail round differently). Interleaved pairs only."""
+        if not self.interleaved:
+            out[: len(positions)] = self.cos_sin_rows(torch.from_numpy(positions)).numpy()
+            return
+        inv_freq = self.inv_freq.float().numpy()
+        freqs = torch.from_numpy(positions.astype(np.float32)[:, None] * inv_freq)  # (T, hd/2)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        half = len(inv_freq)
+        out[: len(positions), :half] = cos.numpy()
+        out[: len(positions), half:] = sin.numpy()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self._cos_sin_of(positions)
