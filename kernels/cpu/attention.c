@@ -221,7 +221,8 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
     /* positions asked for at once as a pass starts (the vector loops: the first page) */
     int64_t first_keys = lanes > 0 ? PREFETCH_PAGES * page_size : PREFETCH_KEYS;
     float *scores = scratch + per_thread * omp_get_thread_num();
-    float *qf = scores + nh * span, *acc = qf + nh * hd;
+    int64_t stride = score_stride(span); /* of the scores' rows */
+    float *qf = scores + nh * stride, *acc = qf + nh * hd;
     float *key = acc + nh * hd, *top = key + hd, *total = top + nh;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * spans; task++) {
@@ -247,7 +248,7 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
 #if KV_VEC
             if (lanes > 0) {
                 int64_t ahead = slot_ahead(pages, p, ctx, count, page_size);
-                kv_scores(lanes, qv, scale, k_pool, slot, count, nkv, group, hd, at, span, ahead,
+                kv_scores(lanes, qv, scale, k_pool, slot, count, nkv, group, hd, at, stride, ahead,
                           ahead_count(p, ctx, count, page_size));
             } else
 #endif
@@ -255,7 +256,7 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
                 NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx,
                                       p - start + PREFETCH_KEYS,
                                       p - start + count + PREFETCH_KEYS, page_size, nkv, hd);
-                NAME(page_scores)(qf, k_pool, slot, count, nkv, group, hd, at, span, key);
+                NAME(page_scores)(qf, k_pool, slot, count, nkv, group, hd, at, stride, key);
             }
             p += count;
         }
@@ -263,7 +264,7 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, len, len + first_keys,
                                   page_size, nkv, hd);
         for (int64_t h = 0; h < nh; h++)
-            total[h] = NAME(softmax_weights)(scores + h * span, len, &top[h]);
+            total[h] = NAME(softmax_weights)(scores + h * stride, len, &top[h]);
         memset(acc, 0, sizeof(float) * nh * hd);
         for (int64_t p = start; p < ctx;) {
             int64_t first = p % page_size, count = page_size - first;
@@ -272,7 +273,7 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             const float *w = scores + p - start;
 #if KV_VEC
             if (lanes > 0)
-                kv_values(lanes, w, span, v_pool, slot, count, nkv, group, hd, acc,
+                kv_values(lanes, w, stride, v_pool, slot, count, nkv, group, hd, acc,
                           slot_ahead(pages, p, ctx, count, page_size),
                           ahead_count(p, ctx, count, page_size));
             else
@@ -281,7 +282,7 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
                 int64_t s = len + p - start + PREFETCH_KEYS;
                 NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, s, s + count,
                                       page_size, nkv, hd);
-                NAME(page_values)(w, span, v_pool, slot, count, nkv, group, hd, acc, key);
+                NAME(page_values)(w, stride, v_pool, slot, count, nkv, group, hd, acc, key);
             }
             p += count;
         }

@@ -26,6 +26,9 @@ static const void *VNAME(prepare_q)(const bf16 *restrict q, int64_t heads, int64
 #endif
 }
 
+#if W == 8 && !DPBF16
+#include "attention_w8.h" /* AVX2: the loops blocked for its 16 registers */
+#else
 /* For the `count` (<= W) keys of one page from `slot` on (pool rows of nkv * hd), KV heads
  * g < nkv: scores[(g * group + j) * score_stride + i] = scale * dot(q[g * group + j], key i
  * of head g), q VNAME(prepare_q)'s. The query heads that share a KV head read its keys from
@@ -144,6 +147,8 @@ static void VNAME(values)(const float *restrict weights, int64_t weight_stride,
     }
 }
 #undef VALUES_CASE
+
+#endif
 
 /* out (heads, hd) = acc (split) / total[h], rounded to bf16, in order. */
 static void VNAME(store_out)(const float *restrict acc, const float *restrict total,

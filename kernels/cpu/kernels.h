@@ -71,10 +71,17 @@ static inline int64_t attention_span(const int32_t *context_lens, int64_t n, int
     return span < max_len ? span : max_len;
 }
 
+/* The row stride of decode attention's scores (nh, span): span rounded up to a whole number
+ * of cache lines, plus one line, so that the heads' rows fall in different L1 sets (at 1024
+ * or 2048 positions, rows 4 or 8 KiB apart all fell in one set, and the 8-way L1 lost them to
+ * each other and to the keys on every step). */
+static inline int64_t score_stride(int64_t span) { return (span + 15) / 16 * 16 + 16; }
+
 /* Floats of decode-attention scratch per thread, for spans of `span` positions and nh query
- * heads: scores (nh, span), scaled q and acc (nh, hd), a key (hd), softmax maxima and sums. */
+ * heads: scores (nh, score_stride(span)), scaled q and acc (nh, hd), a key (hd), softmax
+ * maxima and sums. */
 static inline int64_t attention_thread_scratch(int64_t nh, int64_t span, int64_t hd) {
-    return nh * (span + 2 * hd + 2) + hd;
+    return nh * (score_stride(span) + 2 * hd + 2) + hd;
 }
 
 /* Floats of decode-attention scratch for a team: each thread's, then the cut rows' partial
