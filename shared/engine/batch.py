@@ -109,23 +109,42 @@ def output_rows(out: SchedulerOutput, device: torch.device = CPU):
     return _ints(logits_rows, device), sample_index, prompt_rows
 
 
+def request_pages(req, mask: AttentionMask) -> tuple[list[int], int]:
+    """(pages, offset): the request's pages under `mask` and the logical page of pages[0] (a
+    capped chunked layer's group keeps logical pages req.chunk_first_page on; others, all)."""
+    if mask.group:
+        return req.chunk_page_ids[mask.group - 1], req.chunk_first_page
+    return req.page_ids, 0
+
+
+def slot_of(pages: list[int], offset: int, position: int, page_size: int) -> int:
+    """The pool slot of `position` on pages (pages[0] the logical page `offset`)."""
+    return pages[position // page_size - offset] * page_size + position % page_size
+
+
+def decode_row(pages: list[int], offset: int, ctx: int, page_size: int, mask: AttentionMask):
+    """A decode query at position ctx - 1 as the kernel reads it under `mask`: (context, its
+    table: pages from the first one it reads on, first_key: the offset in that page of its
+    first key). A chunked query sees keys from its chunk's start c = mask.first_key(ctx - 1)
+    on, so its table starts at page c // S and its context counts from there; others see all."""
+    if mask.kind != CHUNKED:
+        return ctx, pages, 0
+    start = mask.first_key(ctx - 1)
+    first_page = start // page_size
+    return ctx - first_page * page_size, pages[first_page - offset :], start % page_size
+
+
 def _mask_metadata(out, page_size, mask, device, as_rows) -> AttentionMetadata:
-    """One mask's metadata; its slots and tables index its layers' pages (those of its group,
-    logical pages req.chunk_first_page on, for capped chunked layers). as_rows: prompt
-    tokens are decode rows too, each over its context so far."""
+    """One mask's metadata; its slots and tables index its layers' pages (request_pages).
+    as_rows: prompt tokens are decode rows too, each over its context so far."""
     slots: list[int] = []
     decode: list[tuple[int, int, list[int], int]] = []  # (row, context, pages, first page)
     prefills: list[tuple[int, int, int, list[int], int]] = []  # (row, start, n, pages, first)
     row = 0
     for s in out.scheduled:
-        req = s.request
-        pages, offset = req.page_ids, 0
-        if mask.group:
-            pages, offset = req.chunk_page_ids[mask.group - 1], req.chunk_first_page
+        pages, offset = request_pages(s.request, mask)
         end = s.start + s.num_tokens
-        slots += [
-            pages[p // page_size - offset] * page_size + p % page_size for p in range(s.start, end)
-        ]
+        slots += [slot_of(pages, offset, p, page_size) for p in range(s.start, end)]
         if s.num_tokens == 1 or as_rows:
             decode += [(row + j, s.start + j + 1, pages, offset) for j in range(s.num_tokens)]
         else:
@@ -146,10 +165,9 @@ def _decode_rows(
     device: torch.device,
 ) -> DecodeRows:
     i32 = torch.int32
-    rows, contexts, tables, _ = zip(*decode)  # offsets are 0 but in a chunked group
-    first_key = None
-    if mask.kind == CHUNKED:  # each row's table starts at its chunk's page
-        rows, contexts, tables, first_key = _chunk_pages(decode, page_size, mask)
+    rows = [row for row, *_ in decode]
+    read = [decode_row(pages, offset, ctx, page_size, mask) for _, ctx, pages, offset in decode]
+    contexts, tables, first_keys = zip(*read)
     max_pages = max(-(-ctx // page_size) for ctx in contexts)
     table: list[int] = []  # (B * Pmax,) each row's pages, padded with page 0
     for t in tables:
@@ -161,23 +179,8 @@ def _decode_rows(
         context_lens=_ints(contexts, device, i32),  # (B,)
         page_size=page_size,
         window=mask.window if mask.kind != CHUNKED else None,
-        first_key=None if first_key is None else _ints(first_key, device, i32),
+        first_key=_ints(first_keys, device, i32) if any(first_keys) else None,
     )
-
-
-def _chunk_pages(decode, page_size: int, mask: AttentionMask):
-    """Chunked decode rows as the kernel reads them: a query at position p sees keys from
-    its chunk's start c = p // chunk * chunk on, so its table starts at page c // S and its
-    context counts from there; first_key: c's offset in that page (None if all are 0)."""
-    rows, contexts, tables, offsets = [], [], [], []
-    for row, ctx, pages, offset in decode:  # pages: logical pages offset on
-        start = mask.first_key(ctx - 1)
-        first_page = start // page_size
-        rows.append(row)
-        contexts.append(ctx - first_page * page_size)
-        tables.append(pages[first_page - offset :])
-        offsets.append(start - first_page * page_size)
-    return rows, contexts, tables, offsets if any(offsets) else None
 
 
 def _prefill_span(

@@ -4,8 +4,9 @@ its tensors and dataclasses."""
 
 from collections.abc import Sequence
 
+from shared.engine.batch import decode_row, request_pages, slot_of
 from shared.engine.scheduler import ScheduledRequest
-from shared.models.layer_attention import CHUNKED, AttentionMask
+from shared.models.layer_attention import AttentionMask
 
 
 class DecodeInputs:
@@ -57,20 +58,13 @@ class DecodeInputs:
         page_size = self.page_size
         slots, lens, rows = [], [], []
         for s in scheduled:
-            req, position = s.request, s.start
-            pages, offset = req.page_ids, 0
-            if mask.group:  # a capped chunked layer's: logical pages chunk_first_page on
-                pages, offset = req.chunk_page_ids[mask.group - 1], req.chunk_first_page
-            slots.append(pages[position // page_size - offset] * page_size + position % page_size)
-            first = 0
-            if mask.kind == CHUNKED:  # its table from its chunk's page on
-                start = mask.first_key(position)
-                if start % page_size:
-                    return None
-                first = start // page_size
-            context = position + 1 - first * page_size
+            pages, offset = request_pages(s.request, mask)
+            slots.append(slot_of(pages, offset, s.start, page_size))
+            context, table, first_key = decode_row(pages, offset, s.start + 1, page_size, mask)
+            if first_key:  # a chunk starting mid-page: the call has no first keys
+                return None
             lens.append(context)
-            rows.append(pages[first - offset : first - offset - (-context // page_size)])
+            rows.append(table[: -(-context // page_size)])
         width = max(len(row) for row in rows)
         if width > self.call.max_pages:
             return None
