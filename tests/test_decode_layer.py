@@ -169,12 +169,12 @@ def test_wide_steps_fused_and_op_by_op_agree(tiny_model_factory, monkeypatch, ti
 
 @pytest.mark.parametrize("tier", tier_params())
 def test_long_contexts_cut_in_spans_fused_and_op_by_op_agree(tiny_model_factory, monkeypatch, tier):
-    """2 rows of 300-620 positions on 2 threads, fewer rows than the team's tasks: decode
-    attention cuts them in spans of pages and merges the spans' softmaxes (flash decoding), in
-    the fused call exactly as op by op."""
+    """2 rows of 300-620 positions on 3 threads, fewer rows than the team: decode attention
+    cuts them in spans of pages and merges the spans' softmaxes (flash decoding), in the fused
+    call exactly as op by op."""
     model = ("llama", {"max_position_embeddings": 1024})
     prompts = make_prompts([600, 300], seed=1)
-    fused, op_by_op = both_ways(tiny_model_factory, monkeypatch, model, 2, tier, prompts=prompts)
+    fused, op_by_op = both_ways(tiny_model_factory, monkeypatch, model, 3, tier, prompts=prompts)
     assert op_by_op == fused
 
 

@@ -25,7 +25,10 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept, as
 }
 
 #define MIN_SPAN_PAGES 2 /* decode attention: the fewest pages a cut context's span holds */
-#define SPAN_TASKS 2 /* decode attention: tasks a thread, about, when rows are cut */
+/* decode attention: tasks a thread, about, when rows are cut. 1 (a batch-1 row in one span a
+ * thread): on the Zen 3 (avx2, 2 threads) a batch-1 call took 0.89-0.95x the time of 2 a
+ * thread at 256-2048 positions, each task start waiting for its first page. */
+#define SPAN_TASKS 1
 
 /* Positions decode attention attends to in row b: the last `window` when window > 0. */
 static inline int64_t attended(const int32_t *context_lens, int64_t b, int64_t window) {
@@ -55,16 +58,16 @@ static inline int attention_team(const int32_t *context_lens, int64_t n, int64_t
 
 /* Decode attention's split of n rows on `threads` threads: a task is a span of this many
  * positions of one row, all its KV heads, so a page is read whole and once. A span is a whole
- * row when one thread runs (attention_team) or there are rows enough to keep the team busy (4
- * a thread); else the rows are cut in spans of whole pages, about SPAN_TASKS tasks a thread
- * (flash decoding), whose partial softmaxes are merged after. A row of few KV heads (one per
- * rank under TP) thus still spreads over the team. The fused decoder, whose team is always
+ * row when one thread runs (attention_team) or there are rows enough to keep the team busy
+ * (SPAN_TASKS a thread); else the rows are cut in spans of whole pages, about SPAN_TASKS tasks
+ * a thread (flash decoding), whose partial softmaxes are merged after. A row of few KV heads
+ * (one per rank under TP) thus still spreads over the team. The fused decoder, whose team is always
  * `threads`, cuts as the op-by-op call does, so both give the same bits. */
 static inline int64_t attention_span(const int32_t *context_lens, int64_t n, int64_t nkv,
                                      int64_t window, int64_t page_size, int threads) {
     int64_t max_len = max_attended(context_lens, n, window);
     int team = attention_team(context_lens, n, nkv, threads);
-    if (team == 1 || n >= 4 * team || max_len == 0) return max_len;
+    if (team == 1 || n >= SPAN_TASKS * team || max_len == 0) return max_len;
     int64_t pages = (max_len + page_size - 1) / page_size, cuts = (SPAN_TASKS * team + n - 1) / n;
     int64_t span = (pages + cuts - 1) / cuts;
     span = (span < MIN_SPAN_PAGES ? MIN_SPAN_PAGES : span) * page_size;
