@@ -61,8 +61,8 @@ static inline int attention_team(const int32_t *context_lens, int64_t n, int64_t
  * row when one thread runs (attention_team) or there are rows enough to keep the team busy
  * (SPAN_TASKS a thread); else the rows are cut in spans of whole pages, about SPAN_TASKS tasks
  * a thread (flash decoding), whose partial softmaxes are merged after. A row of few KV heads
- * (one per rank under TP) thus still spreads over the team. The fused decoder, whose team is always
- * `threads`, cuts as the op-by-op call does, so both give the same bits. */
+ * (one per rank under TP) thus still spreads over the team. The fused decoder, whose team is
+ * always `threads`, cuts as the op-by-op call does, so both give the same bits. */
 static inline int64_t attention_span(const int32_t *context_lens, int64_t n, int64_t nkv,
                                      int64_t window, int64_t page_size, int threads) {
     int64_t max_len = max_attended(context_lens, n, window);
