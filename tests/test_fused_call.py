@@ -17,7 +17,7 @@ from shared.engine.request import Request
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.models.layer_attention import CHUNKED, GLOBAL_MASK, SLIDING, AttentionMask
 from shared.models.layers.fused_call import FusedCall
-from shared.models.layers.rotary import InterleavedRotaryEmbedding
+from shared.models.layers.rotary import InterleavedRotaryEmbedding, QueryTemperature
 from shared.sampling.params import SamplingParams
 
 from compilers import needs_compiler
@@ -121,6 +121,22 @@ def test_cos_sin_into_gives_cos_sin_rows_bits():
             want = rope.cos_sin_rows(torch.from_numpy(positions))
             out = np.full((48, want.shape[1]), np.nan, dtype=np.float32)
             rope.cos_sin_into(positions, out)
+            assert torch.equal(torch.from_numpy(out[:n]), want)
+            assert np.isnan(out[n:]).all()
+
+
+def test_query_temperature_into_gives_its_bits():
+    """Llama 4's NoPE factors as the persistent call computes them (numpy around torch's log1p)
+    are the torch function's bits, at Scout's settings and the tiny models', from the first
+    positions (factor 1) to millions, odd counts (torch's vector loop and scalar tail)."""
+    for floor_scale, attn_scale in ((8192, 0.1), (4, 0.1), (4, 0.12), (3, 0.37)):
+        temperature = QueryTemperature(floor_scale, attn_scale)
+        for n in (1, 3, 8, 17, 40):
+            positions = np.random.default_rng(n).integers(0, 10_000_000, n)
+            positions[0] = 0
+            want = temperature(torch.from_numpy(positions)).flatten()
+            out = np.full(48, np.nan, dtype=np.float32)
+            temperature.into(positions, out)
             assert torch.equal(torch.from_numpy(out[:n]), want)
             assert np.isnan(out[n:]).all()
 

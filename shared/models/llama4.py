@@ -28,7 +28,7 @@ from shared.models.layers.decode_layer import layer_spec
 from shared.models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from shared.models.layers.moe import DOWN_T, GATE_UP_T, SIGMOID, FusedMoE
 from shared.models.layers.norm import RMSNorm
-from shared.models.layers.rotary import InterleavedRotaryEmbedding
+from shared.models.layers.rotary import InterleavedRotaryEmbedding, QueryTemperature
 from shared.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, qkv_heads
 from shared.parallel.group import TPGroup
 
@@ -77,7 +77,7 @@ class Llama4Attention(nn.Module):
         l2 = l4.use_qk_norm and layer.rope
         self.qk_norm = L2Norm(hd, cfg.rms_norm_eps, dtype) if l2 else None
         self.temperature_tuning = l4.attn_temperature_tuning and not layer.rope
-        self.floor_scale, self.attn_scale = l4.floor_scale, l4.attn_scale
+        self.temperature = QueryTemperature(l4.floor_scale, l4.attn_scale)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, backend)
         self.split = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
 
@@ -92,11 +92,6 @@ class Llama4Attention(nn.Module):
             q = (q * self.temperature(positions)).to(q.dtype)
         out = self.attn(q, k, v, kv_layer, meta)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, -1))
-
-    def temperature(self, positions: torch.Tensor) -> torch.Tensor:
-        """(T,) absolute positions -> (T, 1, 1) float32 factors on q (1 for p + 1 < floor_scale)."""
-        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
-        return (torch.log1p(steps) * self.attn_scale + 1.0)[:, None, None]
 
 
 class Llama4MoE(nn.Module):

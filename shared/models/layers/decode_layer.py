@@ -10,7 +10,6 @@ or Llama 4's sigmoid top-1 beside a shared expert (not expert parallelism); ever
 stays op by op."""
 
 import ctypes
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,11 @@ from shared.kv.cache import KVCache
 from shared.models.layer_attention import AttentionMask
 from shared.models.layers.attention import StepMetadata
 from shared.models.layers.moe import SIGMOID, SOFTMAX
-from shared.models.layers.rotary import InterleavedRotaryEmbedding, RotaryEmbedding
+from shared.models.layers.rotary import (
+    InterleavedRotaryEmbedding,
+    QueryTemperature,
+    RotaryEmbedding,
+)
 from shared.parallel.group import TPGroup
 
 
@@ -76,13 +79,13 @@ def _rope_kind(rotary) -> int | None:
 class LayerPart:
     """One layer's part of a FusedDecoder: its spec, the tensors the spec points into, and
     what the step must give it: its rotary embedding (tables to check, or pairs' cos/sin to
-    compute), its query temperature (positions (T,) -> (T, 1, 1) float32) or None, and the
-    tensor-parallel group it all-reduces over (None: one rank)."""
+    compute), its query temperature (Llama 4's NoPE layers) or None, and the tensor-parallel
+    group it all-reduces over (None: one rank)."""
 
     spec: DecodeLayerSpec
     tensors: list[torch.Tensor]
     rotary: RotaryEmbedding | InterleavedRotaryEmbedding | None
-    temperature: Callable[[torch.Tensor], torch.Tensor] | None = None
+    temperature: QueryTemperature | None = None
     tp: TPGroup | None = None
 
 

@@ -75,8 +75,7 @@ class FusedCall:
         if self._cs is not None:
             self._pairs.cos_sin_into(self._positions[:num_rows], self._cs_rows)
         if self._temperatures is not None:
-            factors = self._temperature(self.positions[:num_rows]).numpy()  # (T, 1, 1)
-            self._temperature_rows[:num_rows] = factors.ravel()
+            self._temperature.into(self._positions[:num_rows], self._temperature_rows)
         self._call(num_rows, strides, greedy)
         if greedy:  # a copy: the tokens outlive the step
             return None, torch.from_numpy(self._tokens[:num_rows].copy())

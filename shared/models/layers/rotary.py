@@ -1,5 +1,6 @@
 """Rotary position embedding: the GPT-NeoX "rotate half" layout (HF Llama) and the interleaved
-one (Llama 4, DeepSeek), with llama3, linear and YaRN scaling, as transformers computes them."""
+one (Llama 4, DeepSeek), with llama3, linear and YaRN scaling, as transformers computes them;
+and Llama 4's query temperature, the NoPE layers' factor of the position."""
 
 import math
 
@@ -201,3 +202,26 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     a, b = pairs[..., 0], pairs[..., 1]
     out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
     return out.flatten(-2).to(x.dtype)
+
+
+class QueryTemperature:
+    """Llama 4's NoPE layers' factor on q at position p (attn_temperature_tuning):
+    log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1, in float32 as transformers
+    computes it."""
+
+    def __init__(self, floor_scale: float, attn_scale: float):
+        self.floor_scale, self.attn_scale = floor_scale, attn_scale
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) absolute positions -> (T, 1, 1) float32 (1 for p + 1 < floor_scale)."""
+        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
+        return (torch.log1p(steps) * self.attn_scale + 1.0)[:, None, None]
+
+    def into(self, positions: np.ndarray, out: np.ndarray) -> None:
+        """The factors of positions (T,) int64 written into out[:T] (float32), bit for bit, in
+        one torch call (log1p) instead of ~6: the rest in numpy, one float32 rounding each, as
+        torch's (a fused decode step's rows; cos_sin_into's reason)."""
+        one = np.float32(1.0)
+        steps = np.floor((positions.astype(np.float32) + one) / np.float32(self.floor_scale))
+        logs = torch.log1p(torch.from_numpy(steps)).numpy()
+        out[: len(positions)] = logs * np.float32(self.attn_scale) + one
