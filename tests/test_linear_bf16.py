@@ -2,6 +2,8 @@
 each tier) against a float64 reference at every tier this CPU runs, and the choice of kernel
 each CPU bf16 linear layer makes after loading."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,33 @@ def test_matches_float64_reference(rows, out_features, in_features, with_bias):
     weight = (torch.randn(out_features, in_features, generator=g) / 8).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
     assert_close_to_reference(linear_bf16(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("rows", [[40, 3, 0, 29, 8], [5, 0, 2, 9]])
+@pytest.mark.parametrize("in_features", [64, 256, 2080])
+def test_experts_rows_match_the_reference(rows, in_features):
+    """A MoE layer's expert linears (experts_linear_team, moe.c), which the tiny models' tests
+    reach only with one chunk of K: each expert's rows of x, grouped by expert, against its own
+    weight, an expert of no rows skipped. On avx2 the first case (20 rows an active expert on
+    average) takes the outer products, experts of 3 and 8 rows among them (one block of under
+    9 rows), each expert's rows packed in blocks of their own; 256 and 2080 input features are
+    2 and 16 whole chunks of K, 2080 a short one after them. The second case takes the dot
+    products."""
+    g = torch.Generator().manual_seed(sum(rows) + in_features)
+    experts, out_features = len(rows), 20  # avx2's groups of 6 outputs, the last one partial
+    start = torch.tensor([0, *itertools.accumulate(rows)], dtype=torch.int64)
+    x = torch.randn(int(start[-1]), in_features, generator=g).bfloat16()
+    weight = (torch.randn(experts, out_features, in_features, generator=g) / 8).bfloat16()
+    y = torch.full((len(x), out_features), float("nan"), dtype=torch.bfloat16)
+    status = library.kernel("tk_experts_linear_bf16")(
+        x.data_ptr(), start.data_ptr(), experts, weight.data_ptr(), weight[0].numel(),
+        out_features, in_features, y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    assert status == 0
+    for e in range(experts):
+        first, end = start[e], start[e + 1]
+        if end > first:
+            assert_close_to_reference(y[first:end], x[first:end], weight[e])
 
 
 def test_strided_rows_and_thread_counts_give_the_same_bits():

@@ -45,6 +45,7 @@ _SIGNATURES = {
 _BF16_ONLY = {  # linear_bf16.c, decode_layer.c
     "tk_amx_ready": (_int, []),
     "tk_linear_bf16": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int]),
+    "tk_experts_linear_bf16": (_int, [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_decode_layers_bf16": (
         _int,
         [_ptr, _i64, _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]

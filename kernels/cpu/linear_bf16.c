@@ -615,3 +615,17 @@ int tk_linear_bf16(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, i
     }
     return 0;
 }
+
+/* experts_linear_team on `threads` threads (x (P, K) grouped by expert as start says, w (E, N,
+ * K) at w_stride), for the tests. Returns 0, or -1 when its scratch cannot be allocated. */
+int tk_experts_linear_bf16(const bf16 *x, const int64_t *start, int64_t E, const bf16 *w,
+                           int64_t w_stride, int64_t N, int64_t K, bf16 *y, int threads) {
+    void *buf = linear_scratch(start[E], K);
+    if (buf == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        experts_linear_team(x, start, E, w, w_stride, N, K, y, buf);
+        linear_team_done();
+    }
+    return 0;
+}
