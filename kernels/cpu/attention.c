@@ -137,7 +137,7 @@ static void NAME(page_values)(const float *restrict weights, int64_t weight_stri
 
 /* In place: scores (n,) -> e^(score - max); returns their sum, and the max in *top_out. */
 static float NAME(softmax_weights)(float *restrict s, int64_t n, float *top_out) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if EXP8 /* AVX2 builds (typed.h); the others, AVX-512 too, take the loops below */
     __m256 top = _mm256_set1_ps(-INFINITY), sums = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) top = _mm256_max_ps(_mm256_loadu_ps(s + i), top); /* NaN loses */
