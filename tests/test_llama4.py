@@ -69,7 +69,7 @@ def test_layers_as_transformers_builds_them(moe):
     ]
     assert [layer.self_attn.rotary is not None for layer in layers] == [True, True, False, True]
     assert [layer.self_attn.qk_norm is not None for layer in layers] == [1, 1, 0, 1]
-    assert [layer.self_attn.temperature_tuning for layer in layers] == [0, 0, 1, 0]
+    assert [layer.self_attn.temperature is not None for layer in layers] == [0, 0, 1, 0]
     assert [isinstance(getattr(layer.mlp, "experts", None), FusedMoE) for layer in layers] == [
         False,
         True,
@@ -236,7 +236,7 @@ def _without(engine, quirk, monkeypatch):
         if quirk == "qk norm":
             layer.self_attn.qk_norm = None
         if quirk == "temperature":
-            layer.self_attn.temperature_tuning = False
+            layer.self_attn.temperature = None
     if quirk == "chunks":
         model.masks = [GLOBAL_MASK] * len(model.masks)
         engine.runner.masks = (GLOBAL_MASK,)

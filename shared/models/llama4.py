@@ -76,8 +76,8 @@ class Llama4Attention(nn.Module):
         # transformers gives only RoPE layers the L2 norm and only NoPE ones the temperature
         l2 = l4.use_qk_norm and layer.rope
         self.qk_norm = L2Norm(hd, cfg.rms_norm_eps, dtype) if l2 else None
-        self.temperature_tuning = l4.attn_temperature_tuning and not layer.rope
-        self.temperature = QueryTemperature(l4.floor_scale, l4.attn_scale)
+        tuned = l4.attn_temperature_tuning and not layer.rope
+        self.temperature = QueryTemperature(l4.floor_scale, l4.attn_scale) if tuned else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, backend)
         self.split = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
 
@@ -88,7 +88,7 @@ class Llama4Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
         if self.qk_norm is not None:
             q, k = self.qk_norm(q), self.qk_norm(k)
-        if self.temperature_tuning:
+        if self.temperature is not None:
             q = (q * self.temperature(positions)).to(q.dtype)
         out = self.attn(q, k, v, kv_layer, meta)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, -1))
@@ -147,7 +147,7 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
         return layer_spec(
             input_norm=self.input_layernorm, qkv=a.qkv_proj, q_norm=a.qk_norm, k_norm=a.qk_norm,
             rotary=a.rotary, attn=a.attn, o=a.o_proj, post_norm=self.post_attention_layernorm,
-            norm_after_rope=True, temperature=a.temperature if a.temperature_tuning else None,
+            norm_after_rope=True, temperature=a.temperature,
             **parts(),
         )  # fmt: skip
 
