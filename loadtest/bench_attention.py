@@ -3,11 +3,15 @@ the ~150M Llama's 12 query / 4 KV heads of 64, pages of 16 tokens) beside the me
 measured in the same run. Each call reads its rows' pages from another random draw out of a pool
 far larger than the last-level cache, and a draw comes back only after 4x that cache has been
 read, as the engine's layers do (a step reads the weights between), so the K and V come from
-memory; the pool is on 2 MiB pages, as the `tison` command puts it. The kernel is called as the
-fused decoder calls it, with its arguments made beforehand (the Python wrapper adds ~20 us a
-call, which is most of a batch-1 call). Bandwidth and attention are measured in turn; the figure
-is the median of the per-pair ratios (the bandwidth of this shared machine drifts), with their
-spread.
+memory; the pool is on 2 MiB pages, as the `tison` command puts it. Two timings a case:
+- in a team: calls one after another in one OpenMP team (tk_attention_timed), as the fused
+  decoder makes them, a layer's attention between its projections: the figure the target is
+  read on;
+- one call: tk_paged_attention through ctypes with its arguments made beforehand, as the op-by-op
+  path makes it less the wrapper's checks (~20 us, most of a batch-1 call): a ctypes call, a
+  team started and scratch allocated each time (~3 and a few us).
+Bandwidth and attention are measured in turn; a share is the median of the per-round ratios
+(the bandwidth of this shared machine drifts), with their spread.
 
     python -m loadtest.bench_attention [--isa avx2] [--pairs 5] [--batches 1 32]
 """
@@ -67,30 +71,36 @@ def tables(num_pages: int, batch: int, ctx: int, g: torch.Generator) -> list[tor
     ]
 
 
-def attention_seconds(kv: torch.Tensor, batch: int, ctx: int, budget: float) -> float:
-    """Median seconds of one decode-attention call over `budget` seconds of calls."""
+def case_inputs(kv: torch.Tensor, batch: int, ctx: int) -> dict:
+    """The block tables, q and context lengths of one case, and paged_attention's answer."""
     g = torch.Generator().manual_seed(batch * 100_000 + ctx)
     draws = tables(kv.shape[1], batch, ctx, g)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
     k, v = torch.zeros(2, batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     slots = torch.arange(batch, dtype=torch.int64) % PAGE_SIZE  # page 0, which no row reads
-    lens = torch.full((batch,), ctx, dtype=torch.int32)
-    out = torch.empty_like(q)
-    ref = torch.empty_like(q)  # the wrapper's answer for the first draw: the same call
+    ref = torch.empty_like(q)
     paged_attention(
         q, k, v, kv, slots, HEAD_DIM**-0.5, ref, block_table=draws[0], context_lens=lens
     )
+    return dict(draws=draws, q=q, lens=lens, k=k, v=v, slots=slots, ref=ref)
+
+
+def call_seconds(kv: torch.Tensor, case: dict, budget: float) -> float:
+    """Median seconds of one tk_paged_attention call (as attention.py makes it, less the
+    wrapper's checks: a ctypes call, a team started, scratch allocated) over `budget` seconds."""
+    q, lens, out = case["q"], case["lens"], torch.empty_like(case["q"])
+    batch, row = q.shape[0], KV_HEADS * HEAD_DIM
     fn = library.kernel("tk_paged_attention", torch.bfloat16)
-    row = KV_HEADS * HEAD_DIM
     calls = [
-        (k.data_ptr(), row, v.data_ptr(), row, slots.data_ptr(), batch, q.data_ptr(),
-         HEADS * HEAD_DIM, None, kv[0].data_ptr(), kv[1].data_ptr(), table.data_ptr(),
-         table.stride(0), lens.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, 0,
-         HEAD_DIM**-0.5, out.data_ptr(), torch.get_num_threads())
-        for table in draws
+        (case["k"].data_ptr(), row, case["v"].data_ptr(), row, case["slots"].data_ptr(), batch,
+         q.data_ptr(), HEADS * HEAD_DIM, None, kv[0].data_ptr(), kv[1].data_ptr(),
+         table.data_ptr(), table.stride(0), lens.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM,
+         PAGE_SIZE, 0, HEAD_DIM**-0.5, out.data_ptr(), torch.get_num_threads())
+        for table in case["draws"]
     ]  # fmt: skip
     fn(*calls[0])
-    if not torch.equal(out, ref):
+    if not torch.equal(out, case["ref"]):
         raise AssertionError("the kernel called directly differs from paged_attention")
     times, end, i = [], time.perf_counter() + budget, 0
     while len(times) < 5 or time.perf_counter() < end:
@@ -102,21 +112,52 @@ def attention_seconds(kv: torch.Tensor, batch: int, ctx: int, budget: float) -> 
     return statistics.median(times)
 
 
+def team_seconds(kv: torch.Tensor, case: dict, calls: int) -> float:
+    """Median seconds of a call among `calls` made in one team by tk_attention_timed, as the
+    fused decoder makes them (no ctypes call, team start or allocation a call), the case's
+    block tables in turn."""
+    q, lens, out = case["q"], case["lens"], torch.empty_like(case["q"])
+    draws = case["draws"]
+    stacked = torch.stack([draws[i % len(draws)] for i in range(calls)])
+    seconds = torch.zeros(calls, dtype=torch.float64)
+    status = library.kernel("tk_attention_timed", torch.bfloat16)(
+        q.data_ptr(), HEADS * HEAD_DIM, kv[0].data_ptr(), kv[1].data_ptr(), stacked.data_ptr(),
+        calls, stacked.shape[2], lens.data_ptr(), q.shape[0], HEADS, KV_HEADS, HEAD_DIM,
+        PAGE_SIZE, HEAD_DIM**-0.5, out.data_ptr(), torch.get_num_threads(), seconds.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("tk_attention_timed: no memory for its scratch")
+    if calls % len(draws) == 1 and not torch.equal(out, case["ref"]):  # the last: draws[0]
+        raise AssertionError("the timed calls differ from paged_attention")
+    return statistics.median(seconds.tolist())
+
+
 def kv_bytes(batch: int, ctx: int) -> int:
     return 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2  # K and V, bfloat16
 
 
 def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int) -> dict:
-    """`pairs` (bandwidth, attention) measures in turn -> the figures of one table row."""
-    stream, attn = [], []
+    """`pairs` rounds of (bandwidth, attention in a team, attention a call) measured in turn ->
+    the figures of one table row: KV read per second over the bandwidth, median of the rounds'
+    ratios with their spread."""
+    case = case_inputs(kv, batch, ctx)
+    draws = len(case["draws"])
+    probe = call_seconds(kv, case, 0.1)  # calls enough for ~0.4 s, whole rounds of the draws
+    calls = draws * max(1, round(0.4 / probe / draws)) + 1
+    stream, team, call = [], [], []
     for _ in range(pairs):
         stream.append(memory_bandwidth_gbs(seconds=0.3))
-        attn.append(kv_bytes(batch, ctx) / attention_seconds(kv, batch, ctx, 0.4) / 1e9)
-    ratios = sorted(a / s for a, s in zip(attn, stream))
+        team.append(kv_bytes(batch, ctx) / team_seconds(kv, case, calls) / 1e9)
+        call.append(kv_bytes(batch, ctx) / call_seconds(kv, case, 0.4) / 1e9)
+    team_ratios = sorted(a / s for a, s in zip(team, stream))
+    call_ratios = sorted(a / s for a, s in zip(call, stream))
     return dict(
-        batch=batch, ctx=ctx, us=kv_bytes(batch, ctx) / statistics.median(attn) / 1e3,
-        kv_gbs=statistics.median(attn), stream_gbs=statistics.median(stream),
-        share=statistics.median(ratios), lo=ratios[0], hi=ratios[-1],
+        batch=batch, ctx=ctx, stream_gbs=statistics.median(stream),
+        team_us=kv_bytes(batch, ctx) / statistics.median(team) / 1e3,
+        team_gbs=statistics.median(team), share=statistics.median(team_ratios),
+        lo=team_ratios[0], hi=team_ratios[-1],
+        call_us=kv_bytes(batch, ctx) / statistics.median(call) / 1e3,
+        call_share=statistics.median(call_ratios),
     )  # fmt: skip
 
 
@@ -133,13 +174,15 @@ def main() -> None:
     kv = pool()
     library.usable(kv)  # loads the library now, at the tier asked for
     print(f"tier {library.built_tier().name}, {torch.get_num_threads()} threads")
-    print("batch   ctx      us  KV GB/s  stream GB/s  share (min-max)")
+    print("                  in a team (as the fused decoder)     one call")
+    print("batch   ctx      us  KV GB/s  share (min-max)           us  share   stream GB/s")
     for batch in args.batches:
         for ctx in args.contexts:
             r = run_case(kv, batch, ctx, args.pairs)
             print(
-                f"{r['batch']:5d} {r['ctx']:5d} {r['us']:7.0f} {r['kv_gbs']:8.1f} "
-                f"{r['stream_gbs']:12.1f}  {r['share']:5.0%} ({r['lo']:.0%}-{r['hi']:.0%})"
+                f"{r['batch']:5d} {r['ctx']:5d} {r['team_us']:7.0f} {r['team_gbs']:8.1f}  "
+                f"{r['share']:5.0%} ({r['lo']:.0%}-{r['hi']:.0%})      {r['call_us']:7.0f}  "
+                f"{r['call_share']:5.0%}  {r['stream_gbs']:12.1f}"
             )
 
 

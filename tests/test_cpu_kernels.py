@@ -229,6 +229,40 @@ def test_paged_attention_rows_cut_in_spans_merge_as_one(dtype, window, threads):
     torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 6])
+def test_timed_attention_calls_give_paged_attentions_bits(dtype, rows):
+    """tk_attention_timed (loadtest/bench_attention.py's calls in one team) leaves what
+    paged_attention gives for its last block table, one row cut in spans or several whole, and
+    a time for each call."""
+    from kernels.cpu import library
+
+    contexts = [300 + 37 * i for i in range(rows)]
+    kv_layer, first = paged_case(contexts, 12, 4, 64, 16, dtype, seed=7)
+    g = torch.Generator().manual_seed(8)
+    tables = torch.stack([first[:, torch.randperm(first.shape[1], generator=g)] for _ in range(3)])
+    lens, q = torch.tensor(contexts, dtype=torch.int32), torch.randn(rows, 12, 64).to(dtype)
+    ref, out = torch.empty_like(q), torch.empty_like(q)
+    k = v = torch.zeros(rows, 4, 64, dtype=dtype)
+    slots = unread_slots(kv_layer, first)[:rows]
+    before, seconds = torch.get_num_threads(), torch.zeros(3, dtype=torch.float64)
+    try:  # paged_attention's team: torch's threads
+        torch.set_num_threads(3)
+        paged_attention(
+            q, k, v, kv_layer, slots, 0.125, ref, block_table=tables[2], context_lens=lens
+        )
+    finally:
+        torch.set_num_threads(before)
+    status = library.kernel("tk_attention_timed", dtype)(
+        q.data_ptr(), 12 * 64, kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
+        tables.data_ptr(), 3, tables.shape[2], lens.data_ptr(), rows, 12, 4, 64, 16, 0.125,
+        out.data_ptr(), 3, seconds.data_ptr(),
+    )  # fmt: skip
+    assert status == 0
+    assert torch.equal(out, ref)
+    assert (seconds > 0).all()
+
+
 def test_wrappers_name_what_is_wrong():
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="rms_norm weight.*bfloat16"):

@@ -369,5 +369,32 @@ int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v
     free(scratch);
     return 0;
 }
+/* Decode attention as the fused decoder runs it, for loadtest/bench_attention.py: `calls`
+ * calls in one team of `threads` (the threads up, the scratch made once, the loops' barriers
+ * ending each call), call c reading block table c of block_tables (calls, n, table_stride);
+ * seconds[c]: call c's time on thread 0, from a barrier to the end of its loops. Returns 0, or
+ * -1 when scratch memory cannot be allocated. */
+int NAME(tk_attention_timed)(const T *q, int64_t q_stride, const T *k_pool, const T *v_pool,
+                             const int32_t *block_tables, int64_t calls, int64_t table_stride,
+                             const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
+                             int64_t hd, int64_t page_size, float scale, T *out, int threads,
+                             double *seconds) {
+    int64_t max_len = max_attended(context_lens, n, 0);
+    int64_t span = attention_span(context_lens, n, nkv, 0, page_size, threads);
+    float *scratch = malloc(sizeof(float) * attention_scratch(threads, n, nh, hd, max_len, span));
+    if (scratch == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+    for (int64_t c = 0; c < calls; c++) {
+#pragma omp barrier
+        double start = omp_get_wtime();
+        NAME(decode_attention_team)(q, q_stride, NULL, k_pool, v_pool,
+                                    block_tables + c * n * table_stride, table_stride,
+                                    context_lens, n, nh, nkv, hd, page_size, 0, scale, out, span,
+                                    scratch);
+        if (omp_get_thread_num() == 0) seconds[c] = omp_get_wtime() - start;
+    }
+    free(scratch);
+    return 0;
+}
 #undef KV_VEC
 #endif

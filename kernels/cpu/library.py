@@ -41,6 +41,10 @@ _SIGNATURES = {
         [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
         + [*[_i64] * 6, _f32, _ptr, _int],
     ),
+    "tk_attention_timed": (
+        _int,
+        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, *[_i64] * 5, _f32, _ptr, _int, _ptr],
+    ),
 }
 _BF16_ONLY = {  # linear_bf16.c, decode_layer.c
     "tk_amx_ready": (_int, []),
