@@ -10,6 +10,9 @@ memory; the pool is on 2 MiB pages, as the `tison` command puts it. Two timings 
 - one call: tk_paged_attention through ctypes with its arguments made beforehand, as the op-by-op
   path makes it less the wrapper's checks (~20 us, most of a batch-1 call): a ctypes call, a
   team started and scratch allocated each time (~3 and a few us).
+Beside them, "pages alone": the same pages read with none of the arithmetic (membw.c's
+read_pages_xor, a few pages at once a thread), the most this machine reads them at; "of pages"
+is the in-team rate's share of it.
 Bandwidth and attention are measured in turn; a share is the median of the per-round ratios
 (the bandwidth of this shared machine drifts), with their spread.
 
@@ -26,7 +29,7 @@ import torch
 
 from kernels.cpu import isa, library
 from kernels.cpu.attention import paged_attention
-from loadtest.bench_engine import memory_bandwidth_gbs
+from loadtest.bench_engine import memory_bandwidth_gbs, read_probes
 from shared.huge_pages import restart_with_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 12, 4, 64, 16
@@ -132,6 +135,21 @@ def team_seconds(kv: torch.Tensor, case: dict, calls: int) -> float:
     return statistics.median(seconds.tolist())
 
 
+def pages_gbs(kv: torch.Tensor, case: dict, calls: int) -> float:
+    """GB/s at which membw.c's read_pages_xor reads the K and V pages of `calls` of the case's
+    block tables in turn (those team_seconds reads), with none of attention's arithmetic: the
+    most this machine reads these pages at."""
+    draws = case["draws"]
+    pages = torch.cat([draws[i % len(draws)].flatten() for i in range(calls)])
+    page_words = PAGE_SIZE * KV_HEADS * HEAD_DIM * 2 // 8
+    t = time.perf_counter()
+    read_probes().read_pages_xor(
+        kv[0].data_ptr(), kv[1].data_ptr(), pages.data_ptr(), len(pages), page_words,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return 2 * len(pages) * page_words * 8 / (time.perf_counter() - t) / 1e9
+
+
 def kv_bytes(batch: int, ctx: int) -> int:
     return 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2  # K and V, bfloat16
 
@@ -144,20 +162,23 @@ def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int) -> dict:
     draws = len(case["draws"])
     probe = call_seconds(kv, case, 0.1)  # calls enough for ~0.4 s, whole rounds of the draws
     calls = draws * max(1, round(0.4 / probe / draws)) + 1
-    stream, team, call = [], [], []
+    stream, pages, team, call = [], [], [], []
     for _ in range(pairs):
         stream.append(memory_bandwidth_gbs(seconds=0.3))
+        pages.append(pages_gbs(kv, case, calls))
         team.append(kv_bytes(batch, ctx) / team_seconds(kv, case, calls) / 1e9)
         call.append(kv_bytes(batch, ctx) / call_seconds(kv, case, 0.4) / 1e9)
     team_ratios = sorted(a / s for a, s in zip(team, stream))
-    call_ratios = sorted(a / s for a, s in zip(call, stream))
     return dict(
         batch=batch, ctx=ctx, stream_gbs=statistics.median(stream),
         team_us=kv_bytes(batch, ctx) / statistics.median(team) / 1e3,
         team_gbs=statistics.median(team), share=statistics.median(team_ratios),
         lo=team_ratios[0], hi=team_ratios[-1],
+        of_pages=statistics.median(a / p for a, p in zip(team, pages)),
         call_us=kv_bytes(batch, ctx) / statistics.median(call) / 1e3,
-        call_share=statistics.median(call_ratios),
+        call_share=statistics.median(a / s for a, s in zip(call, stream)),
+        pages_gbs=statistics.median(pages),
+        pages_share=statistics.median(p / s for p, s in zip(pages, stream)),
     )  # fmt: skip
 
 
@@ -174,15 +195,19 @@ def main() -> None:
     kv = pool()
     library.usable(kv)  # loads the library now, at the tier asked for
     print(f"tier {library.built_tier().name}, {torch.get_num_threads()} threads")
-    print("                  in a team (as the fused decoder)     one call")
-    print("batch   ctx      us  KV GB/s  share (min-max)           us  share   stream GB/s")
+    print("         in a team (as the fused decoder)              one call       pages alone")
+    print(
+        "batch   ctx     us  KV GB/s  share (min-max)  of pages     us  share   GB/s  share"
+        "  stream GB/s"
+    )
     for batch in args.batches:
         for ctx in args.contexts:
             r = run_case(kv, batch, ctx, args.pairs)
             print(
-                f"{r['batch']:5d} {r['ctx']:5d} {r['team_us']:7.0f} {r['team_gbs']:8.1f}  "
-                f"{r['share']:5.0%} ({r['lo']:.0%}-{r['hi']:.0%})      {r['call_us']:7.0f}  "
-                f"{r['call_share']:5.0%}  {r['stream_gbs']:12.1f}"
+                f"{r['batch']:5d} {r['ctx']:5d} {r['team_us']:6.0f} {r['team_gbs']:8.1f}  "
+                f"{r['share']:5.0%} ({r['lo']:.0%}-{r['hi']:.0%})  {r['of_pages']:8.0%} "
+                f"{r['call_us']:6.0f}  {r['call_share']:5.0%}  {r['pages_gbs']:5.1f}  "
+                f"{r['pages_share']:5.0%}  {r['stream_gbs']:11.1f}"
             )
 
 

@@ -60,26 +60,29 @@ VOCAB = 32000  # both models'
 
 
 @functools.cache
-def _read_probe():
-    """membw.c's read_xor, built for the CPU's best tier (or the next that builds)."""
+def read_probes() -> ctypes.CDLL:
+    """membw.c built for the CPU's best tier (or the next that builds): read_xor (a buffer) and
+    read_pages_xor (a list of pages)."""
     source = Path(__file__).with_name("membw.c")
     for tier in reversed(isa.tiers_up_to(isa.detected())):
         try:
-            path = build_library("tison_membw", [source], library.flags(tier))
-            fn = ctypes.CDLL(str(path)).read_xor
+            lib = ctypes.CDLL(str(build_library("tison_membw", [source], library.flags(tier))))
             break
         except OSError:
             continue
     else:
         raise OSError("cannot build loadtest/membw.c")
-    fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    return fn
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.read_xor.restype, lib.read_xor.argtypes = ctypes.c_uint64, [ptr, i64, ctypes.c_int]
+    lib.read_pages_xor.restype = ctypes.c_uint64
+    lib.read_pages_xor.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]
+    return lib
 
 
 def memory_bandwidth_gbs(seconds: float = 2.0) -> float:
     """Read bandwidth on torch's threads: the best pass of the C probe over a 1 GiB buffer."""
     words = torch.ones(1 << 27, dtype=torch.int64)
-    probe, threads = _read_probe(), torch.get_num_threads()
+    probe, threads = read_probes().read_xor, torch.get_num_threads()
     best, end = 0.0, time.perf_counter() + seconds
     while best == 0.0 or time.perf_counter() < end:
         t = time.perf_counter()
