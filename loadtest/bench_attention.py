@@ -155,9 +155,9 @@ def kv_bytes(batch: int, ctx: int) -> int:
 
 
 def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int) -> dict:
-    """`pairs` rounds of (bandwidth, attention in a team, attention a call) measured in turn ->
-    the figures of one table row: KV read per second over the bandwidth, median of the rounds'
-    ratios with their spread."""
+    """`pairs` rounds of (bandwidth, the pages alone, attention in a team, attention a call)
+    measured in turn -> the figures of one table row: each rate's share of the bandwidth (or of
+    the pages alone), the median of the rounds' ratios, the team's with their spread."""
     case = case_inputs(kv, batch, ctx)
     draws = len(case["draws"])
     probe = call_seconds(kv, case, 0.1)  # calls enough for ~0.4 s, whole rounds of the draws

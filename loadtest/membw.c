@@ -33,7 +33,7 @@ uint64_t read_xor(const uint64_t *words, int64_t n, int threads) {
 /* Read bandwidth of a list of pages, the pattern of paged decode attention with none of its
  * arithmetic: XOR of every 64-bit word of pages[i] (page_words words each) of pool k, then of
  * pool v, for i < count. Each thread takes its contiguous share of the list and reads STREAMS
- * of its pages at once in lockstep, so the figure is the most these pages can be read at. */
+ * of its pages at once in lockstep: about the fastest these pages read at. */
 uint64_t read_pages_xor(const uint64_t *k, const uint64_t *v, const int32_t *pages,
                         int64_t count, int64_t page_words, int threads) {
     uint64_t total = 0;
