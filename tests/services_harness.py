@@ -157,28 +157,38 @@ class Services:
         stop_processes(procs, timeout_s)
         self.nats.stop()
 
-    def logs(self, tail_chars: int = 3000) -> str:
+    def logs(self, tail_chars: int = 3000, without: str = "") -> str:
+        """The tail of each process's log, less its lines that contain `without` if given."""
         parts = []
         for path in sorted(self.tmp_path.glob("*.log")):
-            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail_chars:]}")
+            text = path.read_text(errors="replace")
+            if without:
+                text = "".join(line for line in text.splitlines(True) if without not in line)
+            parts.append(f"--- {path.name}\n{text[-tail_chars:]}")
         return "\n".join(parts)
 
 
-async def metric(cluster, name: str, role: str | None = None) -> float:
-    """Sum of a gauge over the workers (of `role`) in the gateway's /metrics."""
+async def metric_samples(cluster, name: str, role: str | None = None) -> list[re.Match]:
+    """A gauge's samples (labels, value) in the gateway's /metrics, of the workers of `role`."""
     async with aiohttp.ClientSession() as http:
         async with http.get(cluster.base_url + "/metrics") as resp:
             text = await resp.text()
     pattern = rf"^{name}(?:\{{(?P<labels>[^}}]*)\}})? (?P<value>\S+)$"
-    return sum(
-        float(m["value"])
+    return [
+        m
         for m in re.finditer(pattern, text, re.M)
         if role is None or f'role="{role}"' in (m["labels"] or "")
-    )
+    ]
+
+
+async def metric(cluster, name: str, role: str | None = None) -> float:
+    """Sum of a gauge over the workers (of `role`) in the gateway's /metrics."""
+    return sum(float(m["value"]) for m in await metric_samples(cluster, name, role))
 
 
 async def wait_metric(cluster, name: str, ok, what: str, role: str | None = None) -> None:
-    """Until ok(metric(cluster, name, role)) holds; a timeout says the value last read."""
+    """Until ok(metric(cluster, name, role)) holds; a timeout says the value last read, each
+    worker's part of it and, where the cluster keeps them, the services' logs."""
     last = None
 
     async def holds() -> bool:
@@ -189,7 +199,10 @@ async def wait_metric(cluster, name: str, ok, what: str, role: str | None = None
     try:
         await until(holds, 30, what)
     except AssertionError as e:
-        raise AssertionError(f"{e} ({name} last read {last})") from None
+        parts = [m.group(0) for m in await metric_samples(cluster, name, role)]
+        # a Services' processes, less the gateway's access lines of these very polls
+        logs = cluster.logs(without="aiohttp.access") if hasattr(cluster, "logs") else ""
+        raise AssertionError(f"{e} ({name} last read {last}: {parts})\n{logs}") from None
 
 
 async def wait_pages_free(cluster) -> None:
