@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import library
 from kernels.cpu.activation import silu_mul
 from kernels.cpu.argmax import argmax
 from kernels.cpu.attention import attention_supported, paged_attention
@@ -235,8 +236,6 @@ def test_timed_attention_calls_give_paged_attentions_bits(dtype, rows):
     """tk_attention_timed (loadtest/bench_attention.py's calls in one team) leaves what
     paged_attention gives for its last block table, one row cut in spans or several whole, and
     a time for each call."""
-    from kernels.cpu import library
-
     contexts = [300 + 37 * i for i in range(rows)]
     kv_layer, first = paged_case(contexts, 12, 4, 64, 16, dtype, seed=7)
     g = torch.Generator().manual_seed(8)

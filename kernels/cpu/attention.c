@@ -369,11 +369,12 @@ int NAME(tk_paged_attention)(const T *k, int64_t k_stride, const T *v, int64_t v
     free(scratch);
     return 0;
 }
+
 /* Decode attention as the fused decoder runs it, for loadtest/bench_attention.py: `calls`
  * calls in one team of `threads` (the threads up, the scratch made once, the loops' barriers
- * ending each call), call c reading block table c of block_tables (calls, n, table_stride);
- * seconds[c]: call c's time on thread 0, from a barrier to the end of its loops. Returns 0, or
- * -1 when scratch memory cannot be allocated. */
+ * ending each call), no sliding window, call c reading block table c of block_tables (calls, n,
+ * table_stride); seconds[c]: call c's time on thread 0, from a barrier to the end of its loops.
+ * Returns 0, or -1 when scratch memory cannot be allocated. */
 int NAME(tk_attention_timed)(const T *q, int64_t q_stride, const T *k_pool, const T *v_pool,
                              const int32_t *block_tables, int64_t calls, int64_t table_stride,
                              const int32_t *context_lens, int64_t n, int64_t nh, int64_t nkv,
