@@ -43,17 +43,22 @@ static inline __m256 sum8x8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-/* Asks for head g's rows of the `count` positions from `slot` on (pool rows of nkv * hd): the
- * loops read a page's rows of one head while asking for the same rows a page ahead, so as many
- * lines are asked for as are read, spread over the page's arithmetic, and the misses overlap
- * it (a page asked for at once, 8 KiB at 4 KV heads, overflows the miss queues). */
-static inline void prefetch_rows(const bf16 *pool, int64_t slot, int64_t count, int64_t g,
-                                 int64_t nkv, int64_t hd) {
-    for (int64_t i = 0; i < count; i++) {
-        const char *row = (const char *)(pool + ((slot + i) * nkv + g) * hd);
-        for (int64_t off = 0; off < hd * (int64_t)sizeof(bf16); off += 64)
-            __builtin_prefetch(row + off, 0, 3);
-    }
+#define AHEAD_STREAMS 4 /* pages being asked for at once while one is read */
+
+/* The lines a vector loop asks for while it reads part of a page: `streams` runs of lines,
+ * run s `lines[s]` lines from at[s] (attention.c's plan_ahead). The loops ask for them in
+ * `parts` parts as their arithmetic goes (prefetch_part), so the misses overlap it. */
+struct kv_ahead {
+    const char *at[AHEAD_STREAMS];
+    int64_t lines[AHEAD_STREAMS];
+    int streams;
+};
+
+/* Asks for part `part` of `parts` of each run of a's. */
+static inline void prefetch_part(const struct kv_ahead *a, int64_t part, int64_t parts) {
+    for (int s = 0; s < a->streams; s++)
+        for (int64_t l = a->lines[s] * part / parts; l < a->lines[s] * (part + 1) / parts; l++)
+            __builtin_prefetch(a->at[s] + l * 64, 0, 3);
 }
 
 /* attention_vec_impl.h at 8 float lanes: AVX2 */
@@ -136,18 +141,16 @@ static inline const void *kv_prepare_q(int lanes, const bf16 *q, int64_t heads, 
 
 static inline void kv_scores(int lanes, const void *q, float scale, const bf16 *pool,
                              int64_t slot, int64_t count, int64_t nkv, int64_t group, int64_t hd,
-                             float *scores, int64_t score_stride, int64_t ahead,
-                             int64_t ahead_count) {
-    KV_AT(lanes, scores)(q, scale, pool, slot, count, nkv, group, hd, scores, score_stride, ahead,
-                         ahead_count);
+                             float *scores, int64_t score_stride,
+                             const struct kv_ahead *ahead) {
+    KV_AT(lanes, scores)(q, scale, pool, slot, count, nkv, group, hd, scores, score_stride, ahead);
 }
 
 static inline void kv_values(int lanes, const float *weights, int64_t weight_stride,
                              const bf16 *pool, int64_t slot, int64_t count, int64_t nkv,
-                             int64_t group, int64_t hd, float *acc, int64_t ahead,
-                             int64_t ahead_count) {
-    KV_AT(lanes, values)(weights, weight_stride, pool, slot, count, nkv, group, hd, acc,
-                         ahead, ahead_count);
+                             int64_t group, int64_t hd, float *acc,
+                             const struct kv_ahead *ahead) {
+    KV_AT(lanes, values)(weights, weight_stride, pool, slot, count, nkv, group, hd, acc, ahead);
 }
 
 static inline void kv_store_out(int lanes, const float *acc, const float *total, int64_t heads,

@@ -32,14 +32,13 @@ static const void *VNAME(prepare_q)(const bf16 *restrict q, int64_t heads, int64
 /* For the `count` (<= W) keys of one page from `slot` on (pool rows of nkv * hd), KV heads
  * g < nkv: scores[(g * group + j) * score_stride + i] = scale * dot(q[g * group + j], key i
  * of head g), q VNAME(prepare_q)'s. The query heads that share a KV head read its keys from
- * L1 after the first. Meanwhile the rows of the ahead_count positions from pool row `ahead`
- * on are asked for (prefetch_rows). */
+ * L1 after the first. Meanwhile ahead's lines are asked for, a part a KV head. */
 static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *restrict pool,
                           int64_t slot, int64_t count, int64_t nkv, int64_t group, int64_t hd,
-                          float *restrict scores, int64_t score_stride, int64_t ahead,
-                          int64_t ahead_count) {
+                          float *restrict scores, int64_t score_stride,
+                          const struct kv_ahead *ahead) {
     for (int64_t g = 0; g < nkv; g++) {
-        prefetch_rows(pool, ahead, ahead_count, g, nkv, hd);
+        prefetch_part(ahead, g, nkv);
         const bf16 *rows[W]; /* past `count`, the last key again: read, then masked off */
         for (int i = 0; i < W; i++)
             rows[i] = pool + ((slot + (i < count ? i : count - 1)) * nkv + g) * hd;
@@ -119,13 +118,13 @@ __attribute__((always_inline)) static inline void VNAME(values_block)(
 
 /* acc[h] (split) += weights[h * weight_stride + i] * value i of h's KV head, for the query
  * heads h of every KV head and the `count` values of one page from `slot` on, asking for
- * the rows of the ahead_count positions from pool row `ahead` on meanwhile. */
+ * ahead's lines meanwhile, a part a KV head. */
 static void VNAME(values)(const float *restrict weights, int64_t weight_stride,
                           const bf16 *restrict pool, int64_t slot, int64_t count, int64_t nkv,
-                          int64_t group, int64_t hd, float *restrict acc, int64_t ahead,
-                          int64_t ahead_count) {
+                          int64_t group, int64_t hd, float *restrict acc,
+                          const struct kv_ahead *ahead) {
     for (int64_t g = 0; g < nkv; g++) {
-        prefetch_rows(pool, ahead, ahead_count, g, nkv, hd);
+        prefetch_part(ahead, g, nkv);
         const bf16 *v = pool + (slot * nkv + g) * hd;
         int64_t last = (g + 1) * group;
         for (int64_t j = g * group; j < last; j += VJ) {

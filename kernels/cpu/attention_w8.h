@@ -4,7 +4,7 @@
  * loops split a K row into float32 again for each query head that reads it, and spilled a
  * values sum at 2 heads x 32 dims. These are register-blocked so that each K or V row is
  * split once for up to W8_HEADS heads, with every sum in a register. Both ask for the lines of
- * the rows one page ahead as they read, a few at a time, in step with their arithmetic. */
+ * attention.c's plan_ahead as they read, a few at a time, in step with their arithmetic. */
 
 #define W8_KEYS 4 /* keys a scores block: 4 keys x W8_HEADS heads of sums in 12 registers */
 #define W8_HEADS 3 /* query heads a block, in both loops */
@@ -55,17 +55,17 @@ __attribute__((always_inline)) static inline void key_block_w8(
 /* For the `count` (<= 8) keys of one page from `slot` on (pool rows of nkv * hd), KV heads
  * g < nkv: scores[(g * group + j) * score_stride + i] = scale * dot(q[g * group + j], key i
  * of head g), q VNAME(prepare_q)'s. Blocks of W8_KEYS keys, all KV heads in memory order;
- * meanwhile the lines of the ahead_count positions from pool row `ahead` on are asked for. */
+ * meanwhile ahead's lines are asked for, a part a block and KV head. */
 static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *restrict pool,
                           int64_t slot, int64_t count, int64_t nkv, int64_t group, int64_t hd,
-                          float *restrict scores, int64_t score_stride, int64_t ahead,
-                          int64_t ahead_count) {
+                          float *restrict scores, int64_t score_stride,
+                          const struct kv_ahead *ahead) {
     const float *qf = (const float *)qv;
+    int64_t parts = (count + W8_KEYS - 1) / W8_KEYS * nkv;
     for (int64_t i0 = 0; i0 < count; i0 += W8_KEYS) {
         int64_t kn = count - i0 < W8_KEYS ? count - i0 : W8_KEYS;
-        int64_t an = ahead_count - i0 < W8_KEYS ? ahead_count - i0 : W8_KEYS;
         for (int64_t g = 0; g < nkv; g++) {
-            if (an > 0) prefetch_rows(pool, ahead + i0, an, g, nkv, hd);
+            prefetch_part(ahead, i0 / W8_KEYS * nkv + g, parts);
             const bf16 *rows[W8_KEYS]; /* past `count`, the last key again: read, then dropped */
             for (int i = 0; i < W8_KEYS; i++)
                 rows[i] = pool + ((slot + i0 + (i < kn ? i : kn - 1)) * nkv + g) * hd;
@@ -86,16 +86,14 @@ static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *rest
 /* acc[jj] (split) += w[jj * ws + i] * value i, for jn query heads (w and acc counted from the
  * first) over 16 split dims of the `count` values at v + i * vs; each value is split once for
  * the jn heads (16 dims: 6 sums, 3 weights, the value's halves and the mask in 12 registers;
- * 32 would spill a sum). With ahead_count, the line at ahead + i * vs is asked for as value i
- * is read. jn is a constant where it is inlined. */
+ * 32 would spill a sum). jn is a constant where it is inlined. */
 __attribute__((always_inline)) static inline void value_block_w8(
     const float *restrict w, int64_t ws, const bf16 *restrict v, int64_t vs, int64_t count,
-    const bf16 *ahead, int64_t ahead_count, int jn, float *restrict acc, int64_t hd) {
+    int jn, float *restrict acc, int64_t hd) {
     __m256 a[W8_HEADS][2];
     for (int jj = 0; jj < jn; jj++)
         a[jj][0] = _mm256_loadu_ps(acc + jj * hd), a[jj][1] = _mm256_loadu_ps(acc + jj * hd + 8);
     for (int64_t i = 0; i < count; i++) {
-        if (i < ahead_count) __builtin_prefetch(ahead + i * vs, 0, 3);
         __m256i p = _mm256_loadu_si256((const __m256i *)(v + i * vs));
         __m256 even = VEVEN(p), odd = VODD(p);
         for (int jj = 0; jj < jn; jj++) {
@@ -112,28 +110,26 @@ __attribute__((always_inline)) static inline void value_block_w8(
 
 /* acc[h] (split) += weights[h * weight_stride + i] * value i of h's KV head, for the query
  * heads h of every KV head and the `count` values of one page from `slot` on; the first
- * block of heads of each KV head asks for the lines of the ahead_count positions from pool
- * row `ahead` on as it reads their first 16 dims. */
+ * block of heads of each KV head asks for a part of ahead's lines before each 16 dims. */
 static void VNAME(values)(const float *restrict weights, int64_t weight_stride,
                           const bf16 *restrict pool, int64_t slot, int64_t count, int64_t nkv,
-                          int64_t group, int64_t hd, float *restrict acc, int64_t ahead,
-                          int64_t ahead_count) {
+                          int64_t group, int64_t hd, float *restrict acc,
+                          const struct kv_ahead *ahead) {
     int64_t vs = nkv * hd;
     for (int64_t g = 0; g < nkv; g++) {
-        const bf16 *v = pool + (slot * nkv + g) * hd, *pre = pool + (ahead * nkv + g) * hd;
+        const bf16 *v = pool + (slot * nkv + g) * hd;
         for (int64_t j = g * group, last = (g + 1) * group; j < last; j += W8_HEADS) {
             int jn = last - j < W8_HEADS ? (int)(last - j) : W8_HEADS;
             const float *w = weights + j * weight_stride;
             for (int64_t d = 0; d < hd; d += 16) {
-                /* a line (32 dims) a value, asked for by the first block of heads */
-                int64_t n = j == g * group && d % 32 == 0 ? ahead_count : 0;
+                if (j == g * group) prefetch_part(ahead, (g * hd + d) / 16, nkv * hd / 16);
                 float *out = acc + j * hd + d;
                 if (jn == 3)
-                    value_block_w8(w, weight_stride, v + d, vs, count, pre + d, n, 3, out, hd);
+                    value_block_w8(w, weight_stride, v + d, vs, count, 3, out, hd);
                 else if (jn == 2)
-                    value_block_w8(w, weight_stride, v + d, vs, count, pre + d, n, 2, out, hd);
+                    value_block_w8(w, weight_stride, v + d, vs, count, 2, out, hd);
                 else
-                    value_block_w8(w, weight_stride, v + d, vs, count, pre + d, n, 1, out, hd);
+                    value_block_w8(w, weight_stride, v + d, vs, count, 1, out, hd);
             }
         }
     }
