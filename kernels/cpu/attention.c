@@ -26,7 +26,7 @@ static void plan_ahead(struct kv_ahead *a, const void *k_pool, const void *v_poo
                        const int32_t *pages, int64_t first_page, int64_t n_pages, int64_t vp,
                        int64_t from, int64_t count, int64_t page_size, int64_t row_bytes) {
     int64_t page_bytes = page_size * row_bytes, S = AHEAD_STREAMS;
-    a->streams = 0;
+    a->streams = 0, a->most = 0;
     for (int64_t j = 0; j < S && vp + 1 + j < 2 * n_pages; j++) {
         int64_t t = vp + 1 + j;
         const char *pool = (const char *)(t < n_pages ? k_pool : v_pool);
@@ -34,6 +34,7 @@ static void plan_ahead(struct kv_ahead *a, const void *k_pool, const void *v_poo
         int64_t lo = ((S - 1 - j) * page_bytes + from * row_bytes) / S / 64;
         int64_t hi = ((S - 1 - j) * page_bytes + (from + count) * row_bytes) / S / 64;
         a->at[a->streams] = page + lo * 64, a->lines[a->streams++] = hi - lo;
+        a->most = hi - lo > a->most ? hi - lo : a->most;
     }
 }
 #endif

@@ -46,19 +46,25 @@ static inline __m256 sum8x8(const __m256 v[8]) {
 #define AHEAD_STREAMS 4 /* pages being asked for at once while one is read */
 
 /* The lines a vector loop asks for while it reads part of a page: `streams` runs of lines,
- * run s `lines[s]` lines from at[s] (attention.c's plan_ahead). The loops ask for them in
- * `parts` parts as their arithmetic goes (prefetch_part), so the misses overlap it. */
+ * run s `lines[s]` lines from at[s], none longer than `most` (attention.c's plan_ahead). The
+ * loops ask for them a part at a time as their arithmetic goes, so the misses overlap it. */
 struct kv_ahead {
     const char *at[AHEAD_STREAMS];
-    int64_t lines[AHEAD_STREAMS];
+    int64_t lines[AHEAD_STREAMS], most;
     int streams;
 };
 
-/* Asks for part `part` of `parts` of each run of a's. */
-static inline void prefetch_part(const struct kv_ahead *a, int64_t part, int64_t parts) {
-    for (int s = 0; s < a->streams; s++)
-        for (int64_t l = a->lines[s] * part / parts; l < a->lines[s] * (part + 1) / parts; l++)
-            __builtin_prefetch(a->at[s] + l * 64, 0, 3);
+/* The lines of a run a part asks for, of `parts` parts. */
+static inline int64_t ahead_share(const struct kv_ahead *a, int64_t parts) {
+    return (a->most + parts - 1) / parts;
+}
+
+/* Asks for lines [part * share, (part + 1) * share) of each run of a's, those it has. */
+static inline void prefetch_part(const struct kv_ahead *a, int64_t part, int64_t share) {
+    for (int s = 0; s < a->streams; s++) {
+        int64_t end = (part + 1) * share < a->lines[s] ? (part + 1) * share : a->lines[s];
+        for (int64_t l = part * share; l < end; l++) __builtin_prefetch(a->at[s] + l * 64, 0, 3);
+    }
 }
 
 /* attention_vec_impl.h at 8 float lanes: AVX2 */

@@ -37,8 +37,9 @@ static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *rest
                           int64_t slot, int64_t count, int64_t nkv, int64_t group, int64_t hd,
                           float *restrict scores, int64_t score_stride,
                           const struct kv_ahead *ahead) {
+    int64_t share = ahead_share(ahead, nkv);
     for (int64_t g = 0; g < nkv; g++) {
-        prefetch_part(ahead, g, nkv);
+        prefetch_part(ahead, g, share);
         const bf16 *rows[W]; /* past `count`, the last key again: read, then masked off */
         for (int i = 0; i < W; i++)
             rows[i] = pool + ((slot + (i < count ? i : count - 1)) * nkv + g) * hd;
@@ -123,8 +124,9 @@ static void VNAME(values)(const float *restrict weights, int64_t weight_stride,
                           const bf16 *restrict pool, int64_t slot, int64_t count, int64_t nkv,
                           int64_t group, int64_t hd, float *restrict acc,
                           const struct kv_ahead *ahead) {
+    int64_t share = ahead_share(ahead, nkv);
     for (int64_t g = 0; g < nkv; g++) {
-        prefetch_part(ahead, g, nkv);
+        prefetch_part(ahead, g, share);
         const bf16 *v = pool + (slot * nkv + g) * hd;
         int64_t last = (g + 1) * group;
         for (int64_t j = g * group; j < last; j += VJ) {

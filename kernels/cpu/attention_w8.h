@@ -61,11 +61,11 @@ static void VNAME(scores)(const void *restrict qv, float scale, const bf16 *rest
                           float *restrict scores, int64_t score_stride,
                           const struct kv_ahead *ahead) {
     const float *qf = (const float *)qv;
-    int64_t parts = (count + W8_KEYS - 1) / W8_KEYS * nkv;
+    int64_t share = ahead_share(ahead, (count + W8_KEYS - 1) / W8_KEYS * nkv);
     for (int64_t i0 = 0; i0 < count; i0 += W8_KEYS) {
         int64_t kn = count - i0 < W8_KEYS ? count - i0 : W8_KEYS;
         for (int64_t g = 0; g < nkv; g++) {
-            prefetch_part(ahead, i0 / W8_KEYS * nkv + g, parts);
+            prefetch_part(ahead, i0 / W8_KEYS * nkv + g, share);
             const bf16 *rows[W8_KEYS]; /* past `count`, the last key again: read, then dropped */
             for (int i = 0; i < W8_KEYS; i++)
                 rows[i] = pool + ((slot + i0 + (i < kn ? i : kn - 1)) * nkv + g) * hd;
@@ -115,14 +115,14 @@ static void VNAME(values)(const float *restrict weights, int64_t weight_stride,
                           const bf16 *restrict pool, int64_t slot, int64_t count, int64_t nkv,
                           int64_t group, int64_t hd, float *restrict acc,
                           const struct kv_ahead *ahead) {
-    int64_t vs = nkv * hd;
+    int64_t vs = nkv * hd, share = ahead_share(ahead, nkv * hd / 16);
     for (int64_t g = 0; g < nkv; g++) {
         const bf16 *v = pool + (slot * nkv + g) * hd;
         for (int64_t j = g * group, last = (g + 1) * group; j < last; j += W8_HEADS) {
             int jn = last - j < W8_HEADS ? (int)(last - j) : W8_HEADS;
             const float *w = weights + j * weight_stride;
             for (int64_t d = 0; d < hd; d += 16) {
-                if (j == g * group) prefetch_part(ahead, (g * hd + d) / 16, nkv * hd / 16);
+                if (j == g * group) prefetch_part(ahead, (g * hd + d) / 16, share);
                 float *out = acc + j * hd + d;
                 if (jn == 3)
                     value_block_w8(w, weight_stride, v + d, vs, count, 3, out, hd);
