@@ -28,16 +28,17 @@
 
 #define R 4 /* weight rows (outputs) a group */
 #define XB 16 /* rows of x a packed block (avx2's outer products) */
-/* Bytes: how far ahead of the weights being read the dot-product form asks for more.
- * - AVX-512 tiers: 16 KiB (Zen 4, one row of x: 4 KiB 77%, 16 KiB 81-85%, 32 KiB 68% of the
- *   probe).
- * - Elsewhere: 4 KiB. On Zen 3 (avx2), whole decode steps at batch 1 took 4% (dense), 7% (MoE)
- *   and 9% (Llama 4) less than at 16 KiB; 2 KiB and 8 KiB were slower than 4. */
-#if defined(__AVX512F__)
-#define AHEAD 16384
-#else
-#define AHEAD 4096
-#endif
+/* The dot-product form asks for a thread's weights (one stream: its groups lie back to back)
+ * as AHEAD_STREAMS streams: taken as blocks of AHEAD_BLOCK bytes, while it reads block q it
+ * asks for part AHEAD_STREAMS - 1 - j of AHEAD_STREAMS of block q + 1 + j (j < AHEAD_STREAMS),
+ * so each block is asked for over the blocks read before it, from 4 to 20 KiB ahead
+ * (prefetch_step). Against asking for one line a fixed distance ahead (16 KiB on the AVX-512
+ * tiers, 4 KiB on avx2), on a Zen 4 with 2048 x 768 and 32000 x 768 weights: one row of x read
+ * them 1.08-1.23x as fast on avx512_bf16, 1.21-1.34x on avx2 (768 x 2048: 1.03x, 1.13x); 8 and
+ * 16 rows 0.94-1.10x on avx512_bf16, 1.36-1.58x on avx2. At one row, 2 or 8 streams, or blocks
+ * of 8 or 16 KiB, gained less. */
+#define AHEAD_BLOCK 4096
+#define AHEAD_STREAMS 4
 /* outer_group's (avx2, WIDE_ROWS rows of x on): at 4 KiB, batch-32 steps took 2-4% longer */
 #define OUTER_AHEAD 16384
 
@@ -113,27 +114,46 @@ static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf)
 }
 #endif
 
-/* Asks for the bytes [at, at + 64 * R) (one k step of a group's weight rows), into L2: the
- * L1 hint was slower (measured: 75% -> 85% of the read probe's bandwidth at one row). */
-static inline void prefetch_step(const char *at) {
-    for (int r = 0; r < R; r++) __builtin_prefetch(at + 64 * r, 0, 1);
+/* Asks for the unit (`unit` bytes) that unit u of the weights stands for (prefetch_step). */
+__attribute__((always_inline)) static inline void ask_unit(uintptr_t u, uintptr_t unit) {
+    const uintptr_t S = AHEAD_STREAMS, B = AHEAD_BLOCK / unit, q = u / B, f = u % B, j = f % S;
+    const char *t = (const char *)(((q + 1 + j) * B + (S - 1 - j) * B / S + f / S) * unit);
+    for (uintptr_t l = 0; l < unit; l += 64) __builtin_prefetch(t + l, 0, 1);
+}
+
+/* For the R lines of the stream from `at` on (one k step of a group's weight rows): asks for
+ * the lines they stand for AHEAD_STREAMS streams on (see AHEAD_BLOCK), with the L2 hint (the
+ * L1 hint was slower: 75% -> 85% of the read probe's bandwidth at one row, before the
+ * streams). With S streams and blocks of B units, unit f of block q stands for unit
+ * (S - 1 - j) * B / S + f / S of block q + 1 + j, j = f % S: every unit of a block once. The
+ * units are lines where the group's weights are read in one pass, so a step asks for a line of
+ * each stream; with several passes, each asking for every `every`-th step, they are steps (R
+ * lines), so that a stream is asked for whole runs of lines, not every other line (at 8 rows of
+ * x on avx512_bf16, lines: 0.69-0.91x the rate, steps: 1.00x; at one row, steps gained 1.04x
+ * where lines gained 1.20x; Zen 4). */
+__attribute__((always_inline)) static inline void prefetch_step(const char *at, int every) {
+    if (every > 1) {
+        ask_unit((uintptr_t)at / (64 * R), 64 * R);
+        return;
+    }
+    for (int r = 0; r < R; r++) ask_unit((uintptr_t)at / 64 + r, 64);
 }
 
 #if defined(__AVX512BF16__)
 /* block's products on avx512_bf16: acc[r][m] (16 lanes) for weight rows w[r] and x rows m0 + m,
- * vdpbf16ps on 32 bf16 pairs a step; asks for every `every`-th step of the weights AHEAD, from
- * step `phase` (block). */
+ * vdpbf16ps on 32 bf16 pairs a step; asks for what every `every`-th step of the weights from
+ * `stream` on stands for (prefetch_step), from step `phase` (block). */
 __attribute__((always_inline)) static inline void dots(const bf16 *const w[R], const bf16 *x,
                                                        int64_t xstride, int64_t m0, int mb,
                                                        int64_t K, __m512 acc[R][MB],
-                                                       const char *ahead, int phase, int every) {
+                                                       const char *stream, int phase, int every) {
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) acc[r][m] = _mm512_setzero_ps();
     int count = phase + 1;
     for (int64_t k = 0; k < K; k += 32) {
         if (--count == 0) {
             count = every;
-            prefetch_step(ahead + k * 2 * R);
+            prefetch_step(stream + k * 2 * R, every);
         }
         __m512bh wv[R];
         for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
@@ -167,10 +187,10 @@ static inline __m512 sum_block(__m512 acc[R][MB]) {
 /* A whole block (R outputs n0.., MB rows m0.. of x) straight into y (row stride N): its sums
  * plus bias rounded as f32_to_bf16 does, four outputs a row in one 8-byte store. */
 static inline void full_block(const bf16 *const w[R], const bf16 *x, int64_t xstride, int64_t m0,
-                              int64_t K, const char *ahead, int phase, int every,
+                              int64_t K, const char *stream, int phase, int every,
                               const bf16 *bias, int64_t n0, bf16 *y, int64_t N) {
     __m512 acc[R][MB];
-    dots(w, x, xstride, m0, MB, K, acc, ahead, phase, every);
+    dots(w, x, xstride, m0, MB, K, acc, stream, phase, every);
     __m128 b = _mm_setzero_ps(); /* + 0.0f without a bias, as store_sums adds */
     if (bias != NULL) {
         const __m128i h = _mm_loadl_epi64((const __m128i *)(bias + n0));
@@ -192,22 +212,23 @@ static inline void full_block(const bf16 *const w[R], const bf16 *x, int64_t xst
 #endif
 
 /* One block: weight rows w[r] (r < R, each K long) against x rows m0.. m0 + mb, sums into
- * sums[r][m]. `mb` is a constant at each call site, so the loops unroll. ahead: where to ask
- * for the weights that come AHEAD bytes after this group's (a thread's groups lie back to
- * back, so its weights are one stream; the rows of a group are R short streams that the
- * hardware prefetcher would only pick up once each was half read). The block is pass `phase`
- * of the group's `every` passes over its weights (one a block of x's rows): it asks for the
- * k steps phase, phase + every, ..., so the asking is spread evenly over the group's compute.
- * Asked for on the first pass alone, the memory idled through the others: at 32 rows of x the
- * LM head took 1.3-1.5x as long, a MoE step's experts (8 rows each) 1.2x (Zen 5). */
+ * sums[r][m]. `mb` is a constant at each call site, so the loops unroll. stream: this group's
+ * weights as the thread's stream, for prefetch_step to ask for what comes after them (a
+ * thread's groups lie back to back, so its weights are one stream; the rows of a group are R
+ * short streams that the hardware prefetcher would only pick up once each was half read). The
+ * block is pass `phase` of the group's `every` passes over its weights (one a block of x's
+ * rows): it asks for the k steps phase, phase + every, ..., so the asking is spread evenly
+ * over the group's compute. Asked for on the first pass alone, the memory idled through the
+ * others: at 32 rows of x the LM head took 1.3-1.5x as long, a MoE step's experts (8 rows
+ * each) 1.2x (Zen 5). */
 __attribute__((always_inline)) static inline void block(const bf16 *const w[R], const void *xv,
                                                         int64_t xstride, int64_t m0, int mb,
                                                         int64_t K, float sums[R][MB],
-                                                        const char *ahead, int phase,
+                                                        const char *stream, int phase,
                                                         int every) {
 #if defined(__AVX512BF16__)
     __m512 acc[R][MB];
-    dots(w, (const bf16 *)xv, xstride, m0, mb, K, acc, ahead, phase, every);
+    dots(w, (const bf16 *)xv, xstride, m0, mb, K, acc, stream, phase, every);
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 #elif !defined(PORTABLE)
@@ -219,7 +240,7 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
     for (int64_t k = 0; k < K; k += 2 * VW) {
         if ((k & 31) == 0 && --count == 0) {
             count = every;
-            prefetch_step(ahead + k * 2 * R);
+            prefetch_step(stream + k * 2 * R, every);
         }
         vec xe[MB], xo[MB];
         for (int m = 0; m < mb; m++) {
@@ -237,7 +258,7 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) sums[r][m] = vsum(acc[r][m]);
 #else
-    (void)ahead, (void)phase, (void)every;
+    (void)stream, (void)phase, (void)every;
     const float *x = (const float *)xv;
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mb; m++) {
@@ -262,22 +283,22 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     const bf16 *wr[R]; /* past the last row: that row again, computed and not stored */
     for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
     float sums[R][MB] = {{0}}; /* rows past a short block: never stored */
-    const char *ahead = (const char *)(w + n0 * K) + AHEAD;
+    const char *stream = (const char *)(w + n0 * K);
     const int every = (int)(M / MB + M % MB); /* passes over the group: blocks of MB rows, then 1 */
     int64_t m0 = 0;
     int pass = 0;
     for (; m0 + MB <= M; m0 += MB, pass++) {
 #if defined(__AVX512BF16__)
         if (rows == R) {
-            full_block(wr, (const bf16 *)x, xstride, m0, K, ahead, pass, every, bias, n0, y, N);
+            full_block(wr, (const bf16 *)x, xstride, m0, K, stream, pass, every, bias, n0, y, N);
             continue;
         }
 #endif
-        block(wr, x, xstride, m0, MB, K, sums, ahead, pass, every);
+        block(wr, x, xstride, m0, MB, K, sums, stream, pass, every);
         store_sums(sums, bias, m0, MB, n0, rows, y, N);
     }
     for (; m0 < M; m0++, pass++) {
-        block(wr, x, xstride, m0, 1, K, sums, ahead, pass, every);
+        block(wr, x, xstride, m0, 1, K, sums, stream, pass, every);
         store_sums(sums, bias, m0, 1, n0, rows, y, N);
     }
 }
@@ -483,13 +504,14 @@ static inline void prefetch_from(const char *from, const char *end, int64_t ahea
     for (const char *p = from; p < from + ahead && p < end; p += 64) __builtin_prefetch(p, 0, 1);
 }
 
-/* How far ahead the groups ask for their weights: outer_group's (wide) OUTER_AHEAD, else AHEAD. */
+/* How far ahead the groups ask for their weights: outer_group's (wide) OUTER_AHEAD, else as
+ * far as prefetch_step's streams reach from a block's start. */
 static inline int64_t ahead_of(int wide) {
     (void)wide;
 #if defined(OUTER)
     if (wide) return OUTER_AHEAD;
 #endif
-    return AHEAD;
+    return AHEAD_STREAMS * AHEAD_BLOCK;
 }
 
 /* Outputs a group for M rows. */
