@@ -11,6 +11,21 @@
 
 #define MAX_GROUP 64 /* query heads per KV head, at most */
 #define PREFETCH_KEYS 32 /* this file's loops: positions ahead of the one read asked for */
+#define STREAM_PAGES 2 /* this file's loops: pages ahead whose 4 KiB blocks' first lines are
+                          asked for */
+
+/* This file's loops, as a pass reaches position p, the start of a page: asks for the first
+ * line of each 4 KiB block of the page STREAM_PAGES on, if the row has it (pool rows of
+ * row_bytes), which sets the L2's stream prefetcher going on those blocks early (float32 K/V
+ * on a Zen 4: calls took 2-4% longer without it). */
+static inline void prefetch_stream_starts(const void *pool, const int32_t *pages, int64_t p,
+                                          int64_t ctx, int64_t page_size, int64_t row_bytes) {
+    int64_t a = (p / page_size + STREAM_PAGES) * page_size;
+    if (a >= ctx) return;
+    const char *page = (const char *)pool + (int64_t)pages[a / page_size] * page_size * row_bytes;
+    for (int64_t off = 0; off < page_size * row_bytes; off += 4096)
+        __builtin_prefetch(page + off, 0, 3);
+}
 
 /* The lines the vector loops ask for (attention_vec.h's kv_ahead) while they read positions
  * [from, from + count) of the vp-th of a task's pages in the order its passes read them: its
@@ -288,6 +303,8 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             } else
 #endif
             {
+                if (first == 0)
+                    prefetch_stream_starts(k_pool, pages, p, ctx, page_size, nkv * hd * sizeof(T));
                 NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx,
                                       p - start + PREFETCH_KEYS,
                                       p - start + count + PREFETCH_KEYS, page_size, nkv, hd);
@@ -312,6 +329,8 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
             } else
 #endif
             {
+                if (first == 0)
+                    prefetch_stream_starts(v_pool, pages, p, ctx, page_size, nkv * hd * sizeof(T));
                 int64_t s = len + p - start + PREFETCH_KEYS;
                 NAME(prefetch_stream)(k_pool, v_pool, pages, start, ctx, s, s + count,
                                       page_size, nkv, hd);
