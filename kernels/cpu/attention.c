@@ -34,8 +34,8 @@ static inline void prefetch_stream_starts(const void *pool, const int32_t *pages
  * page j + 1 on gets its part S - 1 - j of S (S = AHEAD_STREAMS), so each page is asked for
  * over the S pages read before it, in order. Asked for one page ahead in the loops' order, the
  * pages' reads with no arithmetic ran at ~17 GB/s on two Zen 4 cores, and 4 streams in order
- * at ~22 (random 8 KiB pages read 4-8 at once: 25-40); the kernel took 0.65-0.75x the time on
- * avx512_bf16, 0.79-0.87x on avx2 (2 streams or 8 were slower on one tier or the other). */
+ * at 20-25 (random 8 KiB pages read 4-8 at once: 22-40); the kernel took 0.65-0.75x the time on
+ * avx512_bf16, 0.72-0.82x on avx2 (2 streams or 8 were slower on one tier or the other). */
 #if defined(__AVX2__) && defined(__FMA__)
 static void plan_ahead(struct kv_ahead *a, const void *k_pool, const void *v_pool,
                        const int32_t *pages, int64_t first_page, int64_t n_pages, int64_t vp,
@@ -264,7 +264,7 @@ void NAME(decode_attention_team)(const T *q, int64_t q_stride, const int64_t *q_
     float *partials = scratch + per_thread * omp_get_num_threads(); /* (n, spans, nh, hd + 2) */
     int lanes = KV_VEC ? kv_lanes(hd) : 0;
     int64_t block = lanes > 0 ? lanes : 16; /* keys a scores call takes at most */
-    /* positions asked for at once as a pass starts (the vector loops: the first page) */
+    /* positions asked for at once as a task starts (the vector loops: its first page) */
     int64_t first_keys = lanes > 0 ? page_size : PREFETCH_KEYS;
     float *scores = scratch + per_thread * omp_get_thread_num();
     int64_t stride = score_stride(span); /* of the scores' rows */
