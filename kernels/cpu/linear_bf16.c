@@ -504,8 +504,8 @@ static inline void prefetch_from(const char *from, const char *end, int64_t ahea
     for (const char *p = from; p < from + ahead && p < end; p += 64) __builtin_prefetch(p, 0, 1);
 }
 
-/* How far ahead the groups ask for their weights: outer_group's (wide) OUTER_AHEAD, else as
- * far as prefetch_step's streams reach from a block's start. */
+/* What prefetch_from asks for where a thread's groups start: outer_group's (wide) OUTER_AHEAD,
+ * else the AHEAD_STREAMS blocks that prefetch_step's streams have not yet asked for whole. */
 static inline int64_t ahead_of(int wide) {
     (void)wide;
 #if defined(OUTER)
