@@ -148,7 +148,23 @@ static void NAME(page_values)(const float *restrict weights, int64_t weight_stri
 
 /* In place: scores (n,) -> e^(score - max); returns their sum, and the max in *top_out. */
 static float NAME(softmax_weights)(float *restrict s, int64_t n, float *top_out) {
-#if EXP8 /* AVX2 builds (typed.h); the others, AVX-512 too, take the loops below */
+#if EXP16 /* AVX-512 builds; the last block under a mask (past n: -inf, then 0) */
+    __m512 top = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 in = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        top = _mm512_max_ps(_mm512_mask_loadu_ps(top, in, s + i), top); /* NaN loses */
+    }
+    float best = _mm512_reduce_max_ps(top);
+    *top_out = best;
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 in = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + i), _mm512_set1_ps(best));
+        __m512 e = exp_approx16(x);
+        _mm512_mask_storeu_ps(s + i, in, e);
+        sums = _mm512_mask_add_ps(sums, in, sums, e);
+    }
+    return _mm512_reduce_add_ps(sums);
+#elif EXP8 /* AVX2 builds (typed.h); the portable one takes the loops below */
     __m256 top = _mm256_set1_ps(-INFINITY), sums = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) top = _mm256_max_ps(_mm256_loadu_ps(s + i), top); /* NaN loses */
