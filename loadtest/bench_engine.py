@@ -203,15 +203,16 @@ def fastest_hf(folders: dict[str, Path], prompt_len: int):
 
 
 def run_at_tier(tier: str | None) -> None:
-    """With --isa: restart this process with TISON_CPU_ISA (and torch's caps) set, so the
-    kernels, torch, oneDNN and MKL all run at that tier from the first operation."""
+    """With --isa: restart this process (the same command: this bench or another that calls
+    this) with TISON_CPU_ISA (and torch's caps) set, so the kernels, torch, oneDNN and MKL all
+    run at that tier from the first operation."""
     if tier is None or os.environ.get(isa.ENV_VAR) == tier:
         return
     os.environ[isa.ENV_VAR] = tier
     for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         os.environ.pop(cap, None)
     isa.cap_torch()
-    os.execv(sys.executable, [sys.executable, "-m", "loadtest.bench_engine", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def main() -> None:

@@ -2,6 +2,11 @@
 its linear and norm parameters plus the LM head (the embedding table read one row a token),
 and the KV each sequence's context adds."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import transformers
 
@@ -75,3 +80,30 @@ def test_the_engine_table_gives_the_share_and_what_tison_read(capsys):
     row = capsys.readouterr().out.splitlines()[-1]
     # shares 50% and 80%: their median; the ratio's median and range
     assert "| 65%: 20 GB/s of 25-40 |" in row and "3.00x (2.00-4.00)" in row
+
+
+def test_a_bench_run_at_a_tier_restarts_as_the_same_command(tmp_path):
+    """run_at_tier restarts the very command that called it (bench_step_overhead calls it too:
+    it used to restart as bench_engine), with TISON_CPU_ISA set, once."""
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import os, sys\n"
+        "from loadtest.bench_engine import run_at_tier\n"
+        "print('start', os.environ.get('TISON_CPU_ISA'), sys.argv[1:], flush=True)\n"
+        "run_at_tier('portable')\n"
+        "print('ran', os.environ['TISON_CPU_ISA'], sys.argv[1:])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TISON_CPU_ISA"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, str(script), "--batch", "32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert out == [
+        "start None ['--batch', '32']",
+        "start portable ['--batch', '32']",
+        "ran portable ['--batch', '32']",
+    ]
