@@ -121,6 +121,31 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_block(tier, with_bias):
         assert torch.equal(together.view(torch.int16), alone[:rows].view(torch.int16)), rows
 
 
+def test_each_output_is_rounded_once_as_torch_rounds_float32(tier):
+    """Each output's float32 sum is rounded to bf16 once, as torch rounds (to the nearest, ties
+    to the even value; a NaN to one quiet NaN), in every form: sums 1 + c/256 fall on bf16 values and halfway
+    between them, 1 - c/256 on them, and the inf and inf - inf rows give inf and NaN, for 20
+    rows together (avx2's outer products; avx512_bf16's whole blocks and the rows after) and
+    for each row alone; 7 outputs, a group and a short one."""
+    c = torch.arange(18, dtype=torch.float32)
+    x = torch.zeros(20, 64)
+    x[:18, 0], x[:18, 1] = 1.0, c / 256
+    x[18:, 0] = float("inf")
+    x[19, 1] = float("-inf")
+    weight = torch.zeros(7, 64)
+    weight[:, :2] = 1.0
+    weight[3, 1] = -1.0
+    x, weight = x.bfloat16(), weight.bfloat16()
+    sums = (x.double() @ weight.double().T).float()
+    expected = sums.bfloat16().view(torch.int16)
+    expected[sums.isnan()] = 0x7FC0  # the kernels' one NaN (torch keeps the sign bit)
+    assert sums[19, 0].isnan() and expected[19, 3] == 0x7F80  # inf - inf; inf + inf
+    together = linear_bf16(x, weight, None)
+    alone = torch.cat([linear_bf16(x[i : i + 1], weight, None) for i in range(len(x))])
+    assert torch.equal(together.view(torch.int16), expected)
+    assert torch.equal(alone.view(torch.int16), expected)
+
+
 def test_bad_input_names_what_is_wrong():
     weight = torch.zeros(16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="features"):

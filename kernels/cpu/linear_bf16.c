@@ -389,6 +389,27 @@ static void pack_x(const bf16 *x, int64_t xs, const int64_t *start, const int64_
     }
 }
 
+/* 8 float32 -> 8 bf16 (in 32-bit lanes) as f32_to_bf16 rounds them. */
+static inline __m256i round8(vec v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i magnitude = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+/* A block's XB sums of one output (lo: rows 0-7, hi: 8-15) -> out[XB] bf16, rounded as
+ * f32_to_bf16 does: outer_group ran 1.01-1.07x as fast as rounding each sum alone (16-512 rows
+ * of x, K 768-2048, weights in cache; Zen 4 at avx2). */
+static inline void round_xb(vec lo, vec hi, bf16 out[XB]) {
+    /* packus takes 128-bit halves in turn: lo 0-3, hi 0-3, lo 4-7, hi 4-7; the permute
+     * puts the halves back in order */
+    __m256i packed = _mm256_packus_epi32(round8(lo), round8(hi));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
 /* Outputs [n0, n0 + NR) of y (M, N) from M rows packed in blocks at xp. */
 static void outer_group(const bf16 *w, const bf16 *bias, const float *xp, int64_t M, int64_t N,
                         int64_t K, int64_t n0, bf16 *y) {
@@ -417,10 +438,17 @@ static void outer_group(const bf16 *w, const bf16 *bias, const float *xp, int64_
             else
                 outer_block(wf, kc, xp + (b * K + k0) * XB, 1, sums[b]);
     }
-    for (int64_t m = 0; m < M; m++)
-        for (int r = 0; r < rows; r++)
-            y[m * N + n0 + r] = f32_to_bf16(sums[m / XB][r * XB + m % XB] +
-                                            (bias == NULL ? 0.0f : bf16_to_f32(bias[n0 + r])));
+    for (int64_t b = 0; b < blocks; b++) {
+        bf16 out[NR][XB]; /* the block's rows of each output, rounded */
+        for (int r = 0; r < rows; r++) {
+            /* + 0.0f without a bias, as store_sums adds (-0.0f becomes 0.0f) */
+            vec add = _mm256_set1_ps(bias == NULL ? 0.0f : bf16_to_f32(bias[n0 + r]));
+            round_xb(_mm256_add_ps(vload(sums[b] + r * XB), add),
+                     _mm256_add_ps(vload(sums[b] + r * XB + VW), add), out[r]);
+        }
+        for (int64_t m = b * XB; m < M && m < (b + 1) * XB; m++)
+            for (int r = 0; r < rows; r++) y[m * N + n0 + r] = out[r][m % XB];
+    }
 }
 #define WIDE(M) ((M) >= WIDE_ROWS)
 #else
