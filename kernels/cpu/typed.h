@@ -67,58 +67,42 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-/* exp_approx on 8 lanes, its steps as fused multiply-adds (within a few ulp of it): about half
- * the instructions of exp_approx as the compiler vectorizes it for AVX2, which blends its
+/* exp_approx on a vector, its steps as fused multiply-adds (within a few ulp of it): about
+ * half the instructions of exp_approx as the compiler vectorizes it for AVX2, which blends its
  * clamps. For attention's softmax, whose bits no torch op has to match (the -ffp-contract=off
- * above is for the elementwise kernels that do). AVX2 builds; the AVX-512 ones take
- * exp_approx16 below. */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+ * above is for the elementwise kernels that do). EXP_APPROX defines it as `name` on vectors V
+ * with the intrinsics of prefix P (_mm256, _mm512), whose rounding and cast to float differ:
+ * exp_approx8 in AVX2 builds, exp_approx16 in AVX-512 ones (with KV in cache, calls at 256-1024
+ * positions ran 1.07-1.11x as fast as with the compiler-vectorized loop; Zen 4). */
+#define EXP_APPROX(name, V, VI, P, ROUND, CAST_PS)                                             \
+    static inline V name(V x) {                                                                \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.0f)), P##_set1_ps(88.0f));                \
+        V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504f)),                                   \
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                            \
+        V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                  \
+        r = P##_fmadd_ps(n, P##_set1_ps(2.12194440e-4f), r);                                   \
+        V p = P##_set1_ps(1.9875691500e-4f);                                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                 \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                 \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                 \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                 \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                 \
+        p = P##_fmadd_ps(P##_mul_ps(p, r), r, P##_add_ps(r, P##_set1_ps(1.0f)));               \
+        VI n_int = P##_cvtps_epi32(n);                                                         \
+        VI bits = P##_slli_epi32(P##_add_epi32(n_int, P##_set1_epi32(127)), 23);               \
+        return P##_mul_ps(p, CAST_PS(bits));                                                   \
+    }
+#if defined(__AVX512F__)
+#define EXP8 0
+#define EXP16 1
+EXP_APPROX(exp_approx16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define EXP8 1
+#define EXP16 0
+EXP_APPROX(exp_approx8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 #else
 #define EXP8 0
-#endif
-/* exp_approx8's steps on 16 lanes, for the AVX-512 tiers' softmax: with KV in cache, calls at
- * 256-1024 positions ran 1.07-1.11x as fast as with the compiler-vectorized loop (Zen 4). */
-#if defined(__AVX512F__)
-#define EXP16 1
-static inline __m512 exp_approx16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i n_int = _mm512_cvtps_epi32(n);
-    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(n_int, _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#else
 #define EXP16 0
-#endif
-#if EXP8
-static inline __m256 exp_approx8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i n_int = _mm256_cvtps_epi32(n);
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 #endif
 
 #endif
