@@ -123,10 +123,10 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_block(tier, with_bias):
 
 def test_each_output_is_rounded_once_as_torch_rounds_float32(tier):
     """Each output's float32 sum is rounded to bf16 once, as torch rounds (to the nearest, ties
-    to the even value; a NaN to one quiet NaN), in every form: sums 1 + c/256 fall on bf16 values and halfway
-    between them, 1 - c/256 on them, and the inf and inf - inf rows give inf and NaN, for 20
-    rows together (avx2's outer products; avx512_bf16's whole blocks and the rows after) and
-    for each row alone; 7 outputs, a group and a short one."""
+    to the even value; a NaN to one quiet NaN), in every form: sums 1 + c/256 fall on bf16
+    values and halfway between them, 1 - c/256 on them, and the inf and inf - inf rows give inf
+    and NaN, for 20 rows together (avx2's outer products; avx512_bf16's whole blocks and the
+    rows after) and for each row alone; 7 outputs, a group and a short one."""
     c = torch.arange(18, dtype=torch.float32)
     x = torch.zeros(20, 64)
     x[:18, 0], x[:18, 1] = 1.0, c / 256
