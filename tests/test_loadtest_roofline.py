@@ -2,15 +2,18 @@
 its linear and norm parameters plus the LM head (the embedding table read one row a token),
 and the KV each sequence's context adds."""
 
+import functools
+import operator
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
-from loadtest.bench_engine import print_table
+from loadtest.bench_engine import print_table, read_probes
 from loadtest.random_model import llama4_fields, llama_fields
 from loadtest.roofline import LlamaShape, decode_step_bytes, mean_step_bytes
 
@@ -107,3 +110,19 @@ def test_a_bench_run_at_a_tier_restarts_as_the_same_command(tmp_path):
         "start portable ['--batch', '32']",
         "ran portable ['--batch', '32']",
     ]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("streams", [1, 2, 4, 8])
+def test_the_read_probe_reads_every_word_once(threads, streams):
+    """membw.c's read_xor, as memory_bandwidth_gbs runs it with one stream a thread and four,
+    XORs every word of the buffer once, whatever the split: shares and streams of uneven lines
+    (a line is 8 words), and words after the last whole line. No word is 0 and equal ones lie
+    126 apart, so a word read twice or skipped, or a run of them, changes the XOR."""
+    words = 1 << torch.arange(8 * 3 * 5 * 7 + 5, dtype=torch.int64) % 63
+    words[::2] |= 1 << 63  # words past bit 62 too: every bit of a lane in use
+    expected = functools.reduce(operator.xor, words.tolist())
+    probe = read_probes().read_xor
+    assert probe(words.data_ptr(), words.numel(), threads, streams) & (2**64 - 1) == (
+        expected & (2**64 - 1)
+    )
