@@ -285,10 +285,10 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
  * on as it goes (prefetch_step's lines). block's R rows side by side are R short streams at
  * once. Against them, alternated in one engine on a Zen 4, the fused batch-1 step took
  * 0.85-0.95x the time on avx512_bf16 with the dense model, 0.92-1.04x (median 0.95x) with the
- * MoE one, 0.93-0.99x with Llama 4's, and 0.93-0.96x (dense) and 0.94-0.98x (MoE) on avx512;
+ * MoE one, 0.93-0.99x with Llama 4's, and 0.92-0.96x (dense) and 0.94-0.98x (MoE) on avx512;
  * there a plain read of one stream a thread ran at up to 1.4x the read probe's four streams.
  * avx2 keeps block: its row's sum is a chain of two FMAs a 32-byte step, and the rows in turn
- * took 0.96-1.31x the time there. */
+ * took 0.95-1.31x the time there. */
 static inline void one_row(const bf16 *const w[R], const void *xv, int64_t K,
                            float sums[R][MB]) {
     for (int r = 0; r < R; r++) {
