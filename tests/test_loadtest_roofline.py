@@ -1,6 +1,7 @@
 """The decode-step byte count of loadtest/roofline.py, checked on a model transformers builds:
 its linear and norm parameters plus the LM head (the embedding table read one row a token),
-and the KV each sequence's context adds."""
+and the KV each sequence's context adds; the engine table's shares of that roofline; the read
+probe (membw.c) the benches divide by; and a bench run restarted at a lower tier."""
 
 import functools
 import operator
