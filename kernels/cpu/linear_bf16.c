@@ -291,16 +291,19 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
  * took 0.95-1.31x the time there. */
 static inline void one_row(const bf16 *const w[R], const void *xv, int64_t K,
                            float sums[R][MB]) {
+#if defined(__AVX512BF16__)
+    const bf16 *x = (const bf16 *)xv;
+#else
+    const float *x = (const float *)xv; /* spread_x's order */
+#endif
     for (int r = 0; r < R; r++) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) { /* a line of w */
             ask_unit((uintptr_t)(w[r] + k) / 64, 64);
 #if defined(__AVX512BF16__)
-            const bf16 *x = (const bf16 *)xv;
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + k),
                                    (__m512bh)_mm512_loadu_si512(w[r] + k));
 #else
-            const float *x = (const float *)xv;
             const __m512i p = wload(w[r] + k);
             acc = vfma(vload(x + k), w_even(p), acc);
             acc = vfma(vload(x + k + VW), w_odd(p), acc);
@@ -334,13 +337,11 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     }
     for (; m0 < M; m0++, pass++) {
 #if defined(__AVX512F__)
-        if (M == 1) {
+        if (M == 1)
             one_row(wr, x, K, sums);
-            store_sums(sums, bias, m0, 1, n0, rows, y, N);
-            continue;
-        }
+        else
 #endif
-        block(wr, x, xstride, m0, 1, K, sums, stream, pass, every);
+            block(wr, x, xstride, m0, 1, K, sums, stream, pass, every);
         store_sums(sums, bias, m0, 1, n0, rows, y, N);
     }
 }
