@@ -84,23 +84,49 @@ def test_experts_rows_match_the_reference(rows, in_features):
             assert_close_to_reference(y[first:end], x[first:end], weight[e])
 
 
-def test_strided_rows_and_thread_counts_give_the_same_bits():
+@pytest.mark.parametrize("rows", [1, 40])
+def test_strided_rows_and_thread_counts_give_the_same_bits(rows):
     """x may be a column slice of a wider tensor; each output is one thread's sum in a fixed
-    order, so 1 and 2 threads agree bit for bit."""
+    order, whichever thread takes its group (shares.h), so 1 to 5 threads agree bit for bit
+    (more threads than this machine's cores: a thread preempted mid-loop has its groups taken
+    by the others)."""
     g = torch.Generator().manual_seed(1)
-    wide = torch.randn(40, 300, generator=g).bfloat16()
-    x = wide[:, 10:266]  # (40, 256), row stride 300
-    weight = torch.randn(96, 256, generator=g).bfloat16()
+    wide = torch.randn(rows, 300, generator=g).bfloat16()
+    x = wide[:, 10:266]  # (rows, 256), row stride 300
+    weight = torch.randn(1000, 256, generator=g).bfloat16()
     threads = torch.get_num_threads()
+    outputs = []
     try:
-        torch.set_num_threads(1)
-        one = linear_bf16(x, weight, None)
-        torch.set_num_threads(2)
-        two = linear_bf16(x, weight, None)
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            outputs += [linear_bf16(x, weight, None) for _ in range(3)]
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
-    assert_close_to_reference(one, x, weight)
+    assert all(torch.equal(outputs[0], y) for y in outputs[1:])
+    assert_close_to_reference(outputs[0], x, weight)
+
+
+def test_expert_thread_counts_give_the_same_bits():
+    """The experts' groups taken as the threads go, expert after expert: 1 to 5 threads give
+    the same bits."""
+    g = torch.Generator().manual_seed(2)
+    rows, in_features, out_features = [3, 0, 1, 9], 256, 100
+    start = torch.tensor([0, *itertools.accumulate(rows)], dtype=torch.int64)
+    x = torch.randn(int(start[-1]), in_features, generator=g).bfloat16()
+    weight = (torch.randn(len(rows), out_features, in_features, generator=g) / 8).bfloat16()
+    outputs = []
+    for count in (1, 2, 3, 5):
+        y = torch.full((len(x), out_features), float("nan"), dtype=torch.bfloat16)
+        status = library.kernel("tk_experts_linear_bf16")(
+            x.data_ptr(), start.data_ptr(), len(rows), weight.data_ptr(), weight[0].numel(),
+            out_features, in_features, y.data_ptr(), count,
+        )  # fmt: skip
+        assert status == 0
+        outputs.append(y)
+    assert all(torch.equal(outputs[0], y) for y in outputs[1:])
+    for e, (first, end) in enumerate(zip(start[:-1], start[1:])):
+        if end > first:
+            assert_close_to_reference(outputs[0][first:end], x[first:end], weight[e])
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

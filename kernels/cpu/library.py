@@ -46,8 +46,9 @@ _SIGNATURES = {
         [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, *[_i64] * 5, _f32, _ptr, _int, _ptr],
     ),
 }
-_BF16_ONLY = {  # linear_bf16.c, decode_layer.c
+_BF16_ONLY = {  # linear_bf16.c, decode_layer.c, shares.c: one function each, not one a dtype
     "tk_amx_ready": (_int, []),
+    "tk_shares_walk": (_int, [_i64, _int, _int, _ptr, _i64, _ptr]),
     "tk_linear_bf16": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_experts_linear_bf16": (_int, [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_decode_layers_bf16": (

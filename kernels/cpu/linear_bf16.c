@@ -6,7 +6,8 @@
  * outputs, which the vector units of that tier take); elsewhere the vector units,
  * at the build's tier (isa.py), in dot-product form: a thread owns whole groups of R weight
  * rows, streams each group from memory once into L1 and runs it against every row of x, MB rows
- * at a time, in R x MB vector accumulators summed across their lanes at the end.
+ * at a time, in R x MB vector accumulators summed across their lanes at the end. The team
+ * takes the groups as it goes (shares.h): each thread its equal run, then a slower one's rest.
  * - avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs of w and x straight from memory; a whole
  *   4 x 4 block's 16 accumulators are folded into one vector of sums and stored rounded
  *   (full_block: 1.15-1.3x at 32 rows, Zen 5), the same bits as summing each alone;
@@ -24,6 +25,7 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "shares.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -514,15 +516,19 @@ static void amx_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
 }
 #endif
 
-/* Bytes of scratch vec_linear_team needs for x of M rows of K. */
+/* Bytes of scratch vec_linear_team needs for x of M rows of K: the team's shares (shares.h),
+ * at its start so that every linear of a step finds them where the last one left them empty,
+ * then x laid out (x_scratch). */
 int64_t vec_linear_scratch(int64_t M, int64_t K) {
 #if defined(OUTER)
     /* packed blocks: at most M / XB + 1 for one matrix, M / XB + count <= M / 8 for experts (wide
      * when they have XB rows on average) */
-    if (WIDE(M)) return K * XB * (M / 8 + 2) * 4;
+    if (WIDE(M)) return SHARES_BYTES + K * XB * (M / 8 + 2) * 4;
 #endif
-    return XF32 ? M * K * 4 : 0;
+    return SHARES_BYTES + (XF32 ? M * K * 4 : 0);
 }
+
+static inline void *x_scratch(void *scratch) { return (char *)scratch + SHARES_BYTES; }
 
 /* The team lays out x (M rows; for experts, pack_x's rows of each active one) for the kernel:
  * packed in blocks (outer_group), spread (group, on float32 x) or as it is. Returns the x the
@@ -596,22 +602,22 @@ static inline int64_t group_size(int wide) {
 
 /* y (M, N) contiguous = x (M, K; row stride xs) w^T + bias (N,) or NULL, w (N, K) contiguous,
  * K % 32 == 0; scratch: vec_linear_scratch(M, K) bytes shared by the team. A team kernel
- * (kernels.h): the team lays out x, then shares out the groups. */
+ * (kernels.h): the team lays out x, then takes the groups as it goes (shares.h). */
 void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias, int64_t M,
                      int64_t N, int64_t K, bf16 *y, void *scratch) {
     int wide = WIDE(M);
     int64_t rows[2] = {0, M}, one = 0, xstride, size = group_size(wide);
     int64_t groups = (N + size - 1) / size;
-    const void *xv = lay_out_x(x, xs, M, rows, &one, 1, K, wide, scratch, &xstride);
-    int64_t previous = -2;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        if (g != previous + 1) /* a thread's first group */
-            prefetch_from((const char *)(w + g * size * K), (const char *)(w + N * K),
+    const void *xv = lay_out_x(x, xs, M, rows, &one, 1, K, wide, x_scratch(scratch), &xstride);
+    runs r = runs_start(scratch, groups);
+    for (int64_t lo, hi, previous = -1; runs_next(&r, &lo, &hi); previous = hi) {
+        if (lo != previous) /* not where this thread's last run ended */
+            prefetch_from((const char *)(w + lo * size * K), (const char *)(w + N * K),
                           ahead_of(wide));
-        previous = g;
-        any_group(w, bias, xv, xstride, M, N, K, g * size, y, wide);
+        for (int64_t g = lo; g < hi; g++)
+            any_group(w, bias, xv, xstride, M, N, K, g * size, y, wide);
     }
+#pragma omp barrier
 }
 
 /* The experts of a MoE layer as one team loop (moe.c): x (P, K) holds the rows of expert e at
@@ -632,22 +638,22 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
 #else
     int wide = count > 0 && WIDE(start[E] / count); /* rows an active expert, on average */
     int64_t xstride, size = group_size(wide), groups = (N + size - 1) / size;
-    const void *xv = lay_out_x(x, K, start[E], start, active, count, K, wide, scratch, &xstride);
-    /* Thread t takes the t-th of T equal parts of every expert's groups (the static schedule
-     * deals the T * count units out in T runs of count), not whole experts: experts have
-     * unequal rows, so whole ones left the team waiting on the busiest. */
-    const int64_t T = omp_get_num_threads();
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < T * count; u++) {
-        const int64_t part = u / count, a = u % count, e = active[a], first = start[e];
-        const int64_t g0 = groups * part / T, g1 = groups * (part + 1) / T;
-        const bf16 *we = w + e * w_stride;
-        prefetch_from((const char *)(we + g0 * size * K), (const char *)(we + N * K),
-                      ahead_of(wide));
-        for (int64_t g = g0; g < g1; g++)
+    const void *xv =
+        lay_out_x(x, K, start[E], start, active, count, K, wide, x_scratch(scratch), &xstride);
+    /* The units: every active expert's groups, expert after expert. Experts have unequal rows,
+     * so the threads' equal first runs are unequal work, which the taking evens out. */
+    runs r = runs_start(scratch, count * groups);
+    for (int64_t lo, hi, previous = -1; runs_next(&r, &lo, &hi); previous = hi)
+        for (int64_t u = lo; u < hi; u++) {
+            const int64_t a = u / groups, g = u % groups, e = active[a], first = start[e];
+            const bf16 *we = w + e * w_stride;
+            if (g == 0 || (u == lo && lo != previous)) /* the next expert, or a new run */
+                prefetch_from((const char *)(we + g * size * K), (const char *)(we + N * K),
+                              ahead_of(wide));
             any_group(we, NULL, rows_at(xv, xstride, first, a, K, wide), xstride,
                       start[e + 1] - first, N, K, g * size, y + first * N, wide);
-    }
+        }
+#pragma omp barrier
 #endif
 }
 
@@ -667,6 +673,9 @@ void *linear_scratch(int64_t M, int64_t K) {
         free(scratch);
         scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
         scratch_bytes = scratch == NULL ? 0 : bytes;
+#if !AMX_BUILD
+        if (scratch != NULL) shares_clear(scratch);
+#endif
     }
     return scratch;
 }
