@@ -106,6 +106,24 @@ def test_strided_rows_and_thread_counts_give_the_same_bits(rows):
     assert_close_to_reference(outputs[0], x, weight)
 
 
+def test_a_team_larger_than_the_shares_hold_splits_statically():
+    """Past MAX_SHARES (256) threads the team keeps each thread's equal part alone: 300
+    threads give 1 thread's bits, the outputs fewer than the threads (some take none)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    weight = torch.randn(1000, 64, generator=g).bfloat16()
+    outputs = []
+    for count in (1, 300):
+        y = torch.full((2, 1000), float("nan"), dtype=torch.bfloat16)
+        status = library.kernel("tk_linear_bf16")(
+            x.data_ptr(), 64, weight.data_ptr(), None, 2, 1000, 64, y.data_ptr(), count
+        )
+        assert status == 0
+        outputs.append(y)
+    assert torch.equal(outputs[0], outputs[1])
+    assert_close_to_reference(outputs[1], x, weight)
+
+
 def test_expert_thread_counts_give_the_same_bits():
     """The experts' groups taken as the threads go, expert after expert: 1 to 5 threads give
     the same bits."""

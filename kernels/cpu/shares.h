@@ -69,7 +69,7 @@ static inline int share_next(share *shares, int t, int T, int64_t *lo, int64_t *
 }
 
 /* A thread's runs of a team loop: the team's shares, or where the team is larger than they
- * hold, its static part alone. */
+ * hold (or the units more than a run counts), its static part alone. */
 typedef struct {
     share *shares;
     int t, T, done;
@@ -79,7 +79,7 @@ typedef struct {
 /* In a team (or alone), before the loop: this thread's run of `units` started. */
 static inline runs runs_start(share *shares, int64_t units) {
     runs r = {shares, omp_get_thread_num(), omp_get_num_threads(), 0, units};
-    if (r.T > MAX_SHARES)
+    if (r.T > MAX_SHARES || units > (int64_t)UINT32_MAX)
         r.shares = NULL;
     else
         share_start(shares, units, r.t, r.T);
