@@ -74,7 +74,7 @@ def generate(
 
 
 @pytest.mark.parametrize("tier", tier_params(emulated_amx=True))
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])  # 3 on 2 cores: groups taken from a preempted one
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_layer_gives_the_op_by_op_bits(
     tiny_model_factory, monkeypatch, variant, threads, tier
