@@ -79,9 +79,9 @@ def test_a_thread_with_nothing_left_takes_half_of_anothers_rest_from_the_back():
 
 
 def test_a_run_not_yet_started_has_nothing_to_take():
-    """Shares start empty and are left empty by every loop: a thread that looks at another's
-    run before its owner has started it on this loop finds nothing there (not the last loop's
-    units), and takes only its own."""
+    """Shares start empty (and every loop leaves them so: the first test's last looks find
+    nothing): a thread that looks at another's run before its owner has started it finds
+    nothing there, and takes only its own."""
     taken = walk(40, 2, [0] * 10, started=1)
     runs = [r for r in taken if r is not None]
     assert runs[-1][1] == 20 and all(hi <= 20 for _, hi in runs)
