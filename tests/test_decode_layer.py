@@ -4,10 +4,14 @@ tokens, logprobs within a tolerance), on one and two threads, with requests join
 others decode (steps of few tokens, prompts included, run fused; longer ones op by op), at
 every tier this CPU runs."""
 
+import ctypes
+
 import pytest
 import torch
 
+from kernels.cpu import isa, library
 from kernels.cpu.linear import linear_max_rows
+from loadtest.bench_step_overhead import FUSED, OP_SECONDS, OPS
 from shared.models.layers.decode_layer import FusedDecoder
 from shared.models.layers.fused_call import FusedCall
 from shared.sampling.params import SamplingParams
@@ -176,6 +180,34 @@ def test_long_contexts_cut_in_spans_fused_and_op_by_op_agree(tiny_model_factory,
     prompts = make_prompts([600, 300], seed=1)
     fused, op_by_op = both_ways(tiny_model_factory, monkeypatch, model, 3, tier, prompts=prompts)
     assert op_by_op == fused
+
+
+@pytest.mark.parametrize("tier", tier_params())
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "llama 4 moe"])
+def test_a_build_that_times_its_ops_decodes_the_same(tiny_model_factory, monkeypatch, tier, moe):
+    """bench_step_overhead --ops runs the fused call of a build with -DTISON_OP_TIMES: it gives
+    the tier's own build's tokens and logprobs, and its seconds land on the ops the layers run
+    (the experts only where layers route; no all-reduce on one rank), while the tier's own
+    build times nothing."""
+    use_tier(tier, monkeypatch)
+    family, overrides, options = MOE_VARIANTS["llama 4"] if moe else (*VARIANTS["llama"], {})
+    model_dir = tiny_model_factory(family, **overrides)
+    prompts = make_prompts()
+    own = generate(model_dir, True, 2, prompts, **options)
+    seconds = (ctypes.c_double * len(OPS))()
+    assert library.functions[OP_SECONDS](seconds, len(OPS)) == 0
+    timed = library.load_kernels(isa.BY_NAME[tier], ("-DTISON_OP_TIMES",))
+    monkeypatch.setitem(library.functions, FUSED, timed[FUSED])
+    timed[OP_SECONDS](seconds, len(OPS))  # from 0
+    assert generate(model_dir, True, 2, prompts, **options) == own
+    assert timed[OP_SECONDS](seconds, len(OPS)) == len(OPS)
+    spent = dict(zip(OPS, seconds))
+    ran = ["embed", "norm", "qkv", "rope", "kv write", "attention", "o", "head"]
+    ran += ["gate_up", "act", "down"] + (["experts"] if moe else [])
+    assert all(spent[op] > 0 for op in ran), spent
+    assert spent["all-reduce"] == 0
+    if not moe:
+        assert spent["experts"] == 0
 
 
 def assert_same_tokens(fused: list, op_by_op: list) -> None:

@@ -9,6 +9,7 @@
  * output is the same bit for bit (the routing weights of moe.c to an ulp). The linears are
  * linear_bf16.c's: AMX tiles or the vector units, whichever the build's tier has.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -65,6 +66,41 @@ typedef struct {
 } decode_embed;
 
 #define MAX_MASKS 4
+
+/* Where the call's time goes (loadtest/bench_step_overhead.py --ops): in a build with
+ * -DTISON_OP_TIMES, as each op of the region ends, thread 0 adds the time since the last op
+ * ended to op_seconds[op]. Every op ends at the team's barrier, so that is the team's time on
+ * it, the wait for the slowest thread included. Other builds mark nothing. The names, in this
+ * order, are bench_step_overhead's OPS. */
+enum {
+    OP_EMBED, OP_NORM, OP_QKV, OP_ROPE, OP_KV_WRITE, OP_ATTENTION, OP_O, OP_ALL_REDUCE,
+    OP_GATE_UP, OP_ACT, OP_DOWN, OP_EXPERTS, OP_HEAD, OP_ARGMAX, OP_COUNT
+};
+#ifdef TISON_OP_TIMES
+static double op_seconds[OP_COUNT], op_last; /* thread 0's alone */
+static inline void op_done(int op) {
+    if (omp_get_thread_num() != 0) return;
+    double now = omp_get_wtime();
+    if (op >= 0) op_seconds[op] += now - op_last;
+    op_last = now;
+}
+#else
+static inline void op_done(int op) { (void)op; }
+#endif
+#define OP_START (-1) /* op_done's mark of the region's start */
+
+/* Copies the seconds each op took over the calls since the last copy into out (OP_COUNT of
+ * them, at most n) and starts them again from 0; returns OP_COUNT, or 0 in a build that does not
+ * time its ops. */
+int tk_op_seconds(double *out, int64_t n) {
+#ifdef TISON_OP_TIMES
+    for (int op = 0; op < OP_COUNT && op < n; op++) out[op] = op_seconds[op], op_seconds[op] = 0;
+    return OP_COUNT;
+#else
+    (void)out, (void)n;
+    return 0;
+#endif
+}
 
 static __thread bf16 *workspace; /* the caller's intermediate activations, grown, kept */
 static __thread size_t workspace_elems;
@@ -137,8 +173,11 @@ static void rotate_team(const decode_layer *L, const step_args *S, bf16 *qkv) {
 static void swiglu_team(const bf16 *gate_up, const bf16 *down, int64_t F, const step_args *S,
                         int64_t H, bf16 *y) {
     linear_team(S->xn, H, gate_up, NULL, S->n, 2 * F, H, S->gate_up, S->xp);
+    op_done(OP_GATE_UP);
     silu_mul_team_bf16(S->gate_up, S->act, S->n, F);
+    op_done(OP_ACT);
     linear_team(S->act, F, down, NULL, S->n, H, F, y, S->xp);
+    op_done(OP_DOWN);
 }
 
 /* Inside the region: layer L on x (n, H) -> out (n, H); residual as the op-by-op layer keeps
@@ -154,29 +193,44 @@ static int64_t layer_team(const decode_layer *L, const step_args *S, const bf16 
     const step_mask *A = &S->masks[L->mask];
     bf16 *qkv = S->qkv;
     rms_norm_team_bf16(x, H, S->xn, H, first ? NULL : residual, L->input_norm, n, 1, H, L->eps);
+    op_done(OP_NORM);
     linear_team(S->xn, H, L->qkv, L->qkv_bias, n, qkv_size, H, qkv, S->xp);
+    op_done(OP_QKV);
     rotate_team(L, S, qkv);
+    op_done(OP_ROPE);
     kv_write_team_bf16(S->k, nkv * hd, qkv + q_size + nkv * hd, qkv_size, A->slots, n, k_pool,
                        v_pool, nkv, hd);
+    op_done(OP_KV_WRITE);
     decode_attention_team_bf16(S->q, q_size, NULL, k_pool, v_pool, A->block_table,
                                A->table_stride, A->context_lens, n, nh, nkv, hd, S->page_size,
                                A->window, L->scale, S->attn, S->span[L->mask], S->scores);
+    op_done(OP_ATTENTION);
     linear_team(S->attn, q_size, L->o, NULL, n, H, q_size, S->o, S->xp);
-    if (S->tp != NULL && all_reduce_team_bf16(S->tp, S->o, n * H) != 0) return S->tp->error;
+    op_done(OP_O);
+    if (S->tp != NULL) {
+        if (all_reduce_team_bf16(S->tp, S->o, n * H) != 0) return S->tp->error;
+        op_done(OP_ALL_REDUCE);
+    }
     rms_norm_team_bf16(S->o, H, S->xn, H, residual, L->post_norm, n, 1, H, L->eps);
+    op_done(OP_NORM);
     if (L->router == NULL) {
         swiglu_team(L->gate_up, L->down, L->intermediate, S, H, out);
     } else {
         moe_team_bf16(S->xn, L->router, L->w13, L->w2, n, H, L->intermediate, L->experts,
                       L->top_k, (int)L->scoring, (int)L->renormalize, out, &S->moe, S->xp);
+        op_done(OP_EXPERTS);
         if (L->shared_gate_up != NULL) {
             swiglu_team(L->shared_gate_up, L->shared_down, L->shared_intermediate, S, H, S->o);
 #pragma omp for /* out = shared + routed, as the op-by-op layer adds them */
             for (int64_t i = 0; i < n * H; i++)
                 out[i] = f32_to_bf16(bf16_to_f32(S->o[i]) + bf16_to_f32(out[i]));
+            op_done(OP_EXPERTS);
         }
     }
-    return S->tp == NULL ? 0 : all_reduce_team_bf16(S->tp, out, n * H);
+    if (S->tp == NULL) return 0;
+    int64_t status = all_reduce_team_bf16(S->tp, out, n * H);
+    op_done(OP_ALL_REDUCE);
+    return status;
 }
 
 /* The MoE layers' scratch for n rows (moe.c's layout, sized for the widest of them) in one
@@ -219,7 +273,11 @@ static void head_team(const decode_head *D, const bf16 *out, int64_t H, bf16 *ro
         x = rows;
     }
     linear_team(x, H, D->weight, NULL, D->m, D->vocab, H, D->logits, scratch);
-    if (D->tokens != NULL) argmax_team_bf16(D->logits, D->vocab, D->m, D->vocab, D->tokens);
+    op_done(OP_HEAD);
+    if (D->tokens != NULL) {
+        argmax_team_bf16(D->logits, D->vocab, D->m, D->vocab, D->tokens);
+        op_done(OP_ARGMAX);
+    }
 }
 
 /* `count` layers (same attention shapes) of a decode step: x (n, hidden) -> out (n, hidden),
@@ -293,11 +351,13 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
         /* outputs alternate between out and spare so that the last one lands in out */
         const bf16 *in = x;
         int failed = 0;
+        op_done(OP_START);
         if (embed != NULL) {
 #pragma omp for
             for (int64_t t = 0; t < n; t++)
                 memcpy(residual + t * H, embed->table + embed->ids[t] * H, sizeof(bf16) * H);
             in = residual;
+            op_done(OP_EMBED);
         }
         for (int64_t i = 0; i < count && !failed; i++) {
             bf16 *to = (count - 1 - i) % 2 == 0 ? out : spare;
@@ -306,8 +366,10 @@ int tk_decode_layers_bf16(const decode_layer *layers, int64_t count, const bf16 
                                 v_pools[i]) != 0;
             in = to;
         }
-        if (final_norm != NULL && !failed) /* in place: a row is read whole before written */
+        if (final_norm != NULL && !failed) { /* in place: a row is read whole before written */
             rms_norm_team_bf16(out, H, out, H, residual, final_norm, n, 1, H, final_eps);
+            op_done(OP_NORM);
+        }
         if (head != NULL && !failed) head_team(head, out, H, xn, S.xp);
         linear_team_done();
     }

@@ -49,6 +49,7 @@ _SIGNATURES = {
 _BF16_ONLY = {  # linear_bf16.c, decode_layer.c, shares.c: one function each, not one a dtype
     "tk_amx_ready": (_int, []),
     "tk_shares_walk": (_int, [_i64, _int, _int, _ptr, _i64, _ptr]),
+    "tk_op_seconds": (_int, [_ptr, _i64]),
     "tk_linear_bf16": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_experts_linear_bf16": (_int, [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _int]),
     "tk_decode_layers_bf16": (
