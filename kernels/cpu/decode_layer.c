@@ -77,7 +77,7 @@ enum {
     OP_GATE_UP, OP_ACT, OP_DOWN, OP_EXPERTS, OP_HEAD, OP_ARGMAX, OP_COUNT
 };
 #ifdef TISON_OP_TIMES
-static double op_seconds[OP_COUNT], op_last; /* thread 0's alone */
+static double op_seconds[OP_COUNT], op_last; /* thread 0's: one call at a time in the process */
 static inline void op_done(int op) {
     if (omp_get_thread_num() != 0) return;
     double now = omp_get_wtime();
