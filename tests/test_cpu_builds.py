@@ -1,8 +1,13 @@
 """The C CPU kernels build at every tier (x86-64 compilers accept each tier's flags whatever
-this CPU has), and the portable sources compile for aarch64 with a cross-compiler: no x86
-intrinsic outside its guard. Running each tier is test_library.py's job (tiers.py)."""
+this CPU has), and the portable sources compile for aarch64 with a cross-compiler, with the
+flags the library is built with: no x86 intrinsic outside its guard, and no loop that crashes
+that compiler's vectorizer at -O3 (gcc 12's did on an fmaxf reduction). Under qemu-user the
+aarch64 build computes the same bits as this machine's portable one. Running each tier is
+test_library.py's job (tiers.py)."""
 
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +18,20 @@ from shared.codec import native
 from compilers import needs_compiler, run_at_once
 
 CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
+QEMU = "qemu-aarch64"  # Debian: qemu-user
+DIGESTS = Path(__file__).with_name("native") / "kernel_digests.c"
+PORTABLE = isa.BY_NAME["portable"]
 
 
-def compile_objects(compiler: str, flags: list[str], tmp_path) -> tuple[int, str]:
-    """Compiles (no link) every kernel source with these flags, a compiler process a source,
-    at once (one after another they took ~20 s of the suite on 2 cores) -> (the worst return
-    code, every source's errors)."""
-    cmd = [compiler, "-O2", "-std=gnu11", "-fopenmp", "-fPIC", "-ffp-contract=off", *flags]
-    cmd += ["-Werror=implicit-function-declaration", "-c"]
+def cross_compiler() -> str | None:
+    return next((c for c in CROSS_COMPILERS if shutil.which(c)), None)
+
+
+def compile_objects(compiler: str, tier: isa.Tier, tmp_path) -> tuple[int, str]:
+    """Compiles (no link) every kernel source with the tier's library flags, a compiler process
+    a source, at once (one after another they took ~20 s of the suite on 2 cores) -> (the worst
+    return code, every source's errors)."""
+    cmd = [compiler, *library.flags(tier), "-Werror=implicit-function-declaration", "-c"]
     results = run_at_once([[*cmd, str(source)] for source in library.SOURCES], cwd=tmp_path)
     return max(r.returncode for r in results), b"".join(r.stderr for r in results).decode()
 
@@ -31,15 +42,15 @@ def test_every_tier_compiles_on_x86(tier, tmp_path):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    code, errors = compile_objects(compiler, list(isa.BY_NAME[tier].cflags), tmp_path)
+    code, errors = compile_objects(compiler, isa.BY_NAME[tier], tmp_path)
     assert code == 0, errors
 
 
 def test_portable_sources_compile_for_aarch64(tmp_path):
-    compiler = next((c for c in CROSS_COMPILERS if shutil.which(c)), None)
+    compiler = cross_compiler()
     if compiler is None:
         pytest.skip("no aarch64 cross-compiler (Debian: gcc-aarch64-linux-gnu; .ci/run has one)")
-    code, errors = compile_objects(compiler, [], tmp_path)
+    code, errors = compile_objects(compiler, PORTABLE, tmp_path)
     assert code == 0, errors
     objects = sorted(p.name for p in tmp_path.glob("*.o"))
     assert objects == sorted(p.stem + ".o" for p in library.SOURCES)
@@ -48,6 +59,39 @@ def test_portable_sources_compile_for_aarch64(tmp_path):
         assert (
             header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183
         )  # EM_AARCH64
+
+
+def digests_build(compiler: str, out: Path, *extra: str) -> list[str]:
+    """The command that builds kernel_digests.c into `out` with every kernel source, at the
+    portable tier's library flags."""
+    flags = [f for f in library.flags(PORTABLE) if f not in ("-shared", "-fPIC")]
+    sources = [s for s in library.SOURCES if s.name != "decode_layer.c"]  # it includes that one
+    include = f"-I{library.SOURCES[0].parent}"
+    return [compiler, *flags, include, str(DIGESTS), *map(str, sources), "-o", str(out), *extra]
+
+
+@pytest.mark.skipif(not isa.is_x86(), reason="compares an x86-64 build with an aarch64 one")
+def test_portable_kernels_compute_the_same_bits_on_aarch64(tmp_path):
+    """Every kernel, alone and in the fused decoder, on one thread and two: the aarch64 build
+    (run by qemu-user) prints the same digest of each output as this machine's portable build,
+    which the kernel tests check against torch at the portable tier."""
+    cross, qemu, gcc = cross_compiler(), shutil.which(QEMU), shutil.which("gcc")
+    if cross is None or qemu is None or gcc is None:
+        pytest.skip("needs gcc, gcc-aarch64-linux-gnu and qemu-user (.ci/run installs them)")
+    x86, arm = tmp_path / "digests", tmp_path / "digests-aarch64"
+    builds = run_at_once(
+        [digests_build(gcc, x86, "-lm"), digests_build(cross, arm, "-static", "-lm")]
+    )
+    assert [b.returncode for b in builds] == [0, 0], b"".join(b.stderr for b in builds).decode()
+    ours, theirs = (
+        subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        for cmd in ([x86], [qemu, arm])
+    )
+    assert ours.returncode == 0 and theirs.returncode == 0, ours.stderr + theirs.stderr
+    lines = ours.stdout.splitlines()
+    names = {line.rsplit(" ", 2)[0] for line in lines}
+    assert len(lines) == 2 * 43 and len(names) == 43, ours.stdout  # 1 and 2 threads
+    assert theirs.stdout.splitlines() == lines
 
 
 @needs_compiler

@@ -19,7 +19,12 @@
 static void route_row(const bf16 *logits, int64_t E, int64_t k, int scoring, int renormalize,
                       int64_t *ids, float *weights) {
     float top = -INFINITY, sum = 0.0f;
-    for (int64_t e = 0; e < E; e++) top = fmaxf(top, bf16_to_f32(logits[e]));
+    /* the largest logit, a NaN skipped, as fmaxf does (whose reduction crashed the aarch64
+     * vectorizer of gcc 12 at -O3) */
+    for (int64_t e = 0; e < E; e++) {
+        const float v = bf16_to_f32(logits[e]);
+        top = v > top ? v : top;
+    }
     for (int64_t e = 0; e < E; e++) sum += expf(bf16_to_f32(logits[e]) - top);
     for (int64_t j = 0; j < k; j++) {
         int64_t best = -1;
