@@ -1,8 +1,10 @@
 """Tests of the C paths skip only where there is no C compiler: where there is one, a build that
 fails is a failure (the library then is None and the tests that call it fail), never a skip.
-And compiler runs for the build tests, one a core at once."""
+And compiler runs for the build tests, one a core at once; the aarch64 cross-compiler and
+qemu-user that build and run the portable C for ARM64 (.ci/run installs both)."""
 
 import os
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +13,20 @@ import pytest
 from kernels.build import compiler
 
 needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc or gcc) on PATH")
+CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")  # Debian's package
+QEMU = "qemu-aarch64"  # Debian: qemu-user
+
+
+def cross_compiler() -> str | None:
+    return next((c for c in CROSS_COMPILERS if shutil.which(c)), None)
+
+
+def aarch64_tools() -> tuple[str, str, str]:
+    """(this machine's gcc, the aarch64 cross-compiler, qemu-aarch64), or the test skips."""
+    tools = shutil.which("gcc"), cross_compiler(), shutil.which(QEMU)
+    if None in tools:
+        pytest.skip("needs gcc, gcc-aarch64-linux-gnu and qemu-user (.ci/run installs them)")
+    return tools
 
 
 def run_at_once(commands: list[list[str]], cwd=None) -> list[subprocess.CompletedProcess]:

@@ -3,7 +3,6 @@ planes that start as garbage: its package-merge gives huffman.code_lengths' leng
 tensors cut into chunks (boundaries mid-byte and mid-segment) give the planes of one chunk,
 for every coded dtype and awkward sizes."""
 
-import shutil
 import subprocess
 
 import numpy as np
@@ -18,10 +17,9 @@ from shared.codec.container import ShardReader
 from shared.codec.format import LAYOUTS, MAX_CODE_LEN, SEG_BITS
 from shared.codec.huffman import code_lengths
 
-from compilers import needs_compiler
+from compilers import cross_compiler, needs_compiler
 
 pytestmark = needs_compiler
-CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
 
 
 @pytest.fixture
@@ -180,7 +178,7 @@ def test_compress_dir_writes_the_same_shards_on_any_thread_count(tmp_path, monke
 
 def test_the_codec_sources_compile_for_aarch64(tmp_path):
     """The portable C (no x86 intrinsic outside its guard) also builds for aarch64."""
-    compiler = next((c for c in CROSS_COMPILERS if shutil.which(c)), None)
+    compiler = cross_compiler()
     if compiler is None:
         pytest.skip("no aarch64 cross-compiler (Debian: gcc-aarch64-linux-gnu)")
     for source in native._SOURCES:

@@ -15,16 +15,10 @@ import torch
 from kernels.cpu import isa, library
 from shared.codec import native
 
-from compilers import needs_compiler, run_at_once
+from compilers import aarch64_tools, cross_compiler, needs_compiler, run_at_once
 
-CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12")
-QEMU = "qemu-aarch64"  # Debian: qemu-user
 DIGESTS = Path(__file__).with_name("native") / "kernel_digests.c"
 PORTABLE = isa.BY_NAME["portable"]
-
-
-def cross_compiler() -> str | None:
-    return next((c for c in CROSS_COMPILERS if shutil.which(c)), None)
 
 
 def compile_objects(compiler: str, tier: isa.Tier, tmp_path) -> tuple[int, str]:
@@ -75,9 +69,7 @@ def test_portable_kernels_compute_the_same_bits_on_aarch64(tmp_path):
     """Every kernel, alone and in the fused decoder, on one thread and two: the aarch64 build
     (run by qemu-user) prints the same digest of each output as this machine's portable build,
     which the kernel tests check against torch at the portable tier."""
-    cross, qemu, gcc = cross_compiler(), shutil.which(QEMU), shutil.which("gcc")
-    if cross is None or qemu is None or gcc is None:
-        pytest.skip("needs gcc, gcc-aarch64-linux-gnu and qemu-user (.ci/run installs them)")
+    gcc, cross, qemu = aarch64_tools()
     x86, arm = tmp_path / "digests", tmp_path / "digests-aarch64"
     builds = run_at_once(
         [digests_build(gcc, x86, "-lm"), digests_build(cross, arm, "-static", "-lm")]
