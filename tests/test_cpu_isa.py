@@ -45,6 +45,7 @@ def test_unknown_tier_names_the_variable(monkeypatch):
 
 
 def test_cap_torch_sets_torchs_and_onednns_caps_unless_set(monkeypatch):
+    monkeypatch.setattr(isa, "is_x86", lambda: True)
     monkeypatch.setenv(isa.ENV_VAR, "portable")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
@@ -53,6 +54,18 @@ def test_cap_torch_sets_torchs_and_onednns_caps_unless_set(monkeypatch):
     assert os.environ["ATEN_CPU_CAPABILITY"] == "default"
     assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"  # the user's own setting wins
+
+
+def test_cap_torch_leaves_torch_alone_off_x86(monkeypatch):
+    """On ARM64 the tiers' caps would hand oneDNN an x86 ISA name (SSE41)."""
+    monkeypatch.setattr(isa, "is_x86", lambda: False)
+    monkeypatch.setenv(isa.ENV_VAR, "portable")
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    isa.cap_torch()
+    assert not {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"} & set(
+        os.environ
+    )
 
 
 def run_tison(*args: str, **env: str) -> subprocess.CompletedProcess:

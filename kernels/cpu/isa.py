@@ -121,8 +121,8 @@ def at_least(name: str) -> bool:
 def cap_torch() -> None:
     """When TISON_CPU_ISA caps the tier, cap torch's, oneDNN's and MKL's kernels the same way
     (unless their own variables are set). Takes effect only before torch's first CPU
-    operation."""
-    if cap() is None:
+    operation. Off x86-64 nothing: the caps name x86 instruction sets."""
+    if cap() is None or not is_x86():
         return
     tier = active()
     os.environ.setdefault("ATEN_CPU_CAPABILITY", tier.aten)
