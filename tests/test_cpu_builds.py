@@ -66,9 +66,10 @@ def digests_build(compiler: str, out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.skipif(not isa.is_x86(), reason="compares an x86-64 build with an aarch64 one")
 def test_portable_kernels_compute_the_same_bits_on_aarch64(tmp_path):
-    """Every kernel, alone and in the fused decoder, on one thread and two: the aarch64 build
-    (run by qemu-user) prints the same digest of each output as this machine's portable build,
-    which the kernel tests check against torch at the portable tier."""
+    """Every kernel but the all-reduce, alone and in the fused decoder, on one thread and two
+    (kernel_digests.c): the aarch64 build (run by qemu-user) prints the same digest of each
+    output as this machine's portable build, which the kernel tests check against torch at the
+    portable tier."""
     gcc, cross, qemu = aarch64_tools()
     x86, arm = tmp_path / "digests", tmp_path / "digests-aarch64"
     builds = run_at_once(

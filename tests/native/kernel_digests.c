@@ -3,10 +3,11 @@
  * portable tier for this machine and for aarch64, runs the aarch64 build under qemu-user, and
  * asks for the same lines: the portable kernels, which the rest of the suite checks against
  * torch on this machine, then compute the same bits on ARM (no fused multiply-add is formed,
- * -ffp-contract=off; no float sum is reordered without -ffast-math). Every team kernel runs,
- * inside the fused decoder (dense, routed and shared experts, the three RoPE kinds, q/k norms,
- * a sliding-window mask, the embedding, the LM head and its argmax) and through its own
- * entry point, float32 and bfloat16, on one thread and on two.
+ * -ffp-contract=off; no float sum is reordered without -ffast-math). Every team kernel but the
+ * all-reduce (a tensor-parallel group's shared memory) runs, inside the fused decoder (dense,
+ * routed and shared experts, the three RoPE kinds, q/k norms, a sliding-window mask, the
+ * embedding, the LM head and its argmax) and through its own entry point, float32 and
+ * bfloat16, on one thread and on two.
  *
  * Built with every kernel source but decode_layer.c, which is included here for its structs. */
 #include <stdio.h>
