@@ -4,6 +4,7 @@ And compiler runs for the build tests, one a core at once; the aarch64 cross-com
 qemu-user that build and run the portable C for ARM64 (.ci/run installs both)."""
 
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,17 @@ def aarch64_tools() -> tuple[str, str, str]:
     if None in tools:
         pytest.skip("needs gcc, gcc-aarch64-linux-gnu and qemu-user (.ci/run installs them)")
     return tools
+
+
+def program_build(compiler: str, program, sources, flags, out, *extra: str) -> list[str]:
+    """The command that builds a test program (tests/native/*.c) into `out` with a C library's
+    sources and flags (as the library is built, less -shared and -fPIC); a source the program
+    includes (for its types) is left out of the link."""
+    included = set(re.findall(r'#include "(\w+\.c)"', program.read_text()))
+    linked = [str(s) for s in sources if s.name not in included]
+    flags = [f for f in flags if f not in ("-shared", "-fPIC")]
+    include = f"-I{sources[0].parent}"
+    return [compiler, *flags, include, str(program), *linked, "-o", str(out), *extra]
 
 
 def run_at_once(commands: list[list[str]], cwd=None) -> list[subprocess.CompletedProcess]:

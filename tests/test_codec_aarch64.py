@@ -13,7 +13,7 @@ from kernels.cpu import isa
 from shared.codec import native
 from shared.codec.tensor import encode_tensor
 
-from compilers import aarch64_tools, run_at_once
+from compilers import aarch64_tools, program_build, run_at_once
 
 pytestmark = pytest.mark.skipif(not isa.is_x86(), reason="codes on x86-64, decodes on aarch64")
 DRIVER = Path(__file__).with_name("native") / "codec_decode.c"
@@ -48,17 +48,15 @@ def planes_file(coded) -> bytes:
     return b"".join(data)
 
 
-def build(compiler: str, out, *extra: str) -> list[str]:
-    sources = [s for s in native._SOURCES if s.name != "_batch.c"]  # the driver includes it
-    flags = [f for f in native.flags() if f not in ("-shared", "-fPIC")]
-    include = f"-I{native._SOURCES[0].parent}"
-    return [compiler, *flags, include, str(DRIVER), *map(str, sources), "-o", str(out), *extra]
-
-
 def test_planes_coded_here_decode_on_aarch64_bit_for_bit(tmp_path):
     gcc, cross, qemu = aarch64_tools()
     x86, arm = tmp_path / "decode", tmp_path / "decode-aarch64"
-    builds = run_at_once([build(gcc, x86), build(cross, arm, "-static")])
+    builds = run_at_once(
+        [
+            program_build(compiler, DRIVER, native._SOURCES, native.flags(), out, *extra)
+            for compiler, out, extra in ((gcc, x86, []), (cross, arm, ["-static"]))
+        ]
+    )
     assert [b.returncode for b in builds] == [0, 0], b"".join(b.stderr for b in builds).decode()
     coded = coded_tensors()
     (tmp_path / "planes").write_bytes(planes_file(coded))

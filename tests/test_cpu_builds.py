@@ -15,7 +15,7 @@ import torch
 from kernels.cpu import isa, library
 from shared.codec import native
 
-from compilers import aarch64_tools, cross_compiler, needs_compiler, run_at_once
+from compilers import aarch64_tools, cross_compiler, needs_compiler, program_build, run_at_once
 
 DIGESTS = Path(__file__).with_name("native") / "kernel_digests.c"
 PORTABLE = isa.BY_NAME["portable"]
@@ -55,15 +55,6 @@ def test_portable_sources_compile_for_aarch64(tmp_path):
         )  # EM_AARCH64
 
 
-def digests_build(compiler: str, out: Path, *extra: str) -> list[str]:
-    """The command that builds kernel_digests.c into `out` with every kernel source, at the
-    portable tier's library flags."""
-    flags = [f for f in library.flags(PORTABLE) if f not in ("-shared", "-fPIC")]
-    sources = [s for s in library.SOURCES if s.name != "decode_layer.c"]  # it includes that one
-    include = f"-I{library.SOURCES[0].parent}"
-    return [compiler, *flags, include, str(DIGESTS), *map(str, sources), "-o", str(out), *extra]
-
-
 @pytest.mark.skipif(not isa.is_x86(), reason="compares an x86-64 build with an aarch64 one")
 def test_portable_kernels_compute_the_same_bits_on_aarch64(tmp_path):
     """Every kernel but the all-reduce, alone and in the fused decoder, on one thread and two
@@ -73,7 +64,10 @@ def test_portable_kernels_compute_the_same_bits_on_aarch64(tmp_path):
     gcc, cross, qemu = aarch64_tools()
     x86, arm = tmp_path / "digests", tmp_path / "digests-aarch64"
     builds = run_at_once(
-        [digests_build(gcc, x86, "-lm"), digests_build(cross, arm, "-static", "-lm")]
+        [
+            program_build(compiler, DIGESTS, library.SOURCES, library.flags(PORTABLE), out, *extra)
+            for compiler, out, extra in ((gcc, x86, ["-lm"]), (cross, arm, ["-static", "-lm"]))
+        ]
     )
     assert [b.returncode for b in builds] == [0, 0], b"".join(b.stderr for b in builds).decode()
     ours, theirs = (
