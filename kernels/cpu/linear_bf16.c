@@ -33,15 +33,23 @@
 #define R 4 /* weight rows (outputs) a group */
 #define XB 16 /* rows of x a packed block (avx2's outer products) */
 /* The dot-product form asks for a thread's weights (one stream: its groups lie back to back)
- * as AHEAD_STREAMS streams: taken as blocks of AHEAD_BLOCK bytes, while it reads block q it
- * asks for part AHEAD_STREAMS - 1 - j of AHEAD_STREAMS of block q + 1 + j (j < AHEAD_STREAMS),
- * so each block is asked for over the blocks read before it, from 4 to 20 KiB ahead
- * (prefetch_step). Against asking for one line a fixed distance ahead (16 KiB on the AVX-512
- * tiers, 4 KiB on avx2), on a Zen 4 with 2048 x 768 and 32000 x 768 weights: one row of x read
- * them 1.08-1.23x as fast on avx512_bf16, 1.21-1.34x on avx2 (768 x 2048: 1.03x, 1.13x); 8 and
- * 16 rows 0.94-1.10x on avx512_bf16, 1.36-1.58x on avx2. At one row, 2 or 8 streams, or blocks
- * of 8 or 16 KiB, gained less. */
+ * as AHEAD_STREAMS streams: taken as blocks of `block` bytes, while it reads block q it asks
+ * for part AHEAD_STREAMS - 1 - j of AHEAD_STREAMS of block q + 1 + j (j < AHEAD_STREAMS), so
+ * each block is asked for over the blocks read before it (prefetch_step): blocks of
+ * AHEAD_BLOCK where a group's weights are read in one pass, 4 to 20 KiB ahead, and of
+ * AHEAD_BLOCK_PASSES where they are read in several (passes), 16 to 80 KiB ahead. Against
+ * asking for one line a fixed distance ahead (16 KiB on the AVX-512 tiers, 4 KiB on avx2), on
+ * a Zen 4 with 2048 x 768 and 32000 x 768 weights: one row of x read them 1.08-1.23x as fast on
+ * avx512_bf16, 1.21-1.34x on avx2 (768 x 2048: 1.03x, 1.13x); 8 and 16 rows 0.94-1.10x on
+ * avx512_bf16, 1.36-1.58x on avx2. At one row, 2 or 8 streams, or blocks of 8 or 16 KiB, gained
+ * less; at 4 rows (one pass) 16 KiB blocks took 1.07x as long. With several passes, 16 KiB
+ * blocks against 4 KiB on a Zen 4, a dense model's linears over 250 MB of cold weights ran
+ * 1.07-1.2x as fast from 2 to 32 rows on avx512_bf16 (8 rows: 1.0-1.1x), 1.07-1.26x on avx2
+ * (5 to 12 rows), 0.98-1.08x on avx512 (32 KiB at 32 rows: 0.97x); batch-32 steps, alternated
+ * in one engine on avx512_bf16, took 0.93-0.95x the time (dense), 0.97x (MoE), 1.00x (Llama
+ * 4), and 0.98-1.01x on avx2 and avx512. */
 #define AHEAD_BLOCK 4096
+#define AHEAD_BLOCK_PASSES 16384
 #define AHEAD_STREAMS 4
 /* outer_group's (avx2, WIDE_ROWS rows of x on): at 4 KiB, batch-32 steps took 2-4% longer */
 #define OUTER_AHEAD 16384
@@ -95,6 +103,9 @@ static inline vec widen(const bf16 *p) {
 #define PORTABLE 1
 #endif
 
+/* A group's passes over its weights for M rows of x: blocks of MB rows, then one at a time. */
+static inline int passes(int64_t M) { return (int)(M / MB + M % MB); }
+
 /* Stores acc's sums for rows [m0, m0 + mb) and outputs [n0, n0 + rows) of y (row stride N). */
 static inline void store_sums(const float sums[R][MB], const bf16 *bias, int64_t m0, int mb,
                               int64_t n0, int rows, bf16 *y, int64_t N) {
@@ -118,9 +129,11 @@ static void spread_x(const bf16 *x, int64_t xs, int64_t M, int64_t K, float *xf)
 }
 #endif
 
-/* Asks for the unit (`unit` bytes) that unit u of the weights stands for (prefetch_step). */
-__attribute__((always_inline)) static inline void ask_unit(uintptr_t u, uintptr_t unit) {
-    const uintptr_t S = AHEAD_STREAMS, B = AHEAD_BLOCK / unit, q = u / B, f = u % B, j = f % S;
+/* Asks for the unit (`unit` bytes) that unit u of the weights stands for in blocks of `block`
+ * bytes (prefetch_step). */
+__attribute__((always_inline)) static inline void ask_unit(uintptr_t u, uintptr_t unit,
+                                                           uintptr_t block) {
+    const uintptr_t S = AHEAD_STREAMS, B = block / unit, q = u / B, f = u % B, j = f % S;
     const char *t = (const char *)(((q + 1 + j) * B + (S - 1 - j) * B / S + f / S) * unit);
     for (uintptr_t l = 0; l < unit; l += 64) __builtin_prefetch(t + l, 0, 1);
 }
@@ -137,10 +150,10 @@ __attribute__((always_inline)) static inline void ask_unit(uintptr_t u, uintptr_
  * where lines gained 1.20x; Zen 4). */
 __attribute__((always_inline)) static inline void prefetch_step(const char *at, int every) {
     if (every > 1) {
-        ask_unit((uintptr_t)at / (64 * R), 64 * R);
+        ask_unit((uintptr_t)at / (64 * R), 64 * R, AHEAD_BLOCK_PASSES);
         return;
     }
-    for (int r = 0; r < R; r++) ask_unit((uintptr_t)at / 64 + r, 64);
+    for (int r = 0; r < R; r++) ask_unit((uintptr_t)at / 64 + r, 64, AHEAD_BLOCK);
 }
 
 #if defined(__AVX512BF16__)
@@ -301,7 +314,7 @@ static inline void one_row(const bf16 *const w[R], const void *xv, int64_t K,
     for (int r = 0; r < R; r++) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) { /* a line of w */
-            ask_unit((uintptr_t)(w[r] + k) / 64, 64);
+            ask_unit((uintptr_t)(w[r] + k) / 64, 64, AHEAD_BLOCK);
 #if defined(__AVX512BF16__)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + k),
                                    (__m512bh)_mm512_loadu_si512(w[r] + k));
@@ -324,7 +337,7 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
     float sums[R][MB] = {{0}}; /* rows past a short block: never stored */
     const char *stream = (const char *)(w + n0 * K);
-    const int every = (int)(M / MB + M % MB); /* passes over the group: blocks of MB rows, then 1 */
+    const int every = passes(M);
     int64_t m0 = 0;
     int pass = 0;
     for (; m0 + MB <= M; m0 += MB, pass++) {
@@ -581,14 +594,15 @@ static inline void prefetch_from(const char *from, const char *end, int64_t ahea
     for (const char *p = from; p < from + ahead && p < end; p += 64) __builtin_prefetch(p, 0, 1);
 }
 
-/* What prefetch_from asks for where a thread's groups start: outer_group's (wide) OUTER_AHEAD,
- * else the AHEAD_STREAMS blocks that prefetch_step's streams have not yet asked for whole. */
-static inline int64_t ahead_of(int wide) {
+/* What prefetch_from asks for where a thread's groups start, for M rows of x: outer_group's
+ * (wide) OUTER_AHEAD, else the AHEAD_STREAMS blocks that prefetch_step's streams have not yet
+ * asked for whole. */
+static inline int64_t ahead_of(int wide, int64_t M) {
     (void)wide;
 #if defined(OUTER)
     if (wide) return OUTER_AHEAD;
 #endif
-    return AHEAD_STREAMS * AHEAD_BLOCK;
+    return AHEAD_STREAMS * (passes(M) > 1 ? AHEAD_BLOCK_PASSES : AHEAD_BLOCK);
 }
 
 /* Outputs a group for M rows. */
@@ -613,7 +627,7 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
     for (int64_t lo, hi, previous = -1; runs_next(&r, &lo, &hi); previous = hi) {
         if (lo != previous) /* not where this thread's last run ended */
             prefetch_from((const char *)(w + lo * size * K), (const char *)(w + N * K),
-                          ahead_of(wide));
+                          ahead_of(wide, M));
         for (int64_t g = lo; g < hi; g++)
             any_group(w, bias, xv, xstride, M, N, K, g * size, y, wide);
     }
@@ -649,7 +663,7 @@ void experts_linear_team(const bf16 *x, const int64_t *start, int64_t E, const b
             const bf16 *we = w + e * w_stride;
             if (g == 0 || (u == lo && lo != previous)) /* the next expert, or a new run */
                 prefetch_from((const char *)(we + g * size * K), (const char *)(we + N * K),
-                              ahead_of(wide));
+                              ahead_of(wide, start[e + 1] - first));
             any_group(we, NULL, rows_at(xv, xstride, first, a, K, wide), xstride,
                       start[e + 1] - first, N, K, g * size, y + first * N, wide);
         }
