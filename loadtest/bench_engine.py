@@ -193,8 +193,9 @@ def measure_round(
 
 def fastest_hf(folders: dict[str, Path], prompt_len: int):
     """(dtype name, model, {dtype: batch-32 tok/s}) of transformers' fastest dtype here: a
-    short batch-32 decode in each (bfloat16 only where oneDNN runs bf16 matmuls: torch's own
-    bf16 fallback is several times slower than float32)."""
+    short batch-32 decode in each (bfloat16 only where Tison runs oneDNN's bf16 matmuls:
+    torch's own bf16 fallback is several times slower than float32, and oneDNN's on plain
+    AVX-512 slower too)."""
     import transformers
 
     speeds, models = {}, {}

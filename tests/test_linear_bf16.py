@@ -242,6 +242,18 @@ class _Model(torch.nn.Module):
             p.data.copy_(torch.randn(p.shape) / 4)
 
 
+@pytest.mark.parametrize("torch_says", [True, False], ids=["torch bf16", "no torch bf16"])
+@pytest.mark.parametrize("tier", isa.TIER_NAMES)
+def test_onednn_runs_bf16_matmuls_only_on_tiers_with_bf16_arithmetic(monkeypatch, tier, torch_says):
+    """oneDNN's bf16 matmuls only where the tier multiplies bf16 (avx512_bf16, amx) and torch
+    agrees: on plain AVX-512 oneDNN widens inside its loops, ~2.5x slower than a float32 matmul
+    on the weight widened once a call, so prefill widens there as it does below AVX-512."""
+    monkeypatch.setattr(isa, "active", lambda: isa.BY_NAME[tier])
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: torch_says)
+    expected = torch_says and tier in ("avx512_bf16", "amx")
+    assert cpu_linear.onednn_bf16.__wrapped__() is expected
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN bf16", "no oneDNN bf16"])
 def test_layers_pick_their_kernel_and_agree_with_f_linear(monkeypatch, onednn):
     """After loading: a weight that fits our kernel stays plain and runs there up to

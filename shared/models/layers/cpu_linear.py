@@ -3,9 +3,10 @@ outer-product kernel beats the float32 fallback below, prefill chunks up to 512 
 kernel on the plain weight (kernels/cpu/linear.py: AMX tiles or the vector units of the CPU's
 tier), which streams the weight at near the memory bandwidth where oneDNN's small-batch kernels
 reach two thirds of it. Larger inputs (prefill) go to F.linear: oneDNN's bf16 kernel where the
-tier has one (AVX-512 and up), else a float32 matmul on the weight widened for the call (torch's
-own bf16 fallback is ~2.5x slower than that). A weight our kernel cannot take is packed once
-for oneDNN where oneDNN has bf16 (~1.3-2x faster than plain F.linear, bit for bit)."""
+tier has bf16 arithmetic (avx512_bf16, amx), else a float32 matmul on the weight widened for
+the call (torch's own bf16 fallback is ~2.5x slower than that, oneDNN's on plain AVX-512 ~2.5x
+too). A weight our kernel cannot take is packed once for oneDNN where it runs bf16 (~1.3-2x
+faster than plain F.linear, bit for bit)."""
 
 from functools import cache
 
@@ -19,9 +20,12 @@ from kernels.cpu.linear import linear_bf16, linear_max_rows
 
 @cache
 def onednn_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls here: the tier has AVX-512 (what oneDNN's bf16 path
-    needs where the CPU has no AVX-NE-CONVERT) and torch agrees."""
-    return isa.at_least("avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether Tison runs bf16 matmuls in oneDNN here: the tier has bf16 arithmetic
+    (avx512_bf16 or amx) and torch agrees. On plain AVX-512 oneDNN runs them too, but widens
+    in its loops: 512-row prefill linears of the bench model ran at 38-75 GFLOP/s, packed or
+    not, where float32 on the weight widened for the call ran at 164-190 (a Zen 4 capped to
+    avx512, 2 threads), so that tier widens as AVX2 does."""
+    return isa.at_least("avx512_bf16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
