@@ -4,8 +4,10 @@ the calls around the one C call that runs every layer, the LM head and the greed
 Decode steps of bench_engine's model are timed whole, and the fused call inside each by a
 wrapper on its C function (~0.3 us); the difference is what a batch-1 step's roofline share
 loses to the host side. That Python runs on the caches the weights' stream has just flushed,
-at ~2x its cost in a hot loop. Decode steps that do not run the fused call (none on the
-bench models in bf16) are left out.
+at ~10x its cost in a hot loop (the dense model at batch 1 on a Zen 4, 12-07: ~20 us a step
+with the call left out, 180-210 us beside it), so each torch or numpy call it leaves out
+saves tens of us. Decode steps that do not run the fused call (none on the bench models in
+bf16) are left out.
 
 With --ops the fused call runs from a build that times its ops (decode_layer.c's
 -DTISON_OP_TIMES: thread 0 marks the end of each op, which every thread reaches at the

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.cpu.decode_layer import int_array
 from shared.engine.batch import build_batch
 from shared.engine.decode_inputs import DecodeInputs
 from shared.engine.request import Request
@@ -210,3 +211,18 @@ def test_the_call_names_a_bad_row_count_or_position(tiny_model_factory):
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("after", make_prompts()[0], greedy)  # the engine decodes on
     assert len(run_all(engine)["after"]) == 4 and engine.num_pages_used == 0
+
+
+def test_int_array_is_the_tensors_memory():
+    """The persistent inputs' rows are written and the greedy tokens read through ctypes
+    arrays over the tensors (int_array): the same memory, both ways."""
+    t = torch.zeros(6, dtype=torch.int32)
+    a = int_array(t)
+    a[:3] = [1, -2, 3]
+    t[4] = 9
+    assert t.tolist() == [1, -2, 3, 0, 9, 0] and a[:6] == t.tolist()
+    wide = int_array(torch.full((2,), 1 << 40, dtype=torch.int64))
+    assert wide[:2] == [1 << 40] * 2
+    for bad in (torch.zeros(4), torch.zeros(8, dtype=torch.int64)[::2]):
+        with pytest.raises(ValueError, match="int_array"):
+            int_array(bad)

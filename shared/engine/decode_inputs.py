@@ -1,9 +1,10 @@
 """A decode-only step's rows, written in place into the persistent inputs of the model's fused
 call (shared/models/layers/fused_call.py): what build_batch computes for such a step, without
-its tensors and dataclasses."""
+its tensors and dataclasses, and through ctypes arrays: no torch or numpy call a step."""
 
 from collections.abc import Sequence
 
+from kernels.cpu.decode_layer import int_array
 from shared.engine.batch import decode_row, request_pages, slot_of
 from shared.engine.scheduler import ScheduledRequest
 from shared.models.layer_attention import AttentionMask
@@ -11,15 +12,15 @@ from shared.models.layer_attention import AttentionMask
 
 class DecodeInputs:
     """Writes steps into `call`'s inputs (a FusedCall's ids, positions, and each mask's slots,
-    context lengths and tables) through numpy views of them. strides: each mask's table row
+    context lengths and tables) through ctypes arrays over them. strides: each mask's table row
     width in the step last written."""
 
     def __init__(self, call, page_size: int):
         self.call, self.page_size = call, page_size
         self.strides = [1] * len(call.masks)
-        self._ids, self._positions = call.ids.numpy(), call.positions.numpy()
+        self._ids, self._positions = int_array(call.ids), int_array(call.positions)
         self._outs = [
-            (slots.numpy(), lens.numpy(), table.numpy())
+            (int_array(slots), int_array(lens), int_array(table))
             for slots, lens, table in zip(call.slots, call.context_lens, call.tables)
         ]
 

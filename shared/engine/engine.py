@@ -356,7 +356,7 @@ class LLMEngine:
             return [StepOutput(req, [], []) for req in failed]
         samples, sampled, logprobs = result.samples, {}, {}
         if samples is not None:
-            tokens = samples.token_ids.tolist()
+            tokens = samples.token_list()
             for row, i in enumerate(result.sample_index):
                 req = result.out.scheduled[i].request
                 if req.finished:  # aborted while its micro-batch was in flight

@@ -135,7 +135,7 @@ def encode_result(
     body = {"v": PLAN_VERSION, "mb": micro_batch, "index": sample_index, "busy_s": busy_s}
     body["prompt"] = [_encode_chunk(c) for c in prompt_logprobs]
     if samples is not None:
-        body["tokens"] = samples.token_ids.tolist()
+        body["tokens"] = samples.token_list()
         for key in ("logprobs", "top_logprob_ids", "top_logprobs"):
             value = getattr(samples, key)
             body[key] = None if value is None else value.tolist()

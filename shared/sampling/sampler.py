@@ -39,10 +39,14 @@ class SamplerOutput:
     max_n, ignores the values or the extra columns. Top entries are sorted best first.
     """
 
-    token_ids: torch.Tensor  # (B,) int64
+    token_ids: torch.Tensor | list[int]  # (B,) int64; ints from the fused decode call's argmax
     logprobs: torch.Tensor | None  # (B,) float32: log-probability of token_ids[b]
     top_logprob_ids: torch.Tensor | None  # (B, max_n) int64: the max_n most likely tokens
     top_logprobs: torch.Tensor | None  # (B, max_n) float32: their log-probabilities
+
+    def token_list(self) -> list[int]:
+        ids = self.token_ids
+        return ids if isinstance(ids, list) else ids.tolist()
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
