@@ -45,6 +45,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # (B, max_n) float32: their log-probabilities
 
     def token_list(self) -> list[int]:
+        """token_ids as Python ints, whichever kind they are."""
         ids = self.token_ids
         return ids if isinstance(ids, list) else ids.tolist()
 
