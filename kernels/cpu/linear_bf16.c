@@ -11,8 +11,8 @@
  * - avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs of w and x straight from memory; a whole
  *   4 x 4 block's 16 accumulators are folded into one vector of sums and stored rounded
  *   (full_block: 1.15-1.3x at 32 rows, Zen 5), the same bits as summing each alone;
- * - one row of x on the AVX-512 tiers (one_row): the group's weight rows one after another,
- *   so the weights are read as one stream in address order;
+ * - one row of x on the AVX-512 tiers (one_row): a thread's weight rows one after another,
+ *   so the weights are read as one stream in address order, with no prefetch asked for;
  * - avx512 / avx2: a 32-bit lane of w holds two bf16 (k even in the low half): lane << 16 and
  *   lane & 0xffff0000 are those two as float32 with no other work, so x is laid out once per
  *   call as float32 in that order (the even k of a block, then the odd k) and fed to FMAs;
@@ -32,22 +32,22 @@
 
 #define R 4 /* weight rows (outputs) a group */
 #define XB 16 /* rows of x a packed block (avx2's outer products) */
-/* The dot-product form asks for a thread's weights (one stream: its groups lie back to back)
- * as AHEAD_STREAMS streams: taken as blocks of `block` bytes, while it reads block q it asks
- * for part AHEAD_STREAMS - 1 - j of AHEAD_STREAMS of block q + 1 + j (j < AHEAD_STREAMS), so
- * each block is asked for over the blocks read before it (prefetch_step): blocks of
- * AHEAD_BLOCK where a group's weights are read in one pass, 4 to 20 KiB ahead, and of
- * AHEAD_BLOCK_PASSES where they are read in several (passes), 16 to 80 KiB ahead. Against
- * asking for one line a fixed distance ahead (16 KiB on the AVX-512 tiers, 4 KiB on avx2), on
- * a Zen 4 with 2048 x 768 and 32000 x 768 weights: one row of x read them 1.08-1.23x as fast on
+/* The dot-product form (but one_row, which asks for nothing) asks for a thread's weights (one
+ * stream: its groups lie back to back) as AHEAD_STREAMS streams: taken as blocks of `block`
+ * bytes, while it reads block q it asks for part AHEAD_STREAMS - 1 - j of AHEAD_STREAMS of
+ * block q + 1 + j (j < AHEAD_STREAMS), so each block is asked for over the blocks read before it
+ * (prefetch_step): blocks of AHEAD_BLOCK where a group's weights are read in one pass, 4 to 20 KiB
+ * ahead, and of AHEAD_BLOCK_PASSES where they are read in several (passes), 16 to 80 KiB ahead.
+ * Against asking for one line a fixed distance ahead (16 KiB on the AVX-512 tiers, 4 KiB on avx2),
+ * on a Zen 4 with 2048 x 768 and 32000 x 768 weights: one row of x read them 1.08-1.23x as fast on
  * avx512_bf16, 1.21-1.34x on avx2 (768 x 2048: 1.03x, 1.13x); 8 and 16 rows 0.94-1.10x on
  * avx512_bf16, 1.36-1.58x on avx2. At one row, 2 or 8 streams, or blocks of 8 or 16 KiB, gained
- * less; at 4 rows (one pass) 16 KiB blocks took 1.07x as long. With several passes, 16 KiB
- * blocks against 4 KiB on a Zen 4, a dense model's linears over 250 MB of cold weights ran
- * 1.07-1.2x as fast from 2 to 32 rows on avx512_bf16 (8 rows: 1.0-1.1x), 1.07-1.26x on avx2
- * (5 to 12 rows), 0.98-1.08x on avx512 (32 KiB at 32 rows: 0.97x); batch-32 steps, alternated
- * in one engine on avx512_bf16, took 0.93-0.95x the time (dense), 0.97x (MoE), 1.00x (Llama
- * 4), and 0.98-1.01x on avx2 and avx512. */
+ * less; at 4 rows (one pass) 16 KiB blocks took 1.07x as long. With several passes, 16 KiB blocks
+ * against 4 KiB on a Zen 4, a dense model's linears over 250 MB of cold weights ran 1.07-1.2x as
+ * fast from 2 to 32 rows on avx512_bf16 (8 rows: 1.0-1.1x), 1.07-1.26x on avx2 (5 to 12 rows),
+ * 0.98-1.08x on avx512 (32 KiB at 32 rows: 0.97x); batch-32 steps, alternated in one engine on
+ * avx512_bf16, took 0.93-0.95x the time (dense), 0.97x (MoE), 1.00x (Llama 4), and 0.98-1.01x on
+ * avx2 and avx512. */
 #define AHEAD_BLOCK 4096
 #define AHEAD_BLOCK_PASSES 16384
 #define AHEAD_STREAMS 4
@@ -294,37 +294,43 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
 }
 
 #if defined(__AVX512F__)
-/* One row of x (M = 1) on the AVX-512 tiers: the group's weight rows one after another, each
- * sum kept over k in one accumulator as block keeps it (the same bits), so that the weights are
- * read in address order, one stream, asking for each line's counterpart AHEAD_STREAMS streams
- * on as it goes (prefetch_step's lines). block's R rows side by side are R short streams at
- * once. Against them, alternated in one engine on a Zen 4, the fused batch-1 step took
- * 0.85-0.95x the time on avx512_bf16 with the dense model, 0.92-1.04x (median 0.95x) with the
- * MoE one, 0.93-0.99x with Llama 4's, and 0.92-0.96x (dense) and 0.94-0.98x (MoE) on avx512;
- * there a plain read of one stream a thread ran at up to 1.4x the read probe's four streams.
- * avx2 keeps block: its row's sum is a chain of two FMAs a 32-byte step, and the rows in turn
- * took 0.95-1.31x the time there. */
-static inline void one_row(const bf16 *const w[R], const void *xv, int64_t K,
-                           float sums[R][MB]) {
+/* One row of x (M = 1) on the AVX-512 tiers: outputs [from, to) of y one after another, each
+ * sum kept over k in one accumulator as block keeps it (the same bits), so that their weight
+ * rows are read in address order, one stream, with nothing asked for ahead: the loop is five
+ * instructions a line, and the out-of-order window, held up by the sum's chain, keeps ~60
+ * lines of it in flight. In a C harness over the dense bench model's 65 linears (250 MB, 2
+ * threads, Zen 4, its upper bandwidth level) this read 53.3 GB/s where the rows taken 4 at a
+ * time with prefetch_step's lines (~12 instructions more a line) read 48.1, and the same
+ * loop with them 47.4; alternated in one engine with the dense model on avx512_bf16, the fused
+ * batch-1 call took 0.89x the time at that level (81% of the read probe against 70%), 0.96x at
+ * the lower one. block's R rows side by side are R short streams at once. Against them,
+ * alternated in one engine on a Zen 4, the fused batch-1 step took 0.85-0.95x the time on
+ * avx512_bf16 with the dense model, 0.92-1.04x (median 0.95x) with the MoE one, 0.93-0.99x
+ * with Llama 4's, and 0.92-0.96x (dense) and 0.94-0.98x (MoE) on avx512. avx2 keeps block:
+ * its row's sum is a chain of two FMAs a 32-byte step, and the rows in turn took 0.95-1.31x
+ * the time there. */
+static void one_row(const bf16 *w, const bf16 *bias, const void *xv, int64_t K, int64_t from,
+                    int64_t to, bf16 *y) {
 #if defined(__AVX512BF16__)
     const bf16 *x = (const bf16 *)xv;
 #else
     const float *x = (const float *)xv; /* spread_x's order */
 #endif
-    for (int r = 0; r < R; r++) {
+    for (int64_t n = from; n < to; n++) {
+        const bf16 *wn = w + n * K;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) { /* a line of w */
-            ask_unit((uintptr_t)(w[r] + k) / 64, 64, AHEAD_BLOCK);
 #if defined(__AVX512BF16__)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + k),
-                                   (__m512bh)_mm512_loadu_si512(w[r] + k));
+                                   (__m512bh)_mm512_loadu_si512(wn + k));
 #else
-            const __m512i p = wload(w[r] + k);
+            const __m512i p = wload(wn + k);
             acc = vfma(vload(x + k), w_even(p), acc);
             acc = vfma(vload(x + k + VW), w_odd(p), acc);
 #endif
         }
-        sums[r][0] = _mm512_reduce_add_ps(acc);
+        y[n] = f32_to_bf16(_mm512_reduce_add_ps(acc) +
+                           (bias == NULL ? 0.0f : bf16_to_f32(bias[n])));
     }
 }
 #endif
@@ -352,11 +358,12 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
     }
     for (; m0 < M; m0++, pass++) {
 #if defined(__AVX512F__)
-        if (M == 1)
-            one_row(wr, x, K, sums);
-        else
+        if (M == 1) {
+            one_row(w, bias, x, K, n0, n0 + rows, y);
+            continue;
+        }
 #endif
-            block(wr, x, xstride, m0, 1, K, sums, stream, pass, every);
+        block(wr, x, xstride, m0, 1, K, sums, stream, pass, every);
         store_sums(sums, bias, m0, 1, n0, rows, y, N);
     }
 }
@@ -625,6 +632,12 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
     const void *xv = lay_out_x(x, xs, M, rows, &one, 1, K, wide, x_scratch(scratch), &xstride);
     runs r = runs_start(scratch, groups);
     for (int64_t lo, hi, previous = -1; runs_next(&r, &lo, &hi); previous = hi) {
+#if defined(__AVX512F__)
+        if (M == 1) { /* one stream of whole rows (see one_row) */
+            one_row(w, bias, xv, K, lo * size, hi * size < N ? hi * size : N, y);
+            continue;
+        }
+#endif
         if (lo != previous) /* not where this thread's last run ended */
             prefetch_from((const char *)(w + lo * size * K), (const char *)(w + N * K),
                           ahead_of(wide, M));
