@@ -106,13 +106,16 @@ static inline vec widen(const bf16 *p) {
 /* A group's passes over its weights for M rows of x: blocks of MB rows, then one at a time. */
 static inline int passes(int64_t M) { return (int)(M / MB + M % MB); }
 
+/* Output n's float32 sum plus its bias (bias NULL: none), rounded to bf16 once. */
+static inline bf16 output(float sum, const bf16 *bias, int64_t n) {
+    return f32_to_bf16(sum + (bias == NULL ? 0.0f : bf16_to_f32(bias[n])));
+}
+
 /* Stores acc's sums for rows [m0, m0 + mb) and outputs [n0, n0 + rows) of y (row stride N). */
 static inline void store_sums(const float sums[R][MB], const bf16 *bias, int64_t m0, int mb,
                               int64_t n0, int rows, bf16 *y, int64_t N) {
     for (int m = 0; m < mb; m++)
-        for (int r = 0; r < rows; r++)
-            y[(m0 + m) * N + n0 + r] =
-                f32_to_bf16(sums[r][m] + (bias == NULL ? 0.0f : bf16_to_f32(bias[n0 + r])));
+        for (int r = 0; r < rows; r++) y[(m0 + m) * N + n0 + r] = output(sums[r][m], bias, n0 + r);
 }
 
 #if XF32
@@ -297,18 +300,18 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
 /* One row of x (M = 1) on the AVX-512 tiers: outputs [from, to) of y one after another, each
  * sum kept over k in one accumulator as block keeps it (the same bits), so that their weight
  * rows are read in address order, one stream, with nothing asked for ahead: the loop is five
- * instructions a line, and the out-of-order window, held up by the sum's chain, keeps ~60
- * lines of it in flight. In a C harness over the dense bench model's 65 linears (250 MB, 2
- * threads, Zen 4, its upper bandwidth level) this read 53.3 GB/s where the rows taken 4 at a
- * time with prefetch_step's lines (~12 instructions more a line) read 48.1, and the same
- * loop with them 47.4; alternated in one engine with the dense model on avx512_bf16, the fused
- * batch-1 call took 0.89x the time at that level (81% of the read probe against 70%), 0.96x at
- * the lower one. block's R rows side by side are R short streams at once. Against them,
- * alternated in one engine on a Zen 4, the fused batch-1 step took 0.85-0.95x the time on
- * avx512_bf16 with the dense model, 0.92-1.04x (median 0.95x) with the MoE one, 0.93-0.99x
- * with Llama 4's, and 0.92-0.96x (dense) and 0.94-0.98x (MoE) on avx512. avx2 keeps block:
- * its row's sum is a chain of two FMAs a 32-byte step, and the rows in turn took 0.95-1.31x
- * the time there. */
+ * instructions a line, and the out-of-order window, held up by the sum's chain, keeps ~60 lines
+ * of it in flight. In a C harness over the dense bench model's 65 linears (250 MB, 2 threads,
+ * Zen 4, its upper bandwidth level) this read 56.0 GB/s in the team's shared runs where the
+ * rows taken 4 at a time with prefetch_step's lines (~12 instructions more a line) read 48.1
+ * (whole rows in a static split: 53.3, with those lines 47.4); alternated in one engine with
+ * the dense model on avx512_bf16, the fused batch-1 call took 0.89x the time at that level (81%
+ * of the read probe against 70%), 0.96x at the lower one. block's R rows side by side are R
+ * short streams at once. Against them, alternated in one engine on a Zen 4, the fused batch-1
+ * step took 0.85-0.95x the time on avx512_bf16 with the dense model, 0.92-1.04x (median 0.95x)
+ * with the MoE one, 0.93-0.99x with Llama 4's, and 0.92-0.96x (dense) and 0.94-0.98x (MoE) on
+ * avx512. avx2 keeps block: its row's sum is a chain of two FMAs a 32-byte step, and the rows
+ * in turn took 0.95-1.31x the time there. */
 static void one_row(const bf16 *w, const bf16 *bias, const void *xv, int64_t K, int64_t from,
                     int64_t to, bf16 *y) {
 #if defined(__AVX512BF16__)
@@ -329,8 +332,7 @@ static void one_row(const bf16 *w, const bf16 *bias, const void *xv, int64_t K, 
             acc = vfma(vload(x + k + VW), w_odd(p), acc);
 #endif
         }
-        y[n] = f32_to_bf16(_mm512_reduce_add_ps(acc) +
-                           (bias == NULL ? 0.0f : bf16_to_f32(bias[n])));
+        y[n] = output(_mm512_reduce_add_ps(acc), bias, n);
     }
 }
 #endif
@@ -339,6 +341,12 @@ static void one_row(const bf16 *w, const bf16 *bias, const void *xv, int64_t K, 
 static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstride, int64_t M,
                   int64_t N, int64_t K, int64_t n0, bf16 *y) {
     int rows = N - n0 < R ? (int)(N - n0) : R;
+#if defined(__AVX512F__)
+    if (M == 1) {
+        one_row(w, bias, x, K, n0, n0 + rows, y);
+        return;
+    }
+#endif
     const bf16 *wr[R]; /* past the last row: that row again, computed and not stored */
     for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
     float sums[R][MB] = {{0}}; /* rows past a short block: never stored */
@@ -357,12 +365,6 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
         store_sums(sums, bias, m0, MB, n0, rows, y, N);
     }
     for (; m0 < M; m0++, pass++) {
-#if defined(__AVX512F__)
-        if (M == 1) {
-            one_row(w, bias, x, K, n0, n0 + rows, y);
-            continue;
-        }
-#endif
         block(wr, x, xstride, m0, 1, K, sums, stream, pass, every);
         store_sums(sums, bias, m0, 1, n0, rows, y, N);
     }
