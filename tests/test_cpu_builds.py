@@ -14,10 +14,12 @@ import torch
 
 from kernels.cpu import isa, library
 from shared.codec import native
+from shared.parallel import shm_group
 
 from compilers import aarch64_tools, cross_compiler, needs_compiler, program_build, run_at_once
 
 DIGESTS = Path(__file__).with_name("native") / "kernel_digests.c"
+SHM_SYNC = Path(shm_group.__file__).with_name("_shm_sync.c")  # the all-reduce's signals
 PORTABLE = isa.BY_NAME["portable"]
 
 
@@ -57,15 +59,16 @@ def test_portable_sources_compile_for_aarch64(tmp_path):
 
 @pytest.mark.skipif(not isa.is_x86(), reason="compares an x86-64 build with an aarch64 one")
 def test_portable_kernels_compute_the_same_bits_on_aarch64(tmp_path):
-    """Every kernel but the all-reduce, alone and in the fused decoder, on one thread and two
-    (kernel_digests.c): the aarch64 build (run by qemu-user) prints the same digest of each
-    output as this machine's portable build, which the kernel tests check against torch at the
-    portable tier."""
+    """Every kernel, alone and in the fused decoder, on one thread and two, the all-reduce
+    between two processes (kernel_digests.c): the aarch64 build (run by qemu-user) prints the
+    same digest of each output as this machine's portable build, which the kernel tests check
+    against torch at the portable tier."""
     gcc, cross, qemu = aarch64_tools()
     x86, arm = tmp_path / "digests", tmp_path / "digests-aarch64"
+    sources = [*library.SOURCES, SHM_SYNC]
     builds = run_at_once(
         [
-            program_build(compiler, DIGESTS, library.SOURCES, library.flags(PORTABLE), out, *extra)
+            program_build(compiler, DIGESTS, sources, library.flags(PORTABLE), out, *extra)
             for compiler, out, extra in ((gcc, x86, ["-lm"]), (cross, arm, ["-static", "-lm"]))
         ]
     )
@@ -77,7 +80,7 @@ def test_portable_kernels_compute_the_same_bits_on_aarch64(tmp_path):
     assert ours.returncode == 0 and theirs.returncode == 0, ours.stderr + theirs.stderr
     lines = ours.stdout.splitlines()
     names = {line.rsplit(" ", 2)[0] for line in lines}
-    assert len(lines) == 2 * 43 and len(names) == 43, ours.stdout  # 1 and 2 threads
+    assert len(lines) == 2 * 57 and len(names) == 57, ours.stdout  # 1 and 2 threads
     assert theirs.stdout.splitlines() == lines
 
 

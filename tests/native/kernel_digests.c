@@ -3,15 +3,21 @@
  * portable tier for this machine and for aarch64, runs the aarch64 build under qemu-user, and
  * asks for the same lines: the portable kernels, which the rest of the suite checks against
  * torch on this machine, then compute the same bits on ARM (no fused multiply-add is formed,
- * -ffp-contract=off; no float sum is reordered without -ffast-math). Every team kernel but the
- * all-reduce (a tensor-parallel group's shared memory) runs, inside the fused decoder (dense,
- * routed and shared experts, the three RoPE kinds, q/k norms, a sliding-window mask, the
- * embedding, the LM head and its argmax) and through its own entry point, float32 and
- * bfloat16, on one thread and on two.
+ * -ffp-contract=off; no float sum is reordered without -ffast-math). Every team kernel runs,
+ * inside the fused decoder (dense, routed and shared experts, the three RoPE kinds, q/k norms, a
+ * sliding-window mask, the embedding, the LM head and its argmax) and through its own entry
+ * point, float32 and bfloat16, on one thread and on two. The all-reduce runs between two
+ * processes (this one and a child, rank 1) through a shared mapping and
+ * shared/parallel/_shm_sync.c's signals, as a host's tensor-parallel ranks run it: through its
+ * entry point and inside the fused decoder; rank 0 prints the digests.
  *
- * Built with every kernel source but decode_layer.c, which is included here for its structs. */
+ * Built with every kernel source but decode_layer.c, which is included here for its structs,
+ * and _shm_sync.c. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "decode_layer.c"
 
@@ -31,6 +37,10 @@
                                int64_t, int64_t, float, T *, int);
 ENTRY_POINTS(float, f32)
 ENTRY_POINTS(bf16, bf16)
+int64_t tk_all_reduce_f32(shm_reduce *, float *, int64_t, int);
+int64_t tk_all_reduce_bf16(shm_reduce *, bf16 *, int64_t, int);
+void tison_shm_post(int64_t *, int64_t);
+int64_t tison_shm_wait(const int64_t *, int64_t, const int64_t *, int64_t, int64_t, double);
 int tk_linear_bf16(const bf16 *, int64_t, const bf16 *, const bf16 *, int64_t, int64_t, int64_t,
                    bf16 *, int);
 int tk_experts_linear_bf16(const bf16 *, const int64_t *, int64_t, const bf16 *, int64_t,
@@ -140,8 +150,9 @@ LIGHT_KERNELS(float, f32, f32s)
 LIGHT_KERNELS(bf16, bf16, bf16s)
 
 /* Three layers in one fused call, each of another kind, behind the embedding and before the
- * final norm, the LM head and its argmax: n = 3 rows at positions 4, 20 and 37, pages of 16. */
-static void fused(int threads) {
+ * final norm, the LM head and its argmax: n = 3 rows at positions 4, 20 and 37, pages of 16.
+ * tp: a tensor-parallel rank's group (its weights then are its own), or NULL. */
+static void fused(int threads, shm_reduce *tp) {
     enum { H = 64, nh = 4, nkv = 2, hd = 16, F = 96, E = 4, I = 32, SH = 48, V = 300, n = 3 };
     enum { page = 16, pages = 12, per_row = 3, count = 3 };
     const int64_t qkv = (nh + 2 * nkv) * hd, positions[n] = {4, 20, 37};
@@ -191,28 +202,92 @@ static void fused(int threads) {
     decode_head head = {bf16s(V * H, 0.2f), V, NULL, n, logits, tokens};
     bf16 *residual = zeros(n * H * 2), *out = zeros(n * H * 2);
     int status = tk_decode_layers_bf16(L, count, NULL, &embed, residual, 1, out, n, positions, 64,
-                                       cs, temperature, k_pools, v_pools, masks, 2, page, NULL,
+                                       cs, temperature, k_pools, v_pools, masks, 2, page, tp,
                                        final_norm, 1e-5f, &head, threads);
-    if (status != 0) printf("fused status %d\n", status);
-    digest("fused out", threads, out, n * H * 2);
-    digest("fused residual", threads, residual, n * H * 2);
-    digest("fused logits", threads, logits, n * V * 2);
-    digest("fused tokens", threads, tokens, sizeof tokens);
+    const char *tag = tp == NULL ? "fused" : "tp fused";
+    char name[48];
+    if (status != 0) printf("%s status %d\n", tag, status);
+    if (tp != NULL && tp->rank != 0) return; /* rank 0 prints */
+    snprintf(name, sizeof name, "%s out", tag), digest(name, threads, out, n * H * 2);
+    snprintf(name, sizeof name, "%s residual", tag);
+    digest(name, threads, residual, n * H * 2);
+    snprintf(name, sizeof name, "%s logits", tag), digest(name, threads, logits, n * V * 2);
+    snprintf(name, sizeof name, "%s tokens", tag), digest(name, threads, tokens, sizeof tokens);
     for (int i = 0; i < count; i++) {
-        char name[32];
-        snprintf(name, sizeof name, "fused layer %d k pool", i);
+        snprintf(name, sizeof name, "%s layer %d k pool", tag, i);
         digest(name, threads, k_pools[i], pages * page * nkv * hd * 2);
-        snprintf(name, sizeof name, "fused layer %d v pool", i);
+        snprintf(name, sizeof name, "%s layer %d v pool", tag, i);
         digest(name, threads, v_pools[i], pages * page * nkv * hd * 2);
     }
 }
 
+/* Two ranks' all-reduces, float32 and bfloat16, of counts below and above the entry point's
+ * one-thread size, then the fused decoder on each rank's own weights. The caller forks rank 1
+ * after making the group: no OpenMP team runs before the fork. */
+static void tensor_parallel(shm_reduce *G, int threads) {
+    const int64_t counts[] = {1000, 70000};
+    for (int c = 0; c < 2; c++) {
+        state = 0x2545f4914f6cdd1du + (uint64_t)(G->rank * 2 + c); /* each rank's own part */
+        float *xf = f32s(counts[c], 4.0f);
+        bf16 *xb = bf16s(counts[c], 4.0f);
+        int64_t status = tk_all_reduce_f32(G, xf, counts[c], threads);
+        status = status != 0 ? status : tk_all_reduce_bf16(G, xb, counts[c], threads);
+        if (status != 0) printf("all_reduce status %lld\n", (long long)status);
+        if (G->rank == 0) {
+            char name[48];
+            snprintf(name, sizeof name, "f32 all_reduce count=%lld", (long long)counts[c]);
+            digest(name, threads, xf, counts[c] * 4);
+            snprintf(name, sizeof name, "bf16 all_reduce count=%lld", (long long)counts[c]);
+            digest(name, threads, xb, counts[c] * 2);
+        }
+        free(xf), free(xb);
+    }
+    state = 0x9e3779b97f4a7c15u + (uint64_t)G->rank;
+    fused(threads, G);
+}
+
+/* A group of two ranks in a shared anonymous mapping (shm_group.py's layout: a line of step
+ * counter and flags a rank, the pids, two sets of two slots); rank 1 is a child that runs
+ * tensor_parallel alike and exits. Returns 0, or why not. */
+static int tensor_parallel_digests(void) {
+    enum { LINE = 8, SIZE = 2 };
+    const int64_t slot_bytes = 512 << 10;
+    size_t bytes = sizeof(int64_t) * (SIZE * LINE + SIZE) + 2 * SIZE * slot_bytes;
+    uint8_t *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) return 1;
+    int64_t *lines = (int64_t *)map, *pids = lines + SIZE * LINE;
+    shm_reduce G = {.lines = lines, .pids = pids, .slots = (uint8_t *)(pids + SIZE), .line = LINE,
+                    .slot_bytes = slot_bytes, .size = SIZE, .timeout_s = 30.0,
+                    .post = tison_shm_post, .wait = tison_shm_wait};
+    pids[0] = getpid();
+    fflush(stdout);
+    pid_t child = fork();
+    if (child < 0) return 2;
+    if (child == 0) {
+        G.rank = 1;
+        pids[1] = getpid();
+    } else {
+        pids[1] = child;
+    }
+    for (int threads = 1; threads <= 2; threads++) tensor_parallel(&G, threads);
+    if (child == 0) {
+        fflush(stdout);
+        _exit(0);
+    }
+    int status;
+    return waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0
+               ? 0
+               : 3;
+}
+
 int main(void) {
+    if (tensor_parallel_digests() != 0) return 1; /* first: it forks */
+    state = 0x9e3779b97f4a7c15u;
     for (int threads = 1; threads <= 2; threads++) {
         linears(threads);
         light_f32(threads);
         light_bf16(threads);
-        fused(threads);
+        fused(threads, NULL);
     }
     return 0;
 }
