@@ -1,7 +1,8 @@
-"""A checkpoint coded on this machine decodes on ARM64 bit for bit: the planes of several
-tensors, coded here by the C encoder, decoded by the codec's C decoder built for aarch64 and run
-under qemu-user (tests/native/codec_decode.c; 2 threads, each tensor split in runs, CRC-32C
-verified), and by the same program built for this machine."""
+"""The codec's C paths give the same bytes on ARM64 as here, under qemu-user: a checkpoint
+coded on this machine decodes on aarch64 bit for bit (the planes of several tensors decoded by
+the C decoder built for aarch64, tests/native/codec_decode.c: 2 threads, each tensor split in
+runs, CRC-32C verified, and by the same program built for this machine), and the C encoder
+built for aarch64 codes the same planes as many.py's batches here (codec_encode.c)."""
 
 import struct
 from pathlib import Path
@@ -10,13 +11,15 @@ import pytest
 import torch
 
 from kernels.cpu import isa
-from shared.codec import native
+from shared.codec import many, native
+from shared.codec.format import MAX_CODE_LEN
 from shared.codec.tensor import encode_tensor
 
 from compilers import aarch64_tools, program_build, run_at_once
 
 pytestmark = pytest.mark.skipif(not isa.is_x86(), reason="codes on x86-64, decodes on aarch64")
 DRIVER = Path(__file__).with_name("native") / "codec_decode.c"
+ENCODER = Path(__file__).with_name("native") / "codec_encode.c"
 FIELDS = ("stream", "raw", "lengths", "gaps")
 
 
@@ -80,3 +83,62 @@ def test_planes_coded_here_decode_on_aarch64_bit_for_bit(tmp_path):
         assert same, c.name
         at += 16 + size
     assert at == len(arm_bytes)
+
+
+def encoder_input(tensors) -> bytes:
+    """codec_encode.c's input: the count and longest code, then each tensor's many.py split
+    candidates and bytes."""
+    data = [struct.pack("<qq", len(tensors), MAX_CODE_LEN)]
+    for t in tensors:
+        finest, ncand, _ = many._splits(t)
+        data.append(struct.pack("<4q", t.numel(), t.element_size(), finest, ncand))
+        data.append(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return b"".join(data)
+
+
+def encoder_output(encoded) -> bytes:
+    """What codec_encode.c writes for many.py's results (the same tensors, in order)."""
+    data = []
+    for e in encoded:
+        p = e.planes
+        if p is None:
+            data.append(struct.pack("<12q", 0, e.crc32c, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+            continue
+        planes = [p.stream, p.raw, p.lengths, p.gaps, p.block_first.contiguous()]
+        raw = [t.view(torch.uint8).numpy().tobytes() for t in planes]
+        head = [0, e.crc32c, p.k, p.total_bits, p.first_symbol, p.crc32c, *map(len, raw)]
+        data += [struct.pack("<12q", *head, p.block_first.element_size()), *raw]
+    return b"".join(data)
+
+
+def test_tensors_code_to_the_same_planes_on_aarch64(tmp_path):
+    gcc, cross, qemu = aarch64_tools()
+    x86, arm = tmp_path / "encode", tmp_path / "encode-aarch64"
+    builds = run_at_once(
+        [
+            program_build(compiler, ENCODER, native._SOURCES, native.flags(), out, *extra)
+            for compiler, out, extra in ((gcc, x86, []), (cross, arm, ["-static"]))
+        ]
+    )
+    assert [b.returncode for b in builds] == [0, 0], b"".join(b.stderr for b in builds).decode()
+    g = torch.Generator().manual_seed(1)
+    tensors = [t for t, _ in coded_tensors()] + [
+        torch.randn(4096, generator=g).to(torch.bfloat16),  # 1-D: kept raw
+        (torch.randn(96, 200, generator=g) * 3).to(torch.float16),
+        torch.zeros(128, 64, dtype=torch.bfloat16),  # one symbol
+    ]
+    (tmp_path / "tensors").write_bytes(encoder_input(tensors))
+    runs = run_at_once(
+        [
+            [str(x86), str(tmp_path / "tensors"), str(tmp_path / "x86.out")],
+            [qemu, str(arm), str(tmp_path / "tensors"), str(tmp_path / "arm.out")],
+        ]
+    )
+    assert [r.returncode for r in runs] == [0, 0], b"".join(r.stderr for r in runs).decode()
+    encoded = many.encode_batch(native.load(), [(f"t{i}", t) for i, t in enumerate(tensors)], 2)
+    assert [e.planes is None for e in encoded] == [False] * 4 + [True, False, False]
+    ours = encoder_output(encoded)
+    same = (tmp_path / "x86.out").read_bytes() == ours  # (no megabyte diffs on failure)
+    assert same, "codec_encode.c here codes other planes than many.py"
+    same = (tmp_path / "arm.out").read_bytes() == ours
+    assert same, "the aarch64 encoder codes other planes than this machine's"
