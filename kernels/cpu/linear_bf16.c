@@ -1,6 +1,7 @@
 /* bfloat16 linear layers for the few rows of a decode step (on avx2, prefill chunks too):
- * y (M, N) = x (M, K) w (N, K)^T (+ bias), float32 sums, rounded to bfloat16 once. The weight stays in its plain row-major
- * layout (one copy, shared with a tied embedding and with F.linear for prefill).
+ * y (M, N) = x (M, K) w (N, K)^T (+ bias), float32 sums, rounded to bfloat16 once. The weight
+ * stays in its plain row-major layout (one copy, shared with a tied embedding and with F.linear
+ * for prefill).
  *
  * Where the build has AMX (amx_linear.c) the tiles do the work (all but the last N % 16
  * outputs, which the vector units of that tier take); elsewhere the vector units,
@@ -11,8 +12,9 @@
  * - avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs of w and x straight from memory; a whole
  *   4 x 4 block's 16 accumulators are folded into one vector of sums and stored rounded
  *   (full_block: 1.15-1.3x at 32 rows, Zen 5), the same bits as summing each alone;
- * - one row of x on the AVX-512 tiers (one_row): a thread's weight rows one after another,
- *   so the weights are read as one stream in address order, with no prefetch asked for;
+ * - one row of x on the AVX-512 tiers, up to three on avx512_bf16 (few_rows): a thread's
+ *   weight rows one after another, so the weights are read as one stream in address order,
+ *   with no prefetch asked for;
  * - avx512 / avx2: a 32-bit lane of w holds two bf16 (k even in the low half): lane << 16 and
  *   lane & 0xffff0000 are those two as float32 with no other work, so x is laid out once per
  *   call as float32 in that order (the even k of a block, then the odd k) and fed to FMAs;
@@ -32,7 +34,7 @@
 
 #define R 4 /* weight rows (outputs) a group */
 #define XB 16 /* rows of x a packed block (avx2's outer products) */
-/* The dot-product form (but one_row, which asks for nothing) asks for a thread's weights (one
+/* The dot-product form (but few_rows, which asks for nothing) asks for a thread's weights (one
  * stream: its groups lie back to back) as AHEAD_STREAMS streams: taken as blocks of `block`
  * bytes, while it reads block q it asks for part AHEAD_STREAMS - 1 - j of AHEAD_STREAMS of
  * block q + 1 + j (j < AHEAD_STREAMS), so each block is asked for over the blocks read before it
@@ -297,24 +299,37 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
 }
 
 #if defined(__AVX512F__)
-/* One row of x (M = 1) on the AVX-512 tiers: outputs [from, to) of y one after another, each
- * sum kept over k in one accumulator as block keeps it (the same bits), so that their weight
- * rows are read in address order, one stream, with nothing asked for ahead: the loop is five
- * instructions a line, and the out-of-order window, held up by the sum's chain, keeps ~60 lines
- * of it in flight. In a C harness over the dense bench model's 65 linears (250 MB, 2 threads,
- * Zen 4, its upper bandwidth level) this read 56.0 GB/s in the team's shared runs where the
- * rows taken 4 at a time with prefetch_step's lines (~12 instructions more a line) read 48.1
- * (whole rows in a static split: 53.3, with those lines 47.4); alternated in one engine with
- * the dense model on avx512_bf16, the fused batch-1 call took 0.89x the time at that level (81%
- * of the read probe against 70%), 0.96x at the lower one. block's R rows side by side are R
- * short streams at once. Against them, alternated in one engine on a Zen 4, the fused batch-1
- * step took 0.85-0.95x the time on avx512_bf16 with the dense model, 0.92-1.04x (median 0.95x)
- * with the MoE one, 0.93-0.99x with Llama 4's, and 0.92-0.96x (dense) and 0.94-0.98x (MoE) on
- * avx512. avx2 keeps block: its row's sum is a chain of two FMAs a 32-byte step, and the rows
- * in turn took 0.95-1.31x the time there; two rows side by side with nothing asked for, 1.80x
- * (the chains hold the window to ~60 ns ahead, short of a miss). */
-static void one_row(const bf16 *w, const bf16 *bias, const void *xv, int64_t K, int64_t from,
-                    int64_t to, bf16 *y) {
+/* One row of x on the AVX-512 tiers, and up to FEW_ROWS on avx512_bf16 (few_rows): outputs
+ * [from, to) of y one after another, each row's sum kept over k in one accumulator as block
+ * keeps it (the same bits), so that their weight rows are read in address order, one stream,
+ * with nothing asked for ahead. At one row the loop is five instructions a line, and the
+ * out-of-order window, held up by the sum's chain, keeps ~60 lines of it in flight. In a C
+ * harness over the dense bench model's 65 linears (250 MB, 2 threads, Zen 4, its upper
+ * bandwidth level) this read 56.0 GB/s in the team's shared runs where the rows taken 4 at a
+ * time with prefetch_step's lines (~12 instructions more a line) read 48.1 (whole rows in a
+ * static split: 53.3, with those lines 47.4); alternated in one engine with the dense model on
+ * avx512_bf16, the fused batch-1 call took 0.89x the time at that level (81% of the read probe
+ * against 70%), 0.96x at the lower one. block's R rows side by side are R short streams at
+ * once. Against them, alternated in one engine on a Zen 4, the fused batch-1 step took
+ * 0.85-0.95x the time on avx512_bf16 with the dense model, 0.92-1.04x (median 0.95x) with the
+ * MoE one, 0.93-0.99x with Llama 4's, and 0.92-0.96x (dense) and 0.94-0.98x (MoE) on avx512.
+ * Two and three rows of x, whose groups block read in two and three passes of one row, on
+ * avx512_bf16 (Zen 4, the fused call alternated in one engine, upper / lower bandwidth level):
+ * dense batch 2 0.69x / 0.86x the time, batch 3 0.78x / 0.88x, MoE batch 2 0.79x / 0.85x.
+ * Four rows this way took 1.42x / 1.23x the time of full_block's one pass (five loads a line
+ * here against two there), and two rows on avx512 1.18x at the upper level (each row's sum a
+ * chain of two FMAs a line). avx2 keeps block: the rows in turn took 0.95-1.31x the time there;
+ * two rows side by side with nothing asked for, 1.80x (the chains hold the window to ~60 ns
+ * ahead, short of a miss). */
+#if defined(__AVX512BF16__)
+#define FEW_ROWS 3
+#else
+#define FEW_ROWS 1
+#endif
+__attribute__((always_inline)) static inline void rows_of(const bf16 *w, const bf16 *bias,
+                                                          const void *xv, int64_t xstride,
+                                                          int M, int64_t K, int64_t from,
+                                                          int64_t to, bf16 *y, int64_t N) {
 #if defined(__AVX512BF16__)
     const bf16 *x = (const bf16 *)xv;
 #else
@@ -322,18 +337,35 @@ static void one_row(const bf16 *w, const bf16 *bias, const void *xv, int64_t K, 
 #endif
     for (int64_t n = from; n < to; n++) {
         const bf16 *wn = w + n * K;
-        __m512 acc = _mm512_setzero_ps();
+        __m512 acc[MB];
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) { /* a line of w */
 #if defined(__AVX512BF16__)
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + k),
-                                   (__m512bh)_mm512_loadu_si512(wn + k));
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + k);
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm512_dpbf16_ps(acc[m],
+                                          (__m512bh)_mm512_loadu_si512(x + m * xstride + k), wv);
 #else
             const __m512i p = wload(wn + k);
-            acc = vfma(vload(x + k), w_even(p), acc);
-            acc = vfma(vload(x + k + VW), w_odd(p), acc);
+            const vec we = w_even(p), wo = w_odd(p);
+            for (int m = 0; m < M; m++) {
+                acc[m] = vfma(vload(x + m * xstride + k), we, acc[m]);
+                acc[m] = vfma(vload(x + m * xstride + k + VW), wo, acc[m]);
+            }
 #endif
         }
-        y[n] = output(_mm512_reduce_add_ps(acc), bias, n);
+        for (int m = 0; m < M; m++) y[m * N + n] = output(_mm512_reduce_add_ps(acc[m]), bias, n);
+    }
+}
+
+static void few_rows(const bf16 *w, const bf16 *bias, const void *xv, int64_t xstride,
+                     int64_t M, int64_t K, int64_t from, int64_t to, bf16 *y, int64_t N) {
+    _Static_assert(MB == 4, "few_rows unrolls up to 4 rows");
+    switch (M) {
+    case 1: rows_of(w, bias, xv, xstride, 1, K, from, to, y, N); break;
+    case 2: rows_of(w, bias, xv, xstride, 2, K, from, to, y, N); break;
+    case 3: rows_of(w, bias, xv, xstride, 3, K, from, to, y, N); break;
+    default: rows_of(w, bias, xv, xstride, 4, K, from, to, y, N);
     }
 }
 #endif
@@ -343,8 +375,8 @@ static void group(const bf16 *w, const bf16 *bias, const void *x, int64_t xstrid
                   int64_t N, int64_t K, int64_t n0, bf16 *y) {
     int rows = N - n0 < R ? (int)(N - n0) : R;
 #if defined(__AVX512F__)
-    if (M == 1) {
-        one_row(w, bias, x, K, n0, n0 + rows, y);
+    if (M <= FEW_ROWS) {
+        few_rows(w, bias, x, xstride, M, K, n0, n0 + rows, y, N);
         return;
     }
 #endif
@@ -636,8 +668,8 @@ void vec_linear_team(const bf16 *x, int64_t xs, const bf16 *w, const bf16 *bias,
     runs r = runs_start(scratch, groups);
     for (int64_t lo, hi, previous = -1; runs_next(&r, &lo, &hi); previous = hi) {
 #if defined(__AVX512F__)
-        if (M == 1) { /* one stream of whole rows (see one_row) */
-            one_row(w, bias, xv, K, lo * size, hi * size < N ? hi * size : N, y);
+        if (M <= FEW_ROWS) { /* one stream of whole rows (see few_rows) */
+            few_rows(w, bias, xv, xstride, M, K, lo * size, hi * size < N ? hi * size : N, y, N);
             continue;
         }
 #endif
