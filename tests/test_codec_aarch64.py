@@ -51,27 +51,31 @@ def planes_file(coded) -> bytes:
     return b"".join(data)
 
 
-def test_planes_coded_here_decode_on_aarch64_bit_for_bit(tmp_path):
+def run_here_and_on_aarch64(driver: Path, data: bytes, tmp_path) -> tuple[bytes, bytes]:
+    """What a driver program (built with the codec's sources) writes for the input `data`: built
+    for this machine, and built for aarch64 and run under qemu-user."""
     gcc, cross, qemu = aarch64_tools()
-    x86, arm = tmp_path / "decode", tmp_path / "decode-aarch64"
+    here, arm = tmp_path / f"{driver.stem}-here", tmp_path / f"{driver.stem}-aarch64"
     builds = run_at_once(
         [
-            program_build(compiler, DRIVER, native._SOURCES, native.flags(), out, *extra)
-            for compiler, out, extra in ((gcc, x86, []), (cross, arm, ["-static"]))
+            program_build(compiler, driver, native._SOURCES, native.flags(), out, *extra)
+            for compiler, out, extra in ((gcc, here, []), (cross, arm, ["-static"]))
         ]
     )
     assert [b.returncode for b in builds] == [0, 0], b"".join(b.stderr for b in builds).decode()
-    coded = coded_tensors()
-    (tmp_path / "planes").write_bytes(planes_file(coded))
+    given, outs = tmp_path / "in", (tmp_path / "here.out", tmp_path / "arm.out")
+    given.write_bytes(data)
     runs = run_at_once(
-        [
-            [str(x86), str(tmp_path / "planes"), str(tmp_path / "x86.out")],
-            [qemu, str(arm), str(tmp_path / "planes"), str(tmp_path / "arm.out")],
-        ]
+        [[str(here), str(given), str(outs[0])], [qemu, str(arm), str(given), str(outs[1])]]
     )
     assert [r.returncode for r in runs] == [0, 0], b"".join(r.stderr for r in runs).decode()
-    arm_bytes = (tmp_path / "arm.out").read_bytes()
-    same = arm_bytes == (tmp_path / "x86.out").read_bytes()  # (no megabyte diffs on failure)
+    return outs[0].read_bytes(), outs[1].read_bytes()
+
+
+def test_planes_coded_here_decode_on_aarch64_bit_for_bit(tmp_path):
+    coded = coded_tensors()
+    ours, arm_bytes = run_here_and_on_aarch64(DRIVER, planes_file(coded), tmp_path)
+    same = arm_bytes == ours  # (no megabyte diffs on failure)
     assert same, "the aarch64 decoder's output differs from this machine's"
     at = 0
     for tensor, c in coded:
@@ -112,33 +116,17 @@ def encoder_output(encoded) -> bytes:
 
 
 def test_tensors_code_to_the_same_planes_on_aarch64(tmp_path):
-    gcc, cross, qemu = aarch64_tools()
-    x86, arm = tmp_path / "encode", tmp_path / "encode-aarch64"
-    builds = run_at_once(
-        [
-            program_build(compiler, ENCODER, native._SOURCES, native.flags(), out, *extra)
-            for compiler, out, extra in ((gcc, x86, []), (cross, arm, ["-static"]))
-        ]
-    )
-    assert [b.returncode for b in builds] == [0, 0], b"".join(b.stderr for b in builds).decode()
     g = torch.Generator().manual_seed(1)
     tensors = [t for t, _ in coded_tensors()] + [
         torch.randn(4096, generator=g).to(torch.bfloat16),  # 1-D: kept raw
         (torch.randn(96, 200, generator=g) * 3).to(torch.float16),
         torch.zeros(128, 64, dtype=torch.bfloat16),  # one symbol
     ]
-    (tmp_path / "tensors").write_bytes(encoder_input(tensors))
-    runs = run_at_once(
-        [
-            [str(x86), str(tmp_path / "tensors"), str(tmp_path / "x86.out")],
-            [qemu, str(arm), str(tmp_path / "tensors"), str(tmp_path / "arm.out")],
-        ]
-    )
-    assert [r.returncode for r in runs] == [0, 0], b"".join(r.stderr for r in runs).decode()
+    here, arm = run_here_and_on_aarch64(ENCODER, encoder_input(tensors), tmp_path)
     encoded = many.encode_batch(native.load(), [(f"t{i}", t) for i, t in enumerate(tensors)], 2)
     assert [e.planes is None for e in encoded] == [False] * 4 + [True, False, False]
     ours = encoder_output(encoded)
-    same = (tmp_path / "x86.out").read_bytes() == ours  # (no megabyte diffs on failure)
+    same = here == ours  # (no megabyte diffs on failure)
     assert same, "codec_encode.c here codes other planes than many.py"
-    same = (tmp_path / "arm.out").read_bytes() == ours
+    same = arm == ours
     assert same, "the aarch64 encoder codes other planes than this machine's"
