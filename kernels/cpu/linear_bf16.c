@@ -326,6 +326,7 @@ __attribute__((always_inline)) static inline void block(const bf16 *const w[R], 
 #else
 #define FEW_ROWS 1
 #endif
+/* few_rows for M rows of x, M a constant at each call site, so the loops unroll. */
 __attribute__((always_inline)) static inline void rows_of(const bf16 *w, const bf16 *bias,
                                                           const void *xv, int64_t xstride,
                                                           int M, int64_t K, int64_t from,
@@ -337,7 +338,7 @@ __attribute__((always_inline)) static inline void rows_of(const bf16 *w, const b
 #endif
     for (int64_t n = from; n < to; n++) {
         const bf16 *wn = w + n * K;
-        __m512 acc[MB];
+        __m512 acc[FEW_ROWS];
         for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) { /* a line of w */
 #if defined(__AVX512BF16__)
@@ -360,13 +361,13 @@ __attribute__((always_inline)) static inline void rows_of(const bf16 *w, const b
 
 static void few_rows(const bf16 *w, const bf16 *bias, const void *xv, int64_t xstride,
                      int64_t M, int64_t K, int64_t from, int64_t to, bf16 *y, int64_t N) {
-    _Static_assert(MB == 4, "few_rows unrolls up to 4 rows");
-    switch (M) {
-    case 1: rows_of(w, bias, xv, xstride, 1, K, from, to, y, N); break;
-    case 2: rows_of(w, bias, xv, xstride, 2, K, from, to, y, N); break;
-    case 3: rows_of(w, bias, xv, xstride, 3, K, from, to, y, N); break;
-    default: rows_of(w, bias, xv, xstride, 4, K, from, to, y, N);
-    }
+    _Static_assert(FEW_ROWS <= 3, "few_rows unrolls 1 to 3 rows");
+    if (FEW_ROWS == 1 || M == 1)
+        rows_of(w, bias, xv, xstride, 1, K, from, to, y, N);
+    else if (M == 2)
+        rows_of(w, bias, xv, xstride, 2, K, from, to, y, N);
+    else
+        rows_of(w, bias, xv, xstride, 3, K, from, to, y, N);
 }
 #endif
 
