@@ -1,9 +1,18 @@
 """Decode attention alone (the C kernel of kernels/cpu/attention.py's paged_attention, bfloat16,
 the ~150M Llama's 12 query / 4 KV heads of 64, pages of 16 tokens) beside the memory bandwidth
-measured in the same run. Each call reads its rows' pages from another random draw out of a pool
-far larger than the last-level cache, and a draw comes back only after 4x that cache has been
-read, as the engine's layers do (a step reads the weights between), so the K and V come from
-memory; the pool is on 2 MiB pages, as the `tison` command puts it. Two timings a case:
+measured in the same run. Each call reads its rows' pages from another draw of block tables out
+of a pool far larger than the last-level cache, and a draw comes back only after 4x that cache
+has been read, as the engine's layers do (a step reads the weights between), so the K and V come
+from memory; the pool is on 2 MiB pages, as the `tison` command puts it. Two layouts of the
+pages (--layouts):
+- engine: as the engine's scheduler lays them out (its PageAllocator and page rule): `batch`
+  requests admitted together with prompts of ctx - 64 tokens (a prompt's pages at once), then
+  64 tokens decoded in lockstep (a page a request as it fills), and when the pool runs low the
+  live requests finish in random order (their pages freed, handed out again last freed first);
+  a row reads runs of consecutive pages, the hardware prefetcher follows them;
+- random: each page of a draw a random one of the pool, a pool fragmented page by page (the
+  worst case; long-running servers with many short requests come closer to it).
+Two timings a case:
 - in a team: calls one after another in one OpenMP team (tk_attention_timed), as the fused
   decoder makes them, a layer's attention between its projections: the figure the target is
   read on;
@@ -16,7 +25,7 @@ is the in-team rate's share of it.
 Bandwidth and attention are measured in turn; a share is the median of the per-round ratios
 (the bandwidth of this shared machine drifts), with their spread.
 
-    python -m loadtest.bench_attention [--isa avx2] [--pairs 5] [--batches 1 32]
+    python -m loadtest.bench_attention [--isa avx2] [--pairs 5] [--batches 1 32] [--layouts random]
 """
 
 import argparse
@@ -31,10 +40,14 @@ from kernels.cpu import isa, library
 from kernels.cpu.attention import paged_attention
 from loadtest.bench_engine import memory_bandwidth_gbs, read_probes
 from shared.huge_pages import restart_with_huge_pages
+from shared.kv.allocator import PageAllocator
+from shared.kv.pages import pages_to_admit, pages_to_grow
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 12, 4, 64, 16
 POOL_BYTES = 512 << 20  # K and V of the pool: 16x this machine's 32 MiB L3
 CACHE_COVER = 4  # a case's block tables read this many times the last-level cache in all
+DECODED = 64  # the engine layout: tokens each request decodes after its prompt
+LAYOUTS = ("engine", "random")
 
 
 def last_level_cache_bytes() -> int:
@@ -62,22 +75,51 @@ def pool() -> torch.Tensor:
     return torch.randn(2, pages, PAGE_SIZE, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
 
 
-def tables(num_pages: int, batch: int, ctx: int, g: torch.Generator) -> list[torch.Tensor]:
-    """draws_for(batch, ctx) block tables (batch, ctx / S) int32, each of distinct random pages
-    of the pool (page 0 left out: the new tokens' K/V are written there)."""
+def tables(
+    num_pages: int, batch: int, ctx: int, g: torch.Generator, layout: str
+) -> list[torch.Tensor]:
+    """draws_for(batch, ctx) block tables (batch, ctx / S) int32 of distinct pages of the pool,
+    laid out as `layout` says (page 0 left out: the new tokens' K/V are written there)."""
     width = -(-ctx // PAGE_SIZE)
+    draws = draws_for(batch, ctx)
+    if layout == "engine":
+        return engine_tables(num_pages, batch, ctx, draws, g)
     return [
         (torch.randperm(num_pages - 1, generator=g)[: batch * width] + 1)
         .view(batch, width)
         .to(torch.int32)
-        for _ in range(draws_for(batch, ctx))
+        for _ in range(draws)
     ]
 
 
-def case_inputs(kv: torch.Tensor, batch: int, ctx: int) -> dict:
+def engine_tables(
+    num_pages: int, batch: int, ctx: int, draws: int, g: torch.Generator
+) -> list[torch.Tensor]:
+    """Block tables as the engine's scheduler lays out `draws` batches of `batch` requests in
+    turn: prompts of ctx - DECODED tokens admitted together, DECODED tokens decoded in lockstep;
+    when the pool cannot take another batch, the live requests finish in random order."""
+    allocator, width = PageAllocator(num_pages), -(-ctx // PAGE_SIZE)
+    allocator.allocate(1)  # page 0
+    prompt = max(1, ctx - DECODED)
+    live, out = [], []
+    for _ in range(draws):
+        if not allocator.can_allocate(batch * (width + 1)):
+            for i in torch.randperm(len(live), generator=g).tolist():
+                allocator.free(live[i])
+            live = []
+        rows = [allocator.allocate(pages_to_admit(prompt, PAGE_SIZE)) for _ in range(batch)]
+        for tokens in range(prompt + 2, ctx + 1):  # the prompt's pages hold its next token
+            for pages in rows:
+                pages += allocator.allocate(pages_to_grow(len(pages), tokens, PAGE_SIZE))
+        live += rows
+        out.append(torch.tensor([pages[:width] for pages in rows], dtype=torch.int32))
+    return out
+
+
+def case_inputs(kv: torch.Tensor, batch: int, ctx: int, layout: str) -> dict:
     """The block tables, q and context lengths of one case, and paged_attention's answer."""
     g = torch.Generator().manual_seed(batch * 100_000 + ctx)
-    draws = tables(kv.shape[1], batch, ctx, g)
+    draws = tables(kv.shape[1], batch, ctx, g, layout)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     k, v = torch.zeros(2, batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
@@ -154,11 +196,11 @@ def kv_bytes(batch: int, ctx: int) -> int:
     return 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2  # K and V, bfloat16
 
 
-def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int) -> dict:
+def run_case(kv: torch.Tensor, batch: int, ctx: int, pairs: int, layout: str) -> dict:
     """`pairs` rounds of (bandwidth, the pages alone, attention in a team, attention a call)
     measured in turn -> the figures of one table row: each rate's share of the bandwidth (or of
     the pages alone), the median of the rounds' ratios, the team's with their spread."""
-    case = case_inputs(kv, batch, ctx)
+    case = case_inputs(kv, batch, ctx, layout)
     draws = len(case["draws"])
     probe = call_seconds(kv, case, 0.1)  # calls enough for ~0.4 s, whole rounds of the draws
     calls = draws * max(1, round(0.4 / probe / draws)) + 1
@@ -188,6 +230,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5, help="bandwidth/attention pairs")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
     restart_with_huge_pages()  # the pool on 2 MiB pages, as in the engine
     if args.isa:  # read when the kernels load, at the first call
@@ -195,20 +238,22 @@ def main() -> None:
     kv = pool()
     library.usable(kv)  # loads the library now, at the tier asked for
     print(f"tier {library.built_tier().name}, {torch.get_num_threads()} threads")
-    print("         in a team (as the fused decoder)              one call       pages alone")
-    print(
-        "batch   ctx     us  KV GB/s  share (min-max)  of pages     us  share   GB/s  share"
-        "  stream GB/s"
-    )
-    for batch in args.batches:
-        for ctx in args.contexts:
-            r = run_case(kv, batch, ctx, args.pairs)
-            print(
-                f"{r['batch']:5d} {r['ctx']:5d} {r['team_us']:6.0f} {r['team_gbs']:8.1f}  "
-                f"{r['share']:5.0%} ({r['lo']:.0%}-{r['hi']:.0%})  {r['of_pages']:8.0%} "
-                f"{r['call_us']:6.0f}  {r['call_share']:5.0%}  {r['pages_gbs']:5.1f}  "
-                f"{r['pages_share']:5.0%}  {r['stream_gbs']:11.1f}"
-            )
+    for layout in args.layouts:
+        print(f"\npages laid out: {layout}")
+        print("         in a team (as the fused decoder)              one call       pages alone")
+        print(
+            "batch   ctx     us  KV GB/s  share (min-max)  of pages     us  share   GB/s  share"
+            "  stream GB/s"
+        )
+        for batch in args.batches:
+            for ctx in args.contexts:
+                r = run_case(kv, batch, ctx, args.pairs, layout)
+                print(
+                    f"{r['batch']:5d} {r['ctx']:5d} {r['team_us']:6.0f} {r['team_gbs']:8.1f}  "
+                    f"{r['share']:5.0%} ({r['lo']:.0%}-{r['hi']:.0%})  {r['of_pages']:8.0%} "
+                    f"{r['call_us']:6.0f}  {r['call_share']:5.0%}  {r['pages_gbs']:5.1f}  "
+                    f"{r['pages_share']:5.0%}  {r['stream_gbs']:11.1f}"
+                )
 
 
 if __name__ == "__main__":
