@@ -148,7 +148,10 @@ async def test_32_concurrent_streams_complete_with_usage(client, llm, tiny_llama
 async def test_an_idle_decode_worker_prefills_part_of_a_burst(client, llm, tiny_llama, cluster):
     """Conditional prefill: a burst of short prompts is split between the prefill worker and
     the idle decode worker (fewer KV bytes pushed than one request's times the burst), and
-    every output is the offline one."""
+    every output is the offline one. The router splits what reaches it within one heartbeat
+    interval of each worker (0.5 s) while the decode worker reports an empty batch; on a
+    loaded host a burst's requests can trickle in slower than that, so up to three bursts are
+    sent, and one must split."""
 
     async def pushed() -> int:
         return (await next_heartbeat(cluster.nats.url, "prefill")).kv_transfer_bytes
@@ -163,14 +166,20 @@ async def test_an_idle_decode_worker_prefills_part_of_a_burst(client, llm, tiny_
     await one(0)  # alone: both queues empty, the prefill worker computes it
     single = await pushed() - before
     assert single > 0
-    await wait_pages_free(cluster)
-    before = await pushed()
-    results = await asyncio.gather(*(one(i) for i in range(1, 7)))
-    assert await pushed() - before <= 5 * single  # some prompts never left the decoder
     expected = llm.generate(
         [f"Once upon a time {i}" for i in range(1, 7)], SamplingParams(temperature=0, max_tokens=6)
     )
-    assert [text for text, _, _ in results] == [e.text for e in expected]
+    burst_pushed = []
+    for _ in range(3):
+        await wait_pages_free(cluster)
+        before = await pushed()
+        results = await asyncio.gather(*(one(i) for i in range(1, 7)))
+        assert [text for text, _, _ in results] == [e.text for e in expected]
+        burst_pushed.append(await pushed() - before)
+        if burst_pushed[-1] <= 5 * single:  # some prompts never left the decoder
+            break
+    else:
+        pytest.fail(f"no burst split: {burst_pushed} bytes pushed, {single} for one prompt")
     await wait_pages_free(cluster)
 
 
