@@ -166,14 +166,15 @@ async def test_an_idle_decode_worker_prefills_part_of_a_burst(client, llm, tiny_
     await one(0)  # alone: both queues empty, the prefill worker computes it
     single = await pushed() - before
     assert single > 0
-    expected = llm.generate(
-        [f"Once upon a time {i}" for i in range(1, 7)], SamplingParams(temperature=0, max_tokens=6)
-    )
     burst_pushed = []
-    for _ in range(3):
+    for first in (1, 7, 13):  # new prompts each time: none of them cached on either worker
+        ids = range(first, first + 6)
         await wait_pages_free(cluster)
         before = await pushed()
-        results = await asyncio.gather(*(one(i) for i in range(1, 7)))
+        results = await asyncio.gather(*(one(i) for i in ids))
+        expected = llm.generate(
+            [f"Once upon a time {i}" for i in ids], SamplingParams(temperature=0, max_tokens=6)
+        )
         assert [text for text, _, _ in results] == [e.text for e in expected]
         burst_pushed.append(await pushed() - before)
         if burst_pushed[-1] <= 5 * single:  # some prompts never left the decoder
