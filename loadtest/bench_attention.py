@@ -80,10 +80,10 @@ def tables(
 ) -> list[torch.Tensor]:
     """draws_for(batch, ctx) block tables (batch, ctx / S) int32 of distinct pages of the pool,
     laid out as `layout` says (page 0 left out: the new tokens' K/V are written there)."""
-    width = -(-ctx // PAGE_SIZE)
     draws = draws_for(batch, ctx)
     if layout == "engine":
         return engine_tables(num_pages, batch, ctx, draws, g)
+    width = -(-ctx // PAGE_SIZE)
     return [
         (torch.randperm(num_pages - 1, generator=g)[: batch * width] + 1)
         .view(batch, width)
